@@ -1,0 +1,96 @@
+"""Multi-process test harness: fork-started gloo ranks with short timeouts.
+
+Each worker reports its own exception (with traceback) through a queue, so the failure shown is
+the rank that failed first, not a peer's "connection closed".
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import socket
+import traceback
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker(rank, world_size, port, fn, args, queue, timeout):
+    try:
+        torch.set_num_threads(1)
+        dist.init_process_group(
+            "gloo",
+            init_method=f"tcp://127.0.0.1:{port}",
+            rank=rank,
+            world_size=world_size,
+            timeout=datetime.timedelta(seconds=timeout),
+        )
+        result = fn(rank, world_size, *args)
+        queue.put((rank, "ok", result))
+    except BaseException as e:  # report every rank's own failure
+        queue.put((rank, "error", f"{type(e).__name__}: {e}\n{traceback.format_exc()}"))
+    finally:
+        try:
+            if dist.is_initialized():
+                dist.destroy_process_group()
+        except Exception:
+            pass
+        os._exit(0)
+
+
+def run_workers(fn, world_size: int, *args, timeout: float = 30.0):
+    """Run ``fn(rank, world_size, *args)`` on ``world_size`` fork-started gloo ranks.
+
+    Returns the list of per-rank return values (must be picklable). Raises AssertionError with
+    the first failing rank's own traceback (errors from the rank that failed first are listed
+    before peers' follow-on errors such as connection closed).
+    """
+    ctx = mp.get_context("fork")
+    queue = ctx.SimpleQueue()
+    port = free_port()
+    procs = [
+        ctx.Process(target=_worker, args=(r, world_size, port, fn, args, queue, timeout), daemon=True)
+        for r in range(world_size)
+    ]
+    for p in procs:
+        p.start()
+    results, errors = {}, []
+    deadline = timeout * 2 + 10
+    import time
+
+    start = time.monotonic()
+    got = 0
+    while got < world_size:
+        if time.monotonic() - start > deadline:
+            for p in procs:
+                p.kill()
+            raise AssertionError(f"workers did not finish within {deadline:.0f}s; got {got}/{world_size}")
+        if queue.empty():
+            if not any(p.is_alive() for p in procs) and queue.empty():
+                break
+            time.sleep(0.005)
+            continue
+        rank, status, payload = queue.get()
+        got += 1
+        if status == "ok":
+            results[rank] = payload
+        else:
+            errors.append((rank, payload))
+    for p in procs:
+        p.join(timeout=5)
+        if p.is_alive():
+            p.kill()
+    if errors:
+        first_rank, first = errors[0]
+        others = "".join(f"\n--- rank {r} ---\n{e}" for r, e in errors[1:])
+        raise AssertionError(f"rank {first_rank} failed:\n{first}{others}")
+    if len(results) != world_size:
+        raise AssertionError(f"only ranks {sorted(results)} reported; {world_size} expected")
+    return [results[r] for r in range(world_size)]

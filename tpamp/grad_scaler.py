@@ -1,0 +1,299 @@
+"""Loss scalers with Megatron-LM semantics (megatron/core/optimizer/grad_scaler.py).
+
+A loss scale is a multiplier applied to the loss before backward so that small fp16 gradients
+do not flush to zero; the optimizer wrapper multiplies gradients by ``inv_scale`` before use.
+
+Usage::
+
+    scaler = tpamp.DynamicGradScaler(initial_scale=2.0**16)
+    opt = tpamp.MixedPrecisionOptimizer(torch.optim.AdamW(model.parameters()), grad_scaler=scaler)
+    opt.scale_loss(loss).backward(); opt.step(); opt.zero_grad()
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+import warnings
+from typing import Optional, Union
+
+import torch
+
+from tpamp import ops
+
+__all__ = [
+    "MegatronGradScaler",
+    "ConstantGradScaler",
+    "DynamicGradScaler",
+    "LossScaleUnderflowError",
+]
+
+
+class LossScaleUnderflowError(RuntimeError):
+    """Raised by a DynamicGradScaler with raise_at_min_scale=True when a step overflows while the
+    loss scale is already at min_scale: training cannot make progress by backing off further."""
+
+
+def _check_number(name: str, value, *, allow_none: bool = False) -> Optional[float]:
+    if value is None and allow_none:
+        return None
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise ValueError(f"{name} must be a real number, got {value!r}")
+    value = float(value)
+    if not math.isfinite(value):
+        raise ValueError(f"{name} must be finite, got {value!r}")
+    return value
+
+
+def _check_int(name: str, value, minimum: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < minimum:
+        raise ValueError(f"{name} must be an int >= {minimum}, got {value!r}")
+    return int(value)
+
+
+class MegatronGradScaler:
+    """Base class: a loss scale held as a 1-element float32 tensor on ``device``.
+
+    ``scale`` is the multiplier (float32 tensor, shape [1]); ``inv_scale`` is its reciprocal
+    computed in float64 and rounded to float32 (as Megatron-LM does).
+    """
+
+    def __init__(self, initial_scale: float, device: Optional[Union[str, torch.device]] = None):
+        initial_scale = _check_number("initial_scale", initial_scale)
+        if initial_scale <= 0:
+            raise ValueError(f"initial_scale must be > 0, got {initial_scale}")
+        self._device = torch.device(device) if device is not None else _default_device()
+        self._scale = torch.tensor([initial_scale], dtype=torch.float32, device=self._device)
+
+    @property
+    def device(self) -> torch.device:
+        return self._device
+
+    @property
+    def scale(self) -> torch.Tensor:
+        return self._scale
+
+    @property
+    def inv_scale(self) -> torch.Tensor:
+        return self._scale.double().reciprocal().float()
+
+    def to(self, device: Union[str, torch.device]) -> "MegatronGradScaler":
+        """Move the scaler's tensors to ``device`` (in place); returns self."""
+        self._device = torch.device(device)
+        for name, value in list(vars(self).items()):
+            if isinstance(value, torch.Tensor):
+                setattr(self, name, value.to(self._device))
+        return self
+
+    def update(self, found_inf) -> None:
+        raise NotImplementedError
+
+    def _overflow_at_min_scale(self) -> Optional[torch.Tensor]:
+        """Device bool tensor: the last update saw an overflow at min_scale (None: not tracked)."""
+        return None
+
+    def _report_overflow_at_min_scale(self) -> None:
+        """Called by the optimizer after it read the flag above on the host."""
+
+    def state_dict(self) -> dict:
+        raise NotImplementedError
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        raise NotImplementedError
+
+
+def _default_device() -> torch.device:
+    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+
+
+class ConstantGradScaler(MegatronGradScaler):
+    """A fixed loss scale (Megatron-LM's ConstantGradScaler).
+
+    ``update`` does nothing; the optimizer still checks found_inf and skips overflowing steps.
+    state_dict: ``{'tpamp_constant_scale': float}``; Megatron's empty dict loads as a no-op.
+    """
+
+    def __init__(self, scale: float, device: Optional[Union[str, torch.device]] = None):
+        super().__init__(scale, device)
+
+    def update(self, found_inf) -> None:
+        _validate_found_inf(found_inf)
+
+    def state_dict(self) -> dict:
+        return {"tpamp_constant_scale": float(self._scale.item())}
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        if not isinstance(state_dict, dict):
+            raise TypeError(f"state_dict must be a dict, got {type(state_dict).__name__}")
+        unknown = set(state_dict) - {"tpamp_constant_scale"}
+        if unknown:
+            raise KeyError(f"unexpected keys in ConstantGradScaler state_dict: {sorted(unknown)}")
+        if "tpamp_constant_scale" in state_dict:
+            self._scale.fill_(float(state_dict["tpamp_constant_scale"]))
+
+
+def _validate_found_inf(found_inf):
+    if isinstance(found_inf, bool):
+        return
+    if isinstance(found_inf, torch.Tensor):
+        if found_inf.numel() != 1:
+            raise ValueError(f"found_inf must have one element, got shape {tuple(found_inf.shape)}")
+        return
+    raise TypeError(f"found_inf must be a bool or a 1-element tensor, got {type(found_inf).__name__}")
+
+
+class DynamicGradScaler(MegatronGradScaler):
+    """Dynamic loss scale with hysteresis and a minimum (Megatron-LM's DynamicGradScaler).
+
+    State: ``scale`` (float32 [1] on ``device``), ``growth_tracker`` (clean steps since the last
+    overflow or growth), ``hysteresis_tracker`` (overflows left before a back-off), starting at
+    0 and ``hysteresis``. ``update(found_inf)``:
+
+    * overflow: growth_tracker = 0; hysteresis_tracker -= 1 (it may go below 0); if
+      hysteresis_tracker <= 0: scale = max(scale * backoff_factor, min_scale).
+    * clean step: growth_tracker += 1; when it reaches growth_interval: growth_tracker = 0,
+      hysteresis_tracker = hysteresis, scale *= growth_factor (clamped to max_scale if given).
+      Hysteresis is refilled only when the scale grows, unless consecutive_hysteresis=True
+      (DeepSpeed's option), where every clean step refills it.
+    * an overflow while scale == min_scale keeps skipping and warns once (Megatron), or raises
+      :class:`LossScaleUnderflowError` with raise_at_min_scale=True. Both happen where the
+      optimizer step already reads found_inf on the host, never as an extra sync.
+
+    Worked trace (hysteresis=2, growth_interval=3, initial 8, min 1): inf -> 8; inf -> 4;
+    inf -> 2; ok, ok -> 2; inf -> 1; ok x3 -> 2.
+
+    ``update`` takes a Python bool or a 1-element tensor; a tensor is never read on the host:
+    the update runs on the scaler's device (a CUDA kernel when tpamp._C is built).
+
+    Raises ValueError (naming the value) unless initial_scale > 0, 0 < min_scale <=
+    initial_scale, growth_factor > 1, 0 < backoff_factor < 1, growth_interval >= 1,
+    hysteresis >= 1, max_scale None or >= initial_scale, all finite.
+    """
+
+    def __init__(
+        self,
+        initial_scale: float = 2.0**32,
+        min_scale: float = 1.0,
+        growth_factor: float = 2.0,
+        backoff_factor: float = 0.5,
+        growth_interval: int = 1000,
+        hysteresis: int = 2,
+        *,
+        max_scale: Optional[float] = None,
+        consecutive_hysteresis: bool = False,
+        raise_at_min_scale: bool = False,
+        device: Optional[Union[str, torch.device]] = None,
+    ):
+        initial = _check_number("initial_scale", initial_scale)
+        min_scale = _check_number("min_scale", min_scale)
+        growth_factor = _check_number("growth_factor", growth_factor)
+        backoff_factor = _check_number("backoff_factor", backoff_factor)
+        max_scale = _check_number("max_scale", max_scale, allow_none=True)
+        if initial <= 0:
+            raise ValueError(f"initial_scale must be > 0, got {initial_scale}")
+        if not 0 < min_scale <= initial:
+            raise ValueError(
+                f"min_scale must satisfy 0 < min_scale <= initial_scale ({initial}), got {min_scale}"
+            )
+        if growth_factor <= 1:
+            raise ValueError(f"growth_factor must be > 1, got {growth_factor}")
+        if not 0 < backoff_factor < 1:
+            raise ValueError(f"backoff_factor must satisfy 0 < backoff_factor < 1, got {backoff_factor}")
+        growth_interval = _check_int("growth_interval", growth_interval, 1)
+        hysteresis = _check_int("hysteresis", hysteresis, 1)
+        if max_scale is not None and max_scale < initial:
+            raise ValueError(f"max_scale must be None or >= initial_scale ({initial}), got {max_scale}")
+        super().__init__(initial, device)
+        self.min_scale = min_scale
+        self.growth_factor = growth_factor
+        self.backoff_factor = backoff_factor
+        self.growth_interval = growth_interval
+        self.hysteresis = hysteresis
+        self.max_scale = max_scale
+        self.consecutive_hysteresis = bool(consecutive_hysteresis)
+        self.raise_at_min_scale = bool(raise_at_min_scale)
+        self._growth_tracker_t = torch.zeros(1, dtype=torch.int32, device=self._device)
+        self._hysteresis_tracker_t = torch.full((1,), hysteresis, dtype=torch.int32, device=self._device)
+        self._overflow_at_min = torch.zeros(1, dtype=torch.bool, device=self._device)
+        self._warned_min_scale = False
+
+    @property
+    def growth_tracker(self) -> int:
+        """Clean steps since the last overflow or growth (reads the device: not for a step)."""
+        return int(self._growth_tracker_t.item())
+
+    @property
+    def hysteresis_tracker(self) -> int:
+        """Overflows left before the next back-off (reads the device: not for a step)."""
+        return int(self._hysteresis_tracker_t.item())
+
+    def update(self, found_inf: Union[bool, torch.Tensor]) -> None:
+        """Advance the state machine by one step (see the class docstring).
+
+        found_inf: Python bool, or a 1-element tensor (any float/bool dtype, nonzero = overflow)
+        on any device; a tensor is moved to the scaler's device and never read on the host.
+        """
+        _validate_found_inf(found_inf)
+        if isinstance(found_inf, bool):
+            flag = torch.tensor([found_inf], dtype=torch.float32, device=self._device)
+        else:
+            flag = found_inf.detach().reshape(1).to(device=self._device, dtype=torch.float32)
+        # remembered so the optimizer can report a stall where it already syncs
+        torch.logical_and(flag != 0, self._scale <= self.min_scale, out=self._overflow_at_min)
+        ops.dynamic_scaler_update_(
+            self._scale,
+            self._growth_tracker_t,
+            self._hysteresis_tracker_t,
+            flag,
+            growth_factor=self.growth_factor,
+            backoff_factor=self.backoff_factor,
+            growth_interval=self.growth_interval,
+            hysteresis=self.hysteresis,
+            min_scale=self.min_scale,
+            max_scale=self.max_scale,
+            consecutive_hysteresis=self.consecutive_hysteresis,
+        )
+        if isinstance(found_inf, bool) and found_inf and bool(self._overflow_at_min.item()):
+            self._report_overflow_at_min_scale()
+
+    def _overflow_at_min_scale(self) -> Optional[torch.Tensor]:
+        return self._overflow_at_min
+
+    def _report_overflow_at_min_scale(self) -> None:
+        msg = (
+            f"gradient overflow while the loss scale is at min_scale={self.min_scale}: the step "
+            "is skipped and the scale cannot back off further"
+        )
+        if self.raise_at_min_scale:
+            raise LossScaleUnderflowError(msg)
+        if not self._warned_min_scale:
+            self._warned_min_scale = True
+            warnings.warn(msg + " (reported once; training may be stalled)", RuntimeWarning, stacklevel=3)
+
+    def state_dict(self) -> dict:
+        """Megatron's keys: 'scale' (1-element float32 CPU tensor), 'growth_tracker' and
+        'hysteresis_tracker' (ints). Reads the device (a checkpoint-time sync)."""
+        return {
+            "scale": self._scale.detach().cpu().clone(),
+            "growth_tracker": self.growth_tracker,
+            "hysteresis_tracker": self.hysteresis_tracker,
+        }
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        """Load a dict from :meth:`state_dict` or from Megatron-LM's DynamicGradScaler (scale as
+        a 1-element tensor on any device, moved to this scaler's device)."""
+        if not isinstance(state_dict, dict):
+            raise TypeError(f"state_dict must be a dict, got {type(state_dict).__name__}")
+        missing = {"scale", "growth_tracker", "hysteresis_tracker"} - set(state_dict)
+        if missing:
+            raise KeyError(f"DynamicGradScaler state_dict is missing {sorted(missing)}")
+        scale = state_dict["scale"]
+        scale = torch.as_tensor(scale, dtype=torch.float32)
+        if scale.numel() != 1:
+            raise ValueError(f"state_dict['scale'] must have one element, got shape {tuple(scale.shape)}")
+        value = float(scale.reshape(()).item())
+        if not (math.isfinite(value) and value > 0):
+            raise ValueError(f"state_dict['scale'] must be finite and > 0, got {value}")
+        self._scale.copy_(scale.reshape(1).to(self._device))
+        self._growth_tracker_t.fill_(int(state_dict["growth_tracker"]))
+        self._hysteresis_tracker_t.fill_(int(state_dict["hysteresis_tracker"]))

@@ -1,0 +1,309 @@
+"""Kernel dispatch: the only caller of multi-tensor ops in tpamp.
+
+Each op here has a pure-PyTorch implementation (``torch._foreach_*`` and the amp ops) that runs
+on any device; on CUDA tensors the fused kernels of the extension ``tpamp._C`` (csrc/, registered
+as ``torch.ops.tpamp.*``) are used instead when it is built. Both paths give the same results:
+norms to fp32 rounding, flags and counts exactly. Contracts: SPEC.md section 4.
+
+Every op takes plain (local) tensors: callers pass ``DTensor.to_local()`` views. Scalars that
+depend on device results (loss scale, clip coefficient) are 1-element float32 tensors on the
+tensors' device, and no op reads a device value on the host.
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+from typing import List, NamedTuple, Optional, Sequence
+
+import torch
+
+__all__ = [
+    "GradStats",
+    "grad_stats",
+    "scale_and_copy",
+    "dynamic_scaler_update_",
+    "extension_available",
+]
+
+Tensor = torch.Tensor
+_FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+_ext = None
+_ext_error: Optional[str] = None
+
+
+def _load_extension():
+    """Import tpamp._C once; an extension that fails to load (built for another torch, say)
+    is ignored with a warning and the PyTorch path is used."""
+    global _ext, _ext_error
+    if _ext is not None or _ext_error is not None:
+        return _ext
+    try:
+        from tpamp import _C  # noqa: F401  (registers torch.ops.tpamp.*)
+
+        _ext = torch.ops.tpamp
+    except ImportError as e:
+        _ext_error = str(e)
+        if "No module named" not in _ext_error:
+            warnings.warn(
+                f"tpamp._C could not be loaded ({_ext_error}); using the PyTorch fallback. "
+                "Rebuild tpamp against the installed torch to use the fused CUDA kernels.",
+                RuntimeWarning,
+                stacklevel=3,
+            )
+    except Exception as e:  # e.g. undefined symbols from a different torch ABI
+        _ext_error = str(e)
+        warnings.warn(
+            f"tpamp._C could not be loaded ({_ext_error}); using the PyTorch fallback.",
+            RuntimeWarning,
+            stacklevel=3,
+        )
+    return _ext
+
+
+def extension_available() -> bool:
+    """True when the CUDA extension tpamp._C is built and loads with this torch."""
+    return _load_extension() is not None
+
+
+_force_fallback = False
+
+
+def _use_ext(tensors: Sequence[Tensor]) -> bool:
+    if _force_fallback or not tensors:
+        return False
+    if not tensors[0].is_cuda:
+        return False
+    return _load_extension() is not None and hasattr(_ext, "grad_stats")
+
+
+class GradStats(NamedTuple):
+    """Local (not yet reduced) statistics of one pass over a list of gradients.
+
+    found_inf: float32, shape [1], 1.0 if any element of any tensor (masked or not) is inf/nan.
+    norm_stat: float32 0-dim, sum of |g|^p over the masked-in tensors for finite p, max |g| for
+        p = inf; None when no norm was asked for. Not rooted: the caller reduces over ranks and
+        then takes the p-th root.
+    num_zeros: int64 0-dim count of zero elements in the masked-in tensors, or None.
+    per_tensor_norms: float32 [len(grads)] p-norm of each tensor (mask ignored), or None.
+    """
+
+    found_inf: Tensor
+    norm_stat: Optional[Tensor]
+    num_zeros: Optional[Tensor]
+    per_tensor_norms: Optional[Tensor]
+
+
+def _check_list(name: str, tensors: Sequence[Tensor]) -> None:
+    for i, t in enumerate(tensors):
+        if not isinstance(t, Tensor):
+            raise TypeError(f"{name}[{i}] must be a Tensor, got {type(t).__name__}")
+        if t.dtype not in _FLOAT_DTYPES:
+            raise TypeError(
+                f"{name}[{i}] has dtype {t.dtype}; expected one of float32, float16, bfloat16"
+            )
+
+
+def grad_stats(
+    grads: Sequence[Tensor],
+    *,
+    out: Optional[Sequence[Tensor]] = None,
+    scale: Optional[Tensor] = None,
+    norm_mask: Optional[Sequence[bool]] = None,
+    norm_type: Optional[float] = None,
+    count_zeros: bool = False,
+    per_tensor_norms: bool = False,
+    device: Optional[torch.device] = None,
+) -> GradStats:
+    """One pass over ``grads``: optional multiply by ``scale``, found_inf, norm statistic, zeros.
+
+    Args:
+        grads: tensors of float32/float16/bfloat16, any shapes (empty allowed), one device.
+        out: None to multiply in place, or float32 tensors of the same shapes that receive
+            ``float32(grads[i]) * scale`` (the fp16/bf16 -> fp32 main-grad copy in the same pass).
+            Statistics are taken on the values written.
+        scale: None (no multiply) or a 1-element float32 tensor on the grads' device, e.g. the
+            inverse loss scale.
+        norm_mask: per tensor, True if it counts toward the norm and zeros (default: all).
+            found_inf always counts every tensor.
+        norm_type: None for no norm, else p >= 1 or ``math.inf``.
+        count_zeros: also count zero elements of the masked-in tensors (exact, int64).
+        per_tensor_norms: also return each tensor's p-norm (p = norm_type, 2 if None).
+        device: where results live when ``grads`` is empty (default CPU).
+
+    Returns:
+        :class:`GradStats`, all on the grads' device; nothing is read on the host.
+    """
+    grads = list(grads)
+    _check_list("grads", grads)
+    if out is not None:
+        out = list(out)
+        if len(out) != len(grads):
+            raise ValueError(f"out has {len(out)} tensors, grads has {len(grads)}")
+        for i, (o, g) in enumerate(zip(out, grads)):
+            if o.dtype != torch.float32 or o.shape != g.shape:
+                raise ValueError(
+                    f"out[{i}] must be float32 of shape {tuple(g.shape)}, "
+                    f"got {o.dtype} {tuple(o.shape)}"
+                )
+    if norm_mask is not None:
+        norm_mask = [bool(m) for m in norm_mask]
+        if len(norm_mask) != len(grads):
+            raise ValueError(f"norm_mask has {len(norm_mask)} entries, grads has {len(grads)}")
+    if norm_type is not None:
+        norm_type = float(norm_type)
+        if not (norm_type >= 1.0):
+            raise ValueError(f"norm_type must be >= 1 or inf, got {norm_type}")
+    if grads:
+        device = grads[0].device
+    elif device is None:
+        device = torch.device("cpu")
+    if scale is not None and (scale.numel() != 1 or scale.dtype != torch.float32):
+        raise ValueError(
+            f"scale must be a 1-element float32 tensor, got {scale.dtype} of shape "
+            f"{tuple(scale.shape)}"
+        )
+
+    if _use_ext(grads) and (norm_type in (None, 2.0, math.inf)):
+        return _grad_stats_ext(grads, out, scale, norm_mask, norm_type, count_zeros, per_tensor_norms)
+    return _grad_stats_torch(
+        grads, out, scale, norm_mask, norm_type, count_zeros, per_tensor_norms, device
+    )
+
+
+def _grad_stats_torch(grads, out, scale, norm_mask, norm_type, count_zeros, per_tensor, device):
+    found_inf = torch.zeros(1, dtype=torch.float32, device=device)
+    if out is not None:
+        if grads:
+            torch._foreach_copy_(out, grads)
+        targets = out
+    else:
+        targets = grads
+    if targets:
+        inv = scale if scale is not None else torch.ones(1, dtype=torch.float32, device=device)
+        # Checks every element for inf/nan and multiplies by inv (a no-op multiply when 1.0).
+        by_dtype = {}
+        for t in targets:
+            by_dtype.setdefault(t.dtype, []).append(t)
+        for ts in by_dtype.values():
+            torch._amp_foreach_non_finite_check_and_unscale_(ts, found_inf, inv.reshape(1))
+
+    counted = targets if norm_mask is None else [t for t, m in zip(targets, norm_mask) if m]
+    norm_stat = None
+    if norm_type is not None:
+        if counted:
+            norms = torch._foreach_norm(counted, norm_type, dtype=torch.float32)
+            stacked = torch.stack(norms)
+            if norm_type == math.inf:
+                norm_stat = stacked.max()
+            else:
+                norm_stat = (stacked.double() ** norm_type).sum().float()
+        else:
+            norm_stat = torch.zeros((), dtype=torch.float32, device=device)
+    num_zeros = None
+    if count_zeros:
+        num_zeros = torch.zeros((), dtype=torch.int64, device=device)
+        for t in counted:
+            num_zeros += t.numel() - torch.count_nonzero(t)
+    pt = None
+    if per_tensor:
+        p = 2.0 if norm_type is None else norm_type
+        if targets:
+            pt = torch.stack(torch._foreach_norm(targets, p, dtype=torch.float32))
+        else:
+            pt = torch.zeros(0, dtype=torch.float32, device=device)
+    return GradStats(found_inf, norm_stat, num_zeros, pt)
+
+
+def _grad_stats_ext(grads, out, scale, norm_mask, norm_type, count_zeros, per_tensor):
+    # Contract of torch.ops.tpamp.grad_stats (csrc/): see SPEC.md section 4. Returns
+    # (found_inf [1] f32, sumsq [] f32, amax [] f32, zeros [] i64, per_tensor [n] f32).
+    mask = [True] * len(grads) if norm_mask is None else norm_mask
+    found_inf, sumsq, amax, zeros, pt = _ext.grad_stats(
+        grads, out if out is not None else [], scale, mask, bool(count_zeros), bool(per_tensor)
+    )
+    norm_stat = None
+    if norm_type is not None:
+        norm_stat = amax if norm_type == math.inf else sumsq
+    if per_tensor and norm_type == math.inf:
+        # The kernel reports per-tensor L2 norms only; the inf case is rare enough to recompute.
+        pt = torch.stack(torch._foreach_norm(out if out is not None else grads, math.inf, dtype=torch.float32))
+    return GradStats(found_inf, norm_stat, zeros if count_zeros else None, pt if per_tensor else None)
+
+
+def scale_and_copy(
+    srcs: Sequence[Tensor], dsts: Sequence[Tensor], scale: Optional[Tensor] = None
+) -> None:
+    """``dsts[i] = cast(srcs[i] * scale)`` for every i, in one pass.
+
+    srcs and dsts: same shapes, float32/float16/bfloat16 (casts either way). Pass the same list
+    twice to scale in place (the clip); pass ``scale=None`` for a plain cast-copy (fp32 main
+    params -> fp16/bf16 model params). scale: 1-element float32 tensor on the tensors' device.
+    """
+    srcs, dsts = list(srcs), list(dsts)
+    if len(srcs) != len(dsts):
+        raise ValueError(f"srcs has {len(srcs)} tensors, dsts has {len(dsts)}")
+    if not srcs:
+        return
+    _check_list("srcs", srcs)
+    _check_list("dsts", dsts)
+    if _use_ext(srcs) and hasattr(_ext, "scale_and_copy"):
+        _ext.scale_and_copy(srcs, dsts, scale)
+        return
+    in_place = all(s is d for s, d in zip(srcs, dsts))
+    if scale is None:
+        if not in_place:
+            torch._foreach_copy_(dsts, srcs)
+        return
+    if in_place:
+        torch._foreach_mul_(dsts, scale.reshape(()))
+    else:
+        torch._foreach_copy_(dsts, torch._foreach_mul(srcs, scale.reshape(())))
+
+
+def dynamic_scaler_update_(
+    scale: Tensor,
+    growth_tracker: Tensor,
+    hysteresis_tracker: Tensor,
+    found_inf: Tensor,
+    *,
+    growth_factor: float,
+    backoff_factor: float,
+    growth_interval: int,
+    hysteresis: int,
+    min_scale: float,
+    max_scale: Optional[float],
+    consecutive_hysteresis: bool,
+) -> None:
+    """Megatron-LM's DynamicGradScaler.update on the device, in place (SPEC.md section 1).
+
+    scale: float32 [1]; growth_tracker, hysteresis_tracker: int32 [1]; found_inf: any float or
+    bool tensor with one element (nonzero means overflow). All on one device; no host read.
+    """
+    if scale.is_cuda and _load_extension() is not None and hasattr(_ext, "dynamic_scaler_update_") and not _force_fallback:
+        _ext.dynamic_scaler_update_(
+            scale, growth_tracker, hysteresis_tracker, found_inf.reshape(1).to(torch.float32),
+            float(growth_factor), float(backoff_factor), int(growth_interval), int(hysteresis),
+            float(min_scale), float(max_scale) if max_scale is not None else math.inf,
+            bool(consecutive_hysteresis),
+        )
+        return
+    inf = found_inf.reshape(1).to(device=scale.device) != 0
+    # overflow: reset growth, spend hysteresis, back off once it is spent (floor at min_scale)
+    hyst_after_inf = hysteresis_tracker - 1
+    backoff = inf & (hyst_after_inf <= 0)
+    # clean step: count towards growth; grow (and refill hysteresis) at the interval
+    growth_after_ok = growth_tracker + 1
+    grow = (~inf) & (growth_after_ok == growth_interval)
+    hyst_after_ok = torch.full_like(hysteresis_tracker, hysteresis) if consecutive_hysteresis else hysteresis_tracker
+    new_growth = torch.where(inf | grow, torch.zeros_like(growth_tracker), growth_after_ok)
+    new_hyst = torch.where(inf, hyst_after_inf, torch.where(grow, torch.full_like(hysteresis_tracker, hysteresis), hyst_after_ok))
+    backed = torch.clamp(scale * backoff_factor, min=min_scale)
+    grown = scale * growth_factor
+    if max_scale is not None:
+        grown = torch.clamp(grown, max=max_scale)
+    new_scale = torch.where(backoff, backed, torch.where(grow, grown, scale))
+    scale.copy_(new_scale)
+    growth_tracker.copy_(new_growth)
+    hysteresis_tracker.copy_(new_hyst)

@@ -1,0 +1,212 @@
+"""The TP x PP x DP layout: one place that builds and hands out process groups.
+
+Rank order follows Megatron-LM's ``parallel_state``: tensor-parallel (TP) ranks vary fastest,
+then data-parallel (DP), then pipeline-parallel (PP)::
+
+    rank = pp_rank * (dp * tp) + dp_rank * tp + tp_rank
+
+The layout is held as a :class:`torch.distributed.device_mesh.DeviceMesh` of shape
+``(pp, dp, tp)`` with dim names ``("pp", "dp", "tp")``. From it come the TP, PP and DP groups,
+the model-parallel group (TP x PP: the ranks that share one DP index, the default grad-stats
+group of :class:`tpamp.MixedPrecisionOptimizer`) and the embedding group (first and last PP
+stage, for tied word embeddings as in Megatron-LM).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+__all__ = ["ParallelDims", "ParallelState", "initialize_model_parallel"]
+
+_DIM_NAMES = ("pp", "dp", "tp")
+
+
+@dataclass(frozen=True)
+class ParallelDims:
+    """Sizes of the tensor-, pipeline- and data-parallel dimensions.
+
+    ``dp=None`` means "whatever is left": ``world_size // (tp * pp)``. Raises ValueError, naming
+    the numbers, when a size is not a positive int or the sizes do not multiply to world_size.
+    """
+
+    tp: int = 1
+    pp: int = 1
+    dp: Optional[int] = None
+    world_size: int = 1
+
+    def __post_init__(self):
+        for name in ("tp", "pp", "world_size"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                raise ValueError(f"{name} must be a positive int, got {v!r}")
+        if self.dp is None:
+            if self.world_size % (self.tp * self.pp) != 0:
+                raise ValueError(
+                    f"world_size {self.world_size} is not divisible by tp * pp = "
+                    f"{self.tp} * {self.pp} = {self.tp * self.pp}"
+                )
+            object.__setattr__(self, "dp", self.world_size // (self.tp * self.pp))
+        elif not isinstance(self.dp, int) or isinstance(self.dp, bool) or self.dp < 1:
+            raise ValueError(f"dp must be a positive int or None, got {self.dp!r}")
+        if self.tp * self.pp * self.dp != self.world_size:
+            raise ValueError(
+                f"tp * pp * dp = {self.tp} * {self.pp} * {self.dp} = "
+                f"{self.tp * self.pp * self.dp} does not equal world_size {self.world_size}"
+            )
+
+    def coords(self, rank: int) -> tuple[int, int, int]:
+        """(pp_rank, dp_rank, tp_rank) of a global rank in Megatron order."""
+        if not 0 <= rank < self.world_size:
+            raise ValueError(f"rank {rank} is outside [0, {self.world_size})")
+        tp_rank = rank % self.tp
+        dp_rank = (rank // self.tp) % self.dp
+        pp_rank = rank // (self.tp * self.dp)
+        return pp_rank, dp_rank, tp_rank
+
+    def rank_of(self, pp_rank: int, dp_rank: int, tp_rank: int) -> int:
+        return pp_rank * self.dp * self.tp + dp_rank * self.tp + tp_rank
+
+
+@dataclass
+class ParallelState:
+    """Process groups of one rank in a TP x PP x DP layout (see the module docstring).
+
+    Attributes: ``dims`` (:class:`ParallelDims`), ``mesh`` (3-D DeviceMesh ``(pp, dp, tp)``),
+    ``tp_mesh`` (the 1-D TP sub-mesh, for ``torch.distributed.tensor.parallel``), the groups
+    ``tp_group``, ``pp_group``, ``dp_group``, ``model_parallel_group`` (TP x PP) and
+    ``embedding_group`` (first and last PP stage of this rank's TP and DP index; None when
+    pp == 1), and this rank's ``tp_rank``, ``pp_rank``, ``dp_rank``.
+    """
+
+    dims: ParallelDims
+    mesh: DeviceMesh
+    tp_group: dist.ProcessGroup
+    pp_group: dist.ProcessGroup
+    dp_group: dist.ProcessGroup
+    model_parallel_group: dist.ProcessGroup
+    embedding_group: Optional[dist.ProcessGroup]
+    rank: int
+    _pp_ranks: list = field(default_factory=list)
+
+    @property
+    def tp_mesh(self) -> DeviceMesh:
+        return self.mesh["tp"]
+
+    @property
+    def pp_rank(self) -> int:
+        return self.dims.coords(self.rank)[0]
+
+    @property
+    def dp_rank(self) -> int:
+        return self.dims.coords(self.rank)[1]
+
+    @property
+    def tp_rank(self) -> int:
+        return self.dims.coords(self.rank)[2]
+
+    @property
+    def is_first_stage(self) -> bool:
+        return self.pp_rank == 0
+
+    @property
+    def is_last_stage(self) -> bool:
+        return self.pp_rank == self.dims.pp - 1
+
+    @property
+    def pp_ranks(self) -> list[int]:
+        """Global ranks of this rank's pipeline, stage 0 first (for send/recv)."""
+        return list(self._pp_ranks)
+
+    @property
+    def grad_stats_group(self) -> dist.ProcessGroup:
+        """The group over which found_inf, grad norm and zeros are reduced (model-parallel)."""
+        return self.model_parallel_group
+
+
+def _new_groups(dims: ParallelDims, rank: int, rank_lists) -> Optional[dist.ProcessGroup]:
+    """Create one group per rank list (every rank must create every group, in order) and
+    return the one that holds ``rank``."""
+    mine = None
+    for ranks in rank_lists:
+        g = dist.new_group(ranks)
+        if rank in ranks:
+            mine = g
+    return mine
+
+
+def initialize_model_parallel(
+    tensor_model_parallel_size: int = 1,
+    pipeline_model_parallel_size: int = 1,
+    data_parallel_size: Optional[int] = None,
+    *,
+    mesh: Optional[DeviceMesh] = None,
+    device_type: Optional[str] = None,
+) -> ParallelState:
+    """Build the groups of a TP x PP x DP layout on the default process group.
+
+    Either give the sizes (Megatron order, see the module docstring) or a ``mesh``: a 3-D
+    DeviceMesh with dim names ``("pp", "dp", "tp")`` (sizes are then read from it). Every rank
+    must call this collectively. ``device_type`` defaults to "cuda" when the backend is NCCL,
+    else "cpu".
+
+    Raises RuntimeError when torch.distributed is not initialized, ValueError when the sizes do
+    not multiply to the world size or the mesh's dim names are not ("pp", "dp", "tp").
+    """
+    if not dist.is_available() or not dist.is_initialized():
+        raise RuntimeError("torch.distributed is not initialized: call init_process_group first")
+    world_size = dist.get_world_size()
+    rank = dist.get_rank()
+    if mesh is not None:
+        if tuple(mesh.mesh_dim_names or ()) != _DIM_NAMES:
+            raise ValueError(
+                f"mesh dim names must be {_DIM_NAMES} (Megatron order), got {mesh.mesh_dim_names}"
+            )
+        pp, dp, tp = mesh.mesh.shape
+        dims = ParallelDims(tp=int(tp), pp=int(pp), dp=int(dp), world_size=world_size)
+        expected = torch.arange(world_size).reshape(pp, dp, tp)
+        if not torch.equal(mesh.mesh.cpu(), expected):
+            raise ValueError(
+                "mesh ranks are not in Megatron order (tp fastest, then dp, then pp): "
+                f"got {mesh.mesh.tolist()}"
+            )
+    else:
+        dims = ParallelDims(
+            tp=tensor_model_parallel_size,
+            pp=pipeline_model_parallel_size,
+            dp=data_parallel_size,
+            world_size=world_size,
+        )
+        if device_type is None:
+            device_type = "cuda" if dist.get_backend() == "nccl" else "cpu"
+        mesh = init_device_mesh(device_type, (dims.pp, dims.dp, dims.tp), mesh_dim_names=_DIM_NAMES)
+
+    tp_group = mesh.get_group("tp")
+    dp_group = mesh.get_group("dp")
+    pp_group = mesh.get_group("pp")
+    grid = torch.arange(world_size).reshape(dims.pp, dims.dp, dims.tp)
+    # model-parallel: all (pp, tp) for one dp index
+    mp_lists = [grid[:, d, :].flatten().tolist() for d in range(dims.dp)]
+    model_parallel_group = _new_groups(dims, rank, mp_lists)
+    embedding_group = None
+    if dims.pp > 1:
+        emb_lists = [
+            [int(grid[0, d, t]), int(grid[-1, d, t])] for d in range(dims.dp) for t in range(dims.tp)
+        ]
+        embedding_group = _new_groups(dims, rank, emb_lists)
+    pp_rank, dp_rank, tp_rank = dims.coords(rank)
+    return ParallelState(
+        dims=dims,
+        mesh=mesh,
+        tp_group=tp_group,
+        pp_group=pp_group,
+        dp_group=dp_group,
+        model_parallel_group=model_parallel_group,
+        embedding_group=embedding_group,
+        rank=rank,
+        _pp_ranks=grid[:, dp_rank, tp_rank].tolist(),
+    )
