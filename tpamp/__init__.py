@@ -13,3 +13,12 @@ from tpamp.grad_scaler import (
 )
 
 __version__ = "0.1.0"
+from tpamp.grad_stats import (
+    clip_grad_by_total_norm_fp32,
+    count_zeros_fp32,
+    filter_grads_for_norm,
+    get_grad_norm_fp32,
+)
+from tpamp.optimizer import FP32Optimizer, MixedPrecisionOptimizer, StepResult
+from tpamp import parallel
+from tpamp.logger import TrainingLogger

@@ -114,6 +114,7 @@ def grad_stats(
     norm_type: Optional[float] = None,
     count_zeros: bool = False,
     per_tensor_norms: bool = False,
+    check_finite: bool = True,
     device: Optional[torch.device] = None,
 ) -> GradStats:
     """One pass over ``grads``: optional multiply by ``scale``, found_inf, norm statistic, zeros.
@@ -122,6 +123,7 @@ def grad_stats(
         grads: tensors of float32/float16/bfloat16, any shapes (empty allowed), one device.
         out: None to multiply in place, or float32 tensors of the same shapes that receive
             ``float32(grads[i]) * scale`` (the fp16/bf16 -> fp32 main-grad copy in the same pass).
+            An entry may be the very tensor ``grads[i]`` (fp32): that one is done in place.
             Statistics are taken on the values written.
         scale: None (no multiply) or a 1-element float32 tensor on the grads' device, e.g. the
             inverse loss scale.
@@ -130,6 +132,9 @@ def grad_stats(
         norm_type: None for no norm, else p >= 1 or ``math.inf``.
         count_zeros: also count zero elements of the masked-in tensors (exact, int64).
         per_tensor_norms: also return each tensor's p-norm (p = norm_type, 2 if None).
+        check_finite: False lets the PyTorch path skip the found_inf pass when the caller does not
+            need it and passes no scale (found_inf is then all zeros); the fused kernel always
+            computes it.
         device: where results live when ``grads`` is empty (default CPU).
 
     Returns:
@@ -168,19 +173,22 @@ def grad_stats(
     if _use_ext(grads) and (norm_type in (None, 2.0, math.inf)):
         return _grad_stats_ext(grads, out, scale, norm_mask, norm_type, count_zeros, per_tensor_norms)
     return _grad_stats_torch(
-        grads, out, scale, norm_mask, norm_type, count_zeros, per_tensor_norms, device
+        grads, out, scale, norm_mask, norm_type, count_zeros, per_tensor_norms, check_finite, device
     )
 
 
-def _grad_stats_torch(grads, out, scale, norm_mask, norm_type, count_zeros, per_tensor, device):
+def _grad_stats_torch(
+    grads, out, scale, norm_mask, norm_type, count_zeros, per_tensor, check_finite, device
+):
     found_inf = torch.zeros(1, dtype=torch.float32, device=device)
     if out is not None:
-        if grads:
-            torch._foreach_copy_(out, grads)
+        pairs = [(o, g) for o, g in zip(out, grads) if o is not g]
+        if pairs:
+            torch._foreach_copy_([o for o, _ in pairs], [g for _, g in pairs])
         targets = out
     else:
         targets = grads
-    if targets:
+    if targets and (check_finite or scale is not None):
         inv = scale if scale is not None else torch.ones(1, dtype=torch.float32, device=device)
         # Checks every element for inf/nan and multiplies by inv (a no-op multiply when 1.0).
         by_dtype = {}

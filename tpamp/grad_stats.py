@@ -1,0 +1,242 @@
+"""Grad norm, clipping and zero counting under TP x PP (Megatron-LM's clip_grads.py).
+
+Which gradients count toward the norm and the zero count (found_inf uses all of them):
+
+* the param has a gradient;
+* it is not ``shared`` (attribute ``shared=True``: a tied copy such as the word embedding on the
+  last pipeline stage, whose twin on the first stage is counted);
+* it is not a tensor-parallel duplicate: a TP shard (Megatron attribute
+  ``tensor_model_parallel=True``, or a DTensor with a ``Shard`` placement on the TP mesh dim)
+  counts on every TP rank; anything else is replicated across TP ranks and counts on TP rank 0.
+
+Reductions run over the grad-stats group (the model-parallel group TP x PP by default), so the
+norm equals that of the full, unsharded model's gradient computed in one process.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+from typing import Iterable, List, Optional, Sequence, Union
+
+import torch
+import torch.distributed as dist
+
+from tpamp import ops
+
+try:
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor.placement_types import Shard
+except ImportError:  # pragma: no cover - torch without DTensor
+    DTensor = None
+    Shard = None
+
+__all__ = [
+    "filter_grads_for_norm",
+    "get_grad_norm_fp32",
+    "clip_grad_by_total_norm_fp32",
+    "count_zeros_fp32",
+    "is_tensor_parallel_shard",
+    "local_tensor",
+]
+
+Tensor = torch.Tensor
+_TP_DIM_NAMES = ("tp", "tensor", "tensor_parallel", "tensor_model_parallel")
+
+
+def local_tensor(t: Tensor) -> Tensor:
+    """The rank-local data of ``t``: ``t.to_local()`` for a DTensor, ``t`` otherwise."""
+    if DTensor is not None and isinstance(t, DTensor):
+        return t._local_tensor
+    return t
+
+
+def is_tensor_parallel_shard(param: Tensor, tensor_parallel_group=None) -> bool:
+    """True if ``param`` is one TP rank's shard (each rank holds different data).
+
+    Megatron attribute ``tensor_model_parallel=True``, or a DTensor with a Shard placement on
+    its TP mesh dim: the only dim of a 1-D mesh, a dim named "tp" (or "tensor"...), or the dim
+    whose group is ``tensor_parallel_group``.
+    """
+    if getattr(param, "tensor_model_parallel", False):
+        return True
+    if DTensor is None or not isinstance(param, DTensor):
+        return False
+    mesh = param.device_mesh
+    names = mesh.mesh_dim_names or ()
+    for dim, placement in enumerate(param.placements):
+        if not placement.is_shard():
+            continue
+        if mesh.ndim == 1:
+            return True
+        if dim < len(names) and names[dim] in _TP_DIM_NAMES:
+            return True
+        if tensor_parallel_group is not None and mesh.get_group(dim) == tensor_parallel_group:
+            return True
+    return False
+
+
+def _tp_rank(tensor_parallel_group) -> int:
+    if tensor_parallel_group is None:
+        return 0
+    rank = dist.get_rank(tensor_parallel_group)
+    if rank < 0:
+        raise ValueError(
+            f"this rank (global rank {dist.get_rank()}) is not a member of the given "
+            "tensor_parallel_group"
+        )
+    return rank
+
+
+def _grad_of(param: Tensor) -> Optional[Tensor]:
+    grad = param.grad
+    if grad is None:
+        grad = getattr(param, "main_grad", None)
+    return grad
+
+
+def counts_toward_norm(param: Tensor, tp_rank: int, tensor_parallel_group=None) -> bool:
+    """The filter of this module for one param (ignoring whether it has a grad)."""
+    if getattr(param, "shared", False):
+        return False
+    return tp_rank == 0 or is_tensor_parallel_shard(param, tensor_parallel_group)
+
+
+def _as_list(params) -> list:
+    if isinstance(params, Tensor):
+        return [params]
+    return list(params)
+
+
+def filter_grads_for_norm(params: Iterable[Tensor], tensor_parallel_group=None) -> List[Tensor]:
+    """Gradients of ``params`` that count toward the norm (module docstring), as local tensors.
+
+    params: tensors whose ``.grad`` (or, if None, ``.main_grad``) is read; DTensor params give
+    their local shard. tensor_parallel_group: the TP group, used for the TP rank (None: rank 0,
+    i.e. every replicated param counts). Raises ValueError if this rank is not in the group.
+    """
+    tp_rank = _tp_rank(tensor_parallel_group)
+    grads = []
+    for p in _as_list(params):
+        g = _grad_of(p)
+        if g is None:
+            continue
+        if counts_toward_norm(p, tp_rank, tensor_parallel_group):
+            grads.append(local_tensor(g))
+    return grads
+
+
+def _check_group(group, what: str = "grad_stats_group"):
+    if group is None:
+        return
+    if dist.get_rank(group) < 0:
+        raise ValueError(
+            f"this rank (global rank {dist.get_rank()}) is not a member of the given {what}"
+        )
+
+
+def collective_device(group=None) -> torch.device:
+    """Device for a rank's contribution when it holds no tensors: CUDA for NCCL, else CPU."""
+    if group is not None or dist.is_initialized():
+        backend = dist.get_backend(group)
+        if backend == "nccl" and torch.cuda.is_available():
+            return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def _check_norm_type(norm_type) -> float:
+    if isinstance(norm_type, bool) or not isinstance(norm_type, numbers.Real):
+        raise ValueError(f"norm_type must be a number >= 1 or inf, got {norm_type!r}")
+    norm_type = float(norm_type)
+    if not norm_type >= 1.0:
+        raise ValueError(f"norm_type must be >= 1 or inf, got {norm_type}")
+    return norm_type
+
+
+def get_grad_norm_fp32(
+    grads_for_norm: Union[Tensor, Sequence[Tensor]],
+    norm_type: float = 2.0,
+    grad_stats_group=None,
+) -> Tensor:
+    """Global p-norm of already-filtered gradients, reduced over ``grad_stats_group``.
+
+    grads_for_norm: tensors of float32/float16/bfloat16 (e.g. from :func:`filter_grads_for_norm`),
+    any shapes, possibly none on this rank (it contributes 0 and still joins the collective).
+    norm_type: p >= 1 or ``math.inf``. Finite p: (SUM over ranks of sum |g|^p)^(1/p); inf: MAX
+    over ranks of max |g|. Accumulates in float32 or wider.
+
+    Returns a 0-dim float32 tensor on the grads' device (for an empty list, the collective's
+    device); nothing is read on the host. Raises ValueError for a bad norm_type or a group this
+    rank is not in.
+    """
+    norm_type = _check_norm_type(norm_type)
+    _check_group(grad_stats_group)
+    grads = [local_tensor(g) for g in _as_list(grads_for_norm)]
+    device = grads[0].device if grads else collective_device(grad_stats_group)
+    stats = ops.grad_stats(grads, norm_type=norm_type, check_finite=False, device=device)
+    total = stats.norm_stat.reshape(())
+    if grad_stats_group is not None:
+        op = dist.ReduceOp.MAX if norm_type == math.inf else dist.ReduceOp.SUM
+        dist.all_reduce(total, op=op, group=grad_stats_group)
+    if norm_type != math.inf:
+        total = total.double().pow(1.0 / norm_type).float()
+    return total
+
+
+def clip_coefficient(max_norm: float, total_norm: Tensor) -> Tensor:
+    """min(1, max_norm / (total_norm + 1e-6)) as float32 [1]; 1 when total_norm is not finite,
+    so a non-finite norm never turns gradients into nan. On total_norm's device, no sync."""
+    total = total_norm.reshape(1).float()
+    coeff = max_norm / (total + 1.0e-6)
+    ok = torch.isfinite(total) & (coeff < 1.0)
+    return torch.where(ok, coeff, torch.ones_like(coeff))
+
+
+def clip_grad_by_total_norm_fp32(
+    params: Union[Tensor, Iterable[Tensor]],
+    max_norm: float,
+    total_norm: Union[float, Tensor],
+) -> None:
+    """Multiply every gradient of ``params`` (filtered or not) by max_norm / (total_norm + 1e-6)
+    when that is < 1 (Megatron-LM's clip_grad_by_total_norm_fp32), in place.
+
+    max_norm: > 0, in gradient units. total_norm: a float or a 0-dim tensor (kept on the device:
+    the comparison happens there). A non-finite total_norm leaves the gradients unchanged.
+    """
+    if isinstance(max_norm, bool) or not isinstance(max_norm, numbers.Real) or not max_norm > 0:
+        raise ValueError(f"max_norm must be a number > 0, got {max_norm!r}")
+    grads = []
+    for p in _as_list(params):
+        g = _grad_of(p)
+        if g is not None:
+            grads.append(local_tensor(g))
+    if not grads:
+        return
+    if isinstance(total_norm, Tensor):
+        coeff = clip_coefficient(float(max_norm), total_norm.to(grads[0].device))
+    else:
+        total = float(total_norm)
+        c = max_norm / (total + 1.0e-6)
+        if not (math.isfinite(total) and c < 1.0):
+            return
+        coeff = torch.tensor([c], dtype=torch.float32, device=grads[0].device)
+    ops.scale_and_copy(grads, grads, coeff)
+
+
+def count_zeros_fp32(
+    params: Union[Tensor, Iterable[Tensor]],
+    grad_stats_group=None,
+    tensor_parallel_group=None,
+) -> Tensor:
+    """Number of zero elements in the filtered gradients of ``params``, summed over
+    ``grad_stats_group`` (Megatron-LM's count_zeros_fp32). Exact: a 0-dim int64 tensor on the
+    grads' device (the collective's device when this rank has none); no host sync.
+    Raises ValueError for a group this rank is not in."""
+    _check_group(grad_stats_group)
+    grads = filter_grads_for_norm(params, tensor_parallel_group)
+    device = grads[0].device if grads else collective_device(grad_stats_group)
+    stats = ops.grad_stats(grads, count_zeros=True, check_finite=False, device=device)
+    zeros = stats.num_zeros
+    if grad_stats_group is not None:
+        dist.all_reduce(zeros, op=dist.ReduceOp.SUM, group=grad_stats_group)
+    return zeros

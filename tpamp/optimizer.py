@@ -1,0 +1,446 @@
+"""Optimizer wrappers with fp32 main params (Megatron-LM's Float16OptimizerWithFloat16Params and
+FP32Optimizer, megatron/core/optimizer/optimizer.py), with found_inf, grad norm and zero count
+reduced over the model-parallel group so that every rank takes the same decision.
+
+Usage::
+
+    st = tpamp.parallel.initialize_model_parallel(tp, pp)
+    opt = tpamp.MixedPrecisionOptimizer(
+        torch.optim.AdamW(model.parameters(), lr=3e-4),
+        grad_scaler=tpamp.DynamicGradScaler(initial_scale=2.0**16),
+        clip_grad=1.0, log_num_zeros_in_grad=True,
+        grad_stats_group=st.model_parallel_group, tensor_parallel_group=st.tp_group)
+    opt.scale_loss(loss).backward()
+    update_successful, grad_norm, num_zeros = opt.step()
+    opt.zero_grad()
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+import warnings
+from typing import Dict, List, NamedTuple, Optional
+
+import torch
+import torch.distributed as dist
+
+from tpamp import ops
+from tpamp.grad_scaler import MegatronGradScaler
+from tpamp.grad_stats import (
+    _check_group,
+    _check_norm_type,
+    _tp_rank,
+    collective_device,
+    counts_toward_norm,
+    local_tensor,
+)
+
+__all__ = ["StepResult", "MixedPrecisionOptimizer", "FP32Optimizer"]
+
+Tensor = torch.Tensor
+_HALF_DTYPES = (torch.float16, torch.bfloat16)
+# Megatron-LM's tensor-parallel attributes, copied to the main param so filters see them.
+_COPIED_ATTRS = ("tensor_model_parallel", "partition_dim", "partition_stride", "shared")
+
+
+class StepResult(NamedTuple):
+    """What :meth:`MixedPrecisionOptimizer.step` did; unpacks like Megatron-LM's 3-tuple.
+
+    update_successful: False when the step was skipped for an inf/nan gradient on any rank.
+    grad_norm: global norm of the filtered, unscaled main grads before clipping (float, gradient
+        units), None when skipped.
+    num_zeros_in_grad: zeros in the filtered main grads over the grad-stats group (int), None when
+        skipped or not requested (log_num_zeros_in_grad=False).
+    """
+
+    update_successful: bool
+    grad_norm: Optional[float]
+    num_zeros_in_grad: Optional[int]
+
+
+class MixedPrecisionOptimizer:
+    """Wrap any ``torch.optim.Optimizer`` with fp32 main params for its fp16/bf16 params.
+
+    Construction replaces every fp16/bf16 param with requires_grad, inside the wrapped
+    optimizer's param groups, by an fp32 main param (a detached fp32 clone; a DTensor with the
+    same mesh and placements for a DTensor param), moves any existing optimizer state to it and
+    copies the Megatron attributes ``tensor_model_parallel``, ``partition_dim``,
+    ``partition_stride`` and ``shared``. fp32 params are used as they are (no copy).
+
+    ``step()`` (SPEC.md section 2), in this order:
+
+    1. main.grad = fp32(model.main_grad if present else model.grad); model grads are released;
+    2. every main grad is multiplied by 1/loss_scale and checked for inf/nan (found_inf over
+       all grads) -- one fused pass that also takes the norm and zero statistics;
+    3. found_inf (with the norm and zero statistics) is all-reduced over ``grad_stats_group``;
+       every rank joins, also one holding no params or no grads;
+    4. ``grad_scaler.update(found_inf)`` on the device;
+    5. if found_inf: skip (no inner step, params unchanged), return (False, None, None). Without
+       a scaler (bf16/fp32) non-finite steps are skipped too, unless skip_nonfinite=False;
+    6. grad_norm over the filtered grads (tpamp.grad_stats); clip when clip_grad > 0;
+    7. num_zeros if log_num_zeros_in_grad;
+    8. inner optimizer step; main params are cast-copied to the model params;
+    9. return :class:`StepResult` (True, grad_norm, num_zeros).
+
+    A step reads the device once (found_inf, norm and zeros in one transfer after the
+    collective), as Megatron-LM does.
+
+    Args:
+        optimizer: the inner ``torch.optim.Optimizer`` over the model params.
+        grad_scaler: a :class:`tpamp.MegatronGradScaler`; required when any param is fp16.
+        clip_grad: max global grad norm (gradient units); 0 disables clipping.
+        norm_type: p of the norm (>= 1, or ``math.inf``).
+        log_num_zeros_in_grad: count zeros in the filtered main grads each step.
+        grad_stats_group: group for found_inf, norm and zeros (the model-parallel group,
+            ``tpamp.parallel.ParallelState.model_parallel_group``); None: no reduction.
+        tensor_parallel_group: the TP group, to count replicated params on TP rank 0 only.
+        skip_nonfinite: without a scaler, still skip steps with non-finite grads (default).
+
+    Raises:
+        TypeError: optimizer is not a torch.optim.Optimizer, or a param has a dtype other than
+            float32/float16/bfloat16.
+        ValueError: fp16 params without a grad_scaler; bad clip_grad or norm_type; a group that
+            this rank is not a member of.
+    """
+
+    def __init__(
+        self,
+        optimizer: torch.optim.Optimizer,
+        *,
+        grad_scaler: Optional[MegatronGradScaler] = None,
+        clip_grad: float = 0.0,
+        norm_type: float = 2.0,
+        log_num_zeros_in_grad: bool = False,
+        grad_stats_group=None,
+        tensor_parallel_group=None,
+        skip_nonfinite: bool = True,
+    ):
+        if not isinstance(optimizer, torch.optim.Optimizer):
+            raise TypeError(
+                f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}"
+            )
+        if grad_scaler is not None and not isinstance(grad_scaler, MegatronGradScaler):
+            raise TypeError(
+                "grad_scaler must be a tpamp ConstantGradScaler or DynamicGradScaler, got "
+                f"{type(grad_scaler).__name__}"
+            )
+        if (
+            isinstance(clip_grad, bool)
+            or not isinstance(clip_grad, numbers.Real)
+            or not math.isfinite(clip_grad)
+            or clip_grad < 0
+        ):
+            raise ValueError(f"clip_grad must be a finite number >= 0, got {clip_grad!r}")
+        self.norm_type = _check_norm_type(norm_type)
+        _check_group(grad_stats_group, "grad_stats_group")
+        _check_group(tensor_parallel_group, "tensor_parallel_group")
+        self.optimizer = optimizer
+        self.grad_scaler = grad_scaler
+        self.clip_grad = float(clip_grad)
+        self.log_num_zeros_in_grad = bool(log_num_zeros_in_grad)
+        self.grad_stats_group = grad_stats_group
+        self.tensor_parallel_group = tensor_parallel_group
+        self.skip_nonfinite = bool(skip_nonfinite)
+        self._tp_rank = _tp_rank(tensor_parallel_group)
+
+        # (model param, main param) for each fp16/bf16 param, per group; fp32 params per group
+        self._half_pairs: List[List[tuple]] = []
+        self._fp32_params: List[List[Tensor]] = []
+        has_fp16 = False
+        for gi, group in enumerate(optimizer.param_groups):
+            pairs, fp32s = [], []
+            for pi, param in enumerate(group["params"]):
+                if param.dtype in _HALF_DTYPES and param.requires_grad:
+                    has_fp16 |= param.dtype == torch.float16
+                    main = self._make_main_param(param)
+                    group["params"][pi] = main
+                    if param in optimizer.state:
+                        optimizer.state[main] = _state_to_fp32(optimizer.state.pop(param))
+                    pairs.append((param, main))
+                elif param.dtype == torch.float32:
+                    fp32s.append(param)
+                elif param.dtype in _HALF_DTYPES:
+                    pass  # frozen (requires_grad=False): never has a grad, needs no main copy
+                else:
+                    raise TypeError(
+                        f"param {pi} of param group {gi} has dtype {param.dtype}; "
+                        "expected float32, float16 or bfloat16"
+                    )
+            self._half_pairs.append(pairs)
+            self._fp32_params.append(fp32s)
+        if has_fp16 and grad_scaler is None:
+            raise ValueError(
+                "fp16 params need a loss scaler (grad_scaler=DynamicGradScaler() or "
+                "ConstantGradScaler(scale)); got grad_scaler=None"
+            )
+        self._device = self._pick_device()
+        if grad_scaler is not None and grad_scaler.device != self._device:
+            grad_scaler.to(self._device)
+        self._one = torch.ones(1, dtype=torch.float32, device=self._device)
+
+    # -- construction helpers -------------------------------------------------------------
+
+    @staticmethod
+    def _make_main_param(param: Tensor) -> Tensor:
+        main = torch.nn.Parameter(param.detach().to(torch.float32, copy=True), requires_grad=True)
+        for attr in _COPIED_ATTRS:
+            if hasattr(param, attr):
+                setattr(main, attr, getattr(param, attr))
+        return main
+
+    def _pick_device(self) -> torch.device:
+        for group in self.optimizer.param_groups:
+            for p in group["params"]:
+                return local_tensor(p).device
+        return collective_device(self.grad_stats_group)
+
+    # -- public interface -----------------------------------------------------------------
+
+    @property
+    def param_groups(self):
+        return self.optimizer.param_groups
+
+    @property
+    def state(self):
+        return self.optimizer.state
+
+    def get_loss_scale(self) -> Tensor:
+        """The loss scale: float32 tensor of shape [1] on the params' device (1.0 without a
+        scaler)."""
+        return self.grad_scaler.scale if self.grad_scaler is not None else self._one
+
+    def scale_loss(self, loss: Tensor) -> Tensor:
+        """loss * loss_scale, keeping loss's shape; call ``.backward()`` on the result."""
+        return loss * self.get_loss_scale().reshape(())
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Clear the grads of model params and main params (``main_grad`` buffers belong to the
+        data-parallel wrapper that attached them and are left alone, as in Megatron-LM)."""
+        for pairs, fp32s in zip(self._half_pairs, self._fp32_params):
+            for model, main in pairs:
+                _clear(model, set_to_none)
+                _clear(main, set_to_none)
+            for p in fp32s:
+                _clear(p, set_to_none)
+
+    def reload_model_params(self) -> None:
+        """Copy model params -> main params (after the model's weights were changed, e.g. a
+        checkpoint loaded into the model)."""
+        srcs, dsts = self._pair_locals()
+        with torch.no_grad():
+            ops.scale_and_copy(dsts, srcs)
+
+    def _pair_locals(self):
+        models, mains = [], []
+        for pairs in self._half_pairs:
+            for model, main in pairs:
+                models.append(local_tensor(model.data if not _is_dtensor(model) else model))
+                mains.append(local_tensor(main.data if not _is_dtensor(main) else main))
+        return mains, models
+
+    @torch.no_grad()
+    def step(self, closure=None) -> StepResult:
+        """One optimizer step (class docstring); returns :class:`StepResult`."""
+        if closure is not None:
+            raise ValueError("closure is not supported: compute the loss before step()")
+        srcs, outs, mask, all_main = self._collect_grads()
+        scale = self.grad_scaler.inv_scale if self.grad_scaler is not None else None
+        finite_p = self.norm_type != math.inf
+        stats = ops.grad_stats(
+            srcs,
+            out=outs,
+            scale=scale,
+            norm_mask=mask,
+            norm_type=self.norm_type,
+            count_zeros=self.log_num_zeros_in_grad,
+            device=self._device,
+        )
+        found_inf, norm_stat, num_zeros = self._reduce(stats, finite_p)
+        at_min = None
+        if self.grad_scaler is not None:
+            self.grad_scaler.update(found_inf)
+            at_min = self.grad_scaler._overflow_at_min_scale()
+        # The one host read of the step: found_inf, norm and zeros together.
+        parts = [found_inf.reshape(1).double(), norm_stat.reshape(1).double()]
+        if num_zeros is not None:
+            parts.append(num_zeros.reshape(1).double())
+        if at_min is not None:
+            parts.append(at_min.reshape(1).to(device=found_inf.device, dtype=torch.float64))
+        host = torch.cat(parts).tolist()
+        found = host[0] > 0
+        if found and at_min is not None and host[-1] > 0:
+            self.grad_scaler._report_overflow_at_min_scale()
+        if found and (self.grad_scaler is not None or self.skip_nonfinite):
+            return StepResult(False, None, None)
+
+        grad_norm = host[1] ** (1.0 / self.norm_type) if finite_p else host[1]
+        if self.clip_grad > 0.0 and all_main:
+            coeff = self.clip_grad / (grad_norm + 1.0e-6)
+            if math.isfinite(grad_norm) and coeff < 1.0:
+                ops.scale_and_copy(
+                    all_main, all_main, torch.tensor([coeff], dtype=torch.float32, device=self._device)
+                )
+        zeros = int(round(host[2])) if num_zeros is not None else None
+
+        self.optimizer.step()
+        mains, models = self._pair_locals()
+        ops.scale_and_copy(mains, models)
+        return StepResult(True, float(grad_norm), zeros)
+
+    def _collect_grads(self):
+        """Step 1: point main params at their gradient buffers. Returns the fused pass's inputs
+        (local tensors), outputs, the norm mask, and all main grads (for the clip)."""
+        srcs, outs, mask = [], [], []
+        for pairs, fp32s in zip(self._half_pairs, self._fp32_params):
+            for model, main in pairs:
+                grad = getattr(model, "main_grad", None)
+                if grad is None:
+                    grad = model.grad
+                if grad is None:
+                    main.grad = None
+                    continue
+                if grad.dtype == torch.float32:
+                    main.grad = grad  # a main_grad buffer: used in place, as Megatron does
+                    src = out = local_tensor(grad)
+                else:
+                    main.grad = torch.empty_like(main)
+                    src, out = local_tensor(grad), local_tensor(main.grad)
+                model.grad = None
+                srcs.append(src)
+                outs.append(out)
+                mask.append(counts_toward_norm(main, self._tp_rank, self.tensor_parallel_group))
+            for p in fp32s:
+                main_grad = getattr(p, "main_grad", None)
+                if main_grad is not None:
+                    p.grad = main_grad
+                if p.grad is None:
+                    continue
+                g = local_tensor(p.grad)
+                if g.dtype != torch.float32:
+                    raise TypeError(f"an fp32 param has a {g.dtype} gradient; expected float32")
+                srcs.append(g)
+                outs.append(g)
+                mask.append(counts_toward_norm(p, self._tp_rank, self.tensor_parallel_group))
+        return srcs, outs, mask, list(outs)
+
+    def _reduce(self, stats: ops.GradStats, finite_p: bool):
+        """Step 3: one collective for found_inf (as a SUM of flags), the norm statistic and the
+        zero count when p is finite; MAX for found_inf and max |g| with an inf norm."""
+        group = self.grad_stats_group
+        found_inf = stats.found_inf.reshape(1)
+        norm_stat = stats.norm_stat.reshape(1)
+        num_zeros = stats.num_zeros
+        if group is None:
+            return found_inf, norm_stat, num_zeros
+        if finite_p:
+            parts = [found_inf.double(), norm_stat.double()]
+            if num_zeros is not None:
+                parts.append(num_zeros.reshape(1).double())  # exact below 2**53
+            buf = torch.cat(parts)
+            dist.all_reduce(buf, op=dist.ReduceOp.SUM, group=group)
+            zeros = buf[2] if num_zeros is not None else None
+            return (buf[0:1] > 0).float(), buf[1:2], zeros
+        buf = torch.cat([found_inf, norm_stat])
+        dist.all_reduce(buf, op=dist.ReduceOp.MAX, group=group)
+        if num_zeros is not None:
+            num_zeros = num_zeros.clone()
+            dist.all_reduce(num_zeros, op=dist.ReduceOp.SUM, group=group)
+        return buf[0:1], buf[1:2], num_zeros
+
+    # -- checkpointing --------------------------------------------------------------------
+
+    def state_dict(self) -> Dict:
+        """{'optimizer': inner state dict, 'grad_scaler': scaler state (None without one),
+        'fp32_from_fp16_params': per param group, the list of main params (tensors)}."""
+        return {
+            "optimizer": self.optimizer.state_dict(),
+            "grad_scaler": self.grad_scaler.state_dict() if self.grad_scaler is not None else None,
+            "fp32_from_fp16_params": [
+                [main.detach().clone() for _, main in pairs] for pairs in self._half_pairs
+            ],
+        }
+
+    def load_state_dict(self, state_dict: Dict) -> None:
+        """Restore the inner optimizer, the scaler and the main params, then copy the main
+        params to the model params, so a resumed run continues bit-identically.
+
+        Raises KeyError for a missing key, ValueError when the saved main params do not match
+        this optimizer's (count per group, shapes)."""
+        for key in ("optimizer", "fp32_from_fp16_params"):
+            if key not in state_dict:
+                raise KeyError(f"optimizer state_dict has no {key!r} entry")
+        saved = state_dict["fp32_from_fp16_params"]
+        if len(saved) != len(self._half_pairs):
+            raise ValueError(
+                f"state_dict has main params for {len(saved)} param groups, this optimizer "
+                f"has {len(self._half_pairs)}"
+            )
+        for gi, (saved_group, pairs) in enumerate(zip(saved, self._half_pairs)):
+            if len(saved_group) != len(pairs):
+                raise ValueError(
+                    f"param group {gi}: state_dict has {len(saved_group)} main params, "
+                    f"this optimizer has {len(pairs)}"
+                )
+            for i, (s, (_, main)) in enumerate(zip(saved_group, pairs)):
+                if tuple(s.shape) != tuple(main.shape):
+                    raise ValueError(
+                        f"param group {gi}, main param {i}: saved shape {tuple(s.shape)} != "
+                        f"{tuple(main.shape)}"
+                    )
+        self.optimizer.load_state_dict(state_dict["optimizer"])
+        scaler_state = state_dict.get("grad_scaler")
+        if self.grad_scaler is not None:
+            if scaler_state is None:
+                warnings.warn(
+                    "the checkpoint has no grad_scaler state; the loss scaler starts afresh",
+                    RuntimeWarning,
+                    stacklevel=2,
+                )
+            else:
+                self.grad_scaler.load_state_dict(scaler_state)
+        with torch.no_grad():
+            for saved_group, pairs in zip(saved, self._half_pairs):
+                for s, (_, main) in zip(saved_group, pairs):
+                    local_tensor(main).copy_(local_tensor(s))
+            mains, models = self._pair_locals()
+            ops.scale_and_copy(mains, models)
+
+
+class FP32Optimizer(MixedPrecisionOptimizer):
+    """The same interface for fp32 models (Megatron-LM's FP32Optimizer): no main copy; grad
+    norm, clipping, zero count and the non-finite skip of :class:`MixedPrecisionOptimizer`.
+    A grad_scaler is optional (usually None: loss scale 1). Raises TypeError for a param that
+    is not float32."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer, **kwargs):
+        for gi, group in enumerate(getattr(optimizer, "param_groups", [])):
+            for pi, p in enumerate(group["params"]):
+                if p.dtype != torch.float32:
+                    raise TypeError(
+                        f"FP32Optimizer: param {pi} of param group {gi} has dtype {p.dtype}; "
+                        "expected float32 (use MixedPrecisionOptimizer for fp16/bf16 params)"
+                    )
+        super().__init__(optimizer, **kwargs)
+
+
+def _is_dtensor(t: Tensor) -> bool:
+    return local_tensor(t) is not t
+
+
+def _clear(p: Tensor, set_to_none: bool) -> None:
+    if p.grad is None:
+        return
+    if set_to_none:
+        p.grad = None
+    else:
+        p.grad.detach_()
+        p.grad.zero_()
+
+
+def _state_to_fp32(state: dict) -> dict:
+    """Optimizer state of an fp16/bf16 param, moved to its fp32 main param."""
+    return {
+        k: v.float() if isinstance(v, Tensor) and v.dtype in _HALF_DTYPES else v
+        for k, v in state.items()
+    }
