@@ -102,7 +102,7 @@ class TrainingLogger:
         self._last_scale = loss_scale
         rec = {
             "iteration": int(iteration),
-            "loss": loss if not nan else None if math.isnan(loss) else str(loss),
+            "loss": loss if not nan else None,  # JSON has no nan/inf: null, with "nan": true
             "lr": float(lr),
             "loss_scale": loss_scale,
             "grad_norm": None if grad_norm is None else float(grad_norm),
@@ -136,7 +136,7 @@ class TrainingLogger:
         parts = [f" iteration {rec['iteration']:8d}/{self.train_iters:8d}"]
         parts.append(f"lr: {rec['lr']:.3E}")
         loss = rec["loss"]
-        parts.append(f"loss: {loss:.4E}" if isinstance(loss, float) else f"loss: {loss}")
+        parts.append(f"loss: {loss:.4E}" if loss is not None else "loss: nan")
         parts.append(f"loss scale: {rec['loss_scale']:.1f}")
         if rec["grad_norm"] is not None:
             parts.append(f"grad norm: {rec['grad_norm']:.3f}")
