@@ -1,0 +1,73 @@
+"""The logs a user reads (SPEC.md section 5)."""
+
+import io
+import json
+import math
+
+import pytest
+
+import tpamp
+
+
+def _run(tmp_path, tb=False):
+    out = io.StringIO()
+    log = tpamp.TrainingLogger(
+        6, log_interval=3, jsonl_path=str(tmp_path / "sub" / "log.jsonl"),
+        tensorboard_dir=str(tmp_path / "tb") if tb else None, stream=out,
+    )
+    steps = [
+        (1, 2.0, 65536.0, tpamp.StepResult(True, 1.5, 10)),
+        (2, 1.9, 65536.0, tpamp.StepResult(False, None, None)),
+        (3, math.nan, 32768.0, tpamp.StepResult(False, None, None)),
+        (4, 1.7, 32768.0, tpamp.StepResult(True, 0.5, None)),
+        (5, 1.6, 32768.0, tpamp.StepResult(True, 0.4, 7)),
+        (6, 1.5, 65536.0, tpamp.StepResult(True, 0.3, 3)),
+    ]
+    for it, loss, scale, res in steps:
+        log.record(it, loss, 1e-3, scale, res)
+    log.close()
+    return log, out.getvalue(), steps
+
+
+def test_jsonl_has_a_record_per_iteration_with_spec_fields(tmp_path):
+    log, _, steps = _run(tmp_path)
+    recs = [json.loads(line) for line in open(tmp_path / "sub" / "log.jsonl")]
+    assert [r["iteration"] for r in recs] == [s[0] for s in steps]
+    for r, (it, loss, scale, res) in zip(recs, steps):
+        assert set(r) >= {"iteration", "loss", "lr", "loss_scale", "grad_norm", "num_zeros", "skipped", "nan"}
+        assert r["skipped"] is (not res.update_successful)
+        assert r["grad_norm"] == res.grad_norm and r["num_zeros"] == res.num_zeros
+        assert r["loss_scale"] == scale and r["lr"] == 1e-3
+        assert r["nan"] is (not math.isfinite(loss))
+        assert r["loss"] == (loss if math.isfinite(loss) else None)
+    assert log.skipped_iters == 2 and log.nan_iters == 1 and log.loss_scale_changes == 2
+
+
+def test_megatron_line_every_log_interval(tmp_path):
+    _, text, _ = _run(tmp_path)
+    lines = text.strip().splitlines()
+    assert len(lines) == 2
+    assert lines[0].startswith(" iteration        3/       6 |")
+    assert "loss scale: 32768.0 |" in lines[0]
+    assert "number of skipped iterations:   2 |" in lines[0]
+    assert "number of nan iterations:   1 |" in lines[0]
+    assert "grad norm: 0.300 | num zeros: 3 |" in lines[1]
+    assert "number of skipped iterations:   0 |" in lines[1]
+
+
+def test_tensorboard_scalars(tmp_path):
+    pytest.importorskip("tensorboard")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    _run(tmp_path, tb=True)
+    acc = EventAccumulator(str(tmp_path / "tb"))
+    acc.Reload()
+    tags = set(acc.Tags()["scalars"])
+    assert {"loss-scale", "grad-norm", "num-zeros"} <= tags
+    assert [e.step for e in acc.Scalars("grad-norm")] == [1, 4, 5, 6]
+    assert [e.value for e in acc.Scalars("num-zeros")] == [10, 7, 3]
+
+
+def test_bad_log_interval_is_rejected():
+    with pytest.raises(ValueError, match="log_interval must be an int >= 1, got 0"):
+        tpamp.TrainingLogger(10, log_interval=0)

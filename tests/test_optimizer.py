@@ -1,0 +1,206 @@
+"""MixedPrecisionOptimizer / FP32Optimizer in one process (SPEC.md section 2)."""
+
+import math
+
+import pytest
+import torch
+
+import tpamp
+
+
+def _half_model(dtype=torch.float16, seed=0):
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(torch.nn.Linear(6, 5), torch.nn.Tanh(), torch.nn.Linear(5, 3)).to(dtype)
+
+
+def _set_grads(params, grads, scale):
+    for p, g in zip(params, grads):
+        p.grad = (g * scale).to(p.dtype)
+
+
+def test_step_equals_fp64_adamw_on_unscaled_grads():
+    model = _half_model()
+    params = list(model.parameters())
+    ref = [p.detach().double().clone().requires_grad_() for p in params]
+    ref_opt = torch.optim.AdamW(ref, lr=1e-2, weight_decay=0.1)
+    scaler = tpamp.ConstantGradScaler(1024.0)
+    opt = tpamp.MixedPrecisionOptimizer(
+        torch.optim.AdamW(params, lr=1e-2, weight_decay=0.1), grad_scaler=scaler
+    )
+    g = torch.Generator().manual_seed(1)
+    for _ in range(3):
+        grads = [torch.randn(p.shape, generator=g, dtype=torch.float64).half().double() for p in params]
+        _set_grads(params, grads, 1024.0)
+        for r, gr in zip(ref, grads):
+            r.grad = gr.clone()
+        ok, norm, zeros = opt.step()
+        ref_opt.step()
+        assert ok and zeros is None
+        assert math.isclose(norm, float(torch.cat([x.flatten() for x in grads]).norm()), rel_tol=1e-6)
+    mains = [m for grp in opt.param_groups for m in grp["params"]]
+    for m, r, p in zip(mains, ref, params):
+        assert m.dtype == torch.float32
+        torch.testing.assert_close(m.detach().double(), r.detach(), rtol=1e-5, atol=1e-6)
+        assert torch.equal(p.detach(), m.detach().half())  # model param = fp16(main param)
+
+
+def test_main_params_replace_half_params_and_keep_megatron_attributes():
+    model = _half_model(torch.bfloat16)
+    w = model[0].weight
+    w.tensor_model_parallel, w.partition_dim, w.partition_stride = True, 0, 1
+    model[2].weight.shared = True
+    fp32_extra = torch.nn.Parameter(torch.ones(2))
+    inner = torch.optim.SGD([{"params": list(model.parameters())}, {"params": [fp32_extra], "lr": 0.5}], lr=0.1)
+    opt = tpamp.MixedPrecisionOptimizer(inner)
+    mains = opt.param_groups[0]["params"]
+    assert all(m.dtype == torch.float32 and m.is_leaf for m in mains)
+    assert not any(m is p for m, p in zip(mains, model.parameters()))
+    assert mains[0].tensor_model_parallel is True and mains[0].partition_dim == 0
+    assert mains[0].partition_stride == 1 and mains[2].shared is True
+    assert opt.param_groups[1]["params"][0] is fp32_extra  # fp32 params used as they are
+    for m, p in zip(mains, model.parameters()):
+        assert torch.equal(m.detach(), p.detach().float())
+
+
+def test_existing_optimizer_state_moves_to_the_main_param():
+    p = torch.nn.Parameter(torch.ones(4, dtype=torch.bfloat16))
+    inner = torch.optim.SGD([p], lr=0.1, momentum=0.9)
+    p.grad = torch.ones_like(p)
+    inner.step()
+    buf = inner.state[p]["momentum_buffer"].clone()
+    opt = tpamp.MixedPrecisionOptimizer(inner)
+    main = opt.param_groups[0]["params"][0]
+    assert p not in opt.state
+    assert torch.equal(opt.state[main]["momentum_buffer"], buf.float())
+
+
+def test_main_grad_is_used_instead_of_grad():
+    p = torch.nn.Parameter(torch.zeros(3, dtype=torch.bfloat16))
+    p.main_grad = torch.tensor([1.0, 2.0, 2.0])  # Megatron DDP's fp32 buffer
+    p.grad = torch.full((3,), 100.0, dtype=torch.bfloat16)  # must be ignored
+    opt = tpamp.MixedPrecisionOptimizer(torch.optim.SGD([p], lr=1.0))
+    ok, norm, _ = opt.step()
+    assert ok and norm == pytest.approx(3.0)
+    assert torch.equal(p.detach(), torch.tensor([-1.0, -2.0, -2.0], dtype=torch.bfloat16))
+
+
+def test_one_scaler_and_one_found_inf_for_all_param_groups():
+    a = torch.nn.Parameter(torch.zeros(2, dtype=torch.float16))
+    b = torch.nn.Parameter(torch.zeros(2, dtype=torch.float16))
+    scaler = tpamp.DynamicGradScaler(initial_scale=16.0, hysteresis=1)
+    opt = tpamp.MixedPrecisionOptimizer(
+        torch.optim.SGD([{"params": [a]}, {"params": [b], "lr": 2.0}], lr=1.0), grad_scaler=scaler
+    )
+    a.grad = torch.ones(2, dtype=torch.float16)
+    b.grad = torch.tensor([1.0, math.inf], dtype=torch.float16)  # only group 1 overflows
+    assert tuple(opt.step()) == (False, None, None)
+    assert torch.equal(a.detach(), torch.zeros(2, dtype=torch.float16))  # group 0 skipped too
+    assert float(scaler.scale) == 8.0
+
+
+@pytest.mark.parametrize("bad", [math.inf, math.nan])
+def test_bf16_without_scaler_skips_nonfinite_steps(bad):
+    p = torch.nn.Parameter(torch.ones(3, dtype=torch.bfloat16))
+    opt = tpamp.MixedPrecisionOptimizer(torch.optim.SGD([p], lr=1.0))
+    p.grad = torch.tensor([1.0, bad, 1.0], dtype=torch.bfloat16)
+    assert tuple(opt.step()) == (False, None, None)
+    assert torch.equal(p.detach(), torch.ones(3, dtype=torch.bfloat16))
+
+
+def test_skip_nonfinite_false_steps_anyway_without_scaler():
+    p = torch.nn.Parameter(torch.ones(2, dtype=torch.bfloat16))
+    opt = tpamp.MixedPrecisionOptimizer(torch.optim.SGD([p], lr=1.0), skip_nonfinite=False)
+    p.grad = torch.tensor([math.nan, 0.0], dtype=torch.bfloat16)
+    ok, norm, _ = opt.step()
+    assert ok and math.isnan(norm) and math.isnan(float(p.detach()[0]))
+
+
+def test_clip_and_zero_count_against_hand_values():
+    p = torch.nn.Parameter(torch.zeros(4, dtype=torch.float16))
+    opt = tpamp.MixedPrecisionOptimizer(
+        torch.optim.SGD([p], lr=1.0), grad_scaler=tpamp.ConstantGradScaler(4.0),
+        clip_grad=2.5, log_num_zeros_in_grad=True,
+    )
+    p.grad = torch.tensor([3.0, 0.0, 4.0, 0.0], dtype=torch.float16) * 4  # unscaled norm 5
+    ok, norm, zeros = opt.step()
+    assert ok and norm == pytest.approx(5.0) and zeros == 2
+    coeff = 2.5 / (5.0 + 1e-6)
+    torch.testing.assert_close(p.detach().float(), torch.tensor([-3 * coeff, 0, -4 * coeff, 0]), rtol=1e-3, atol=0)
+
+
+def test_inf_norm_type():
+    p = torch.nn.Parameter(torch.zeros(3, dtype=torch.bfloat16))
+    opt = tpamp.MixedPrecisionOptimizer(torch.optim.SGD([p], lr=0.0), norm_type=math.inf)
+    p.grad = torch.tensor([1.0, -7.0, 2.0], dtype=torch.bfloat16)
+    assert opt.step().grad_norm == 7.0
+
+
+def test_zero_grad_clears_model_and_main_grads():
+    model = _half_model()
+    opt = tpamp.MixedPrecisionOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), grad_scaler=tpamp.ConstantGradScaler(1.0))
+    for p in model.parameters():
+        p.grad = torch.ones_like(p)
+    opt.step()
+    for p in model.parameters():
+        p.grad = torch.ones_like(p)
+    opt.zero_grad()
+    assert all(p.grad is None for p in model.parameters())
+    assert all(m.grad is None for g in opt.param_groups for m in g["params"])
+    for p in model.parameters():
+        p.grad = torch.ones_like(p)
+    opt.zero_grad(set_to_none=False)
+    assert all(torch.count_nonzero(p.grad) == 0 for p in model.parameters())
+
+
+def test_reload_model_params_copies_model_into_main():
+    model = _half_model()
+    opt = tpamp.MixedPrecisionOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), grad_scaler=tpamp.ConstantGradScaler(1.0))
+    with torch.no_grad():
+        for p in model.parameters():
+            p.fill_(0.25)
+    opt.reload_model_params()
+    assert all(torch.all(m == 0.25) for g in opt.param_groups for m in g["params"])
+
+
+def test_state_dict_has_megatron_keys_and_round_trips():
+    model = _half_model()
+    scaler = tpamp.DynamicGradScaler(initial_scale=8.0)
+    opt = tpamp.MixedPrecisionOptimizer(torch.optim.AdamW(model.parameters()), grad_scaler=scaler)
+    for p in model.parameters():
+        p.grad = torch.ones_like(p)
+    opt.step()
+    sd = opt.state_dict()
+    assert set(sd) == {"optimizer", "grad_scaler", "fp32_from_fp16_params"}
+    assert len(sd["fp32_from_fp16_params"]) == 1 and len(sd["fp32_from_fp16_params"][0]) == 4
+    assert set(sd["grad_scaler"]) >= {"scale", "growth_tracker", "hysteresis_tracker"}
+    other = _half_model(seed=9)
+    opt2 = tpamp.MixedPrecisionOptimizer(torch.optim.AdamW(other.parameters()), grad_scaler=tpamp.DynamicGradScaler(initial_scale=2.0))
+    opt2.load_state_dict(sd)
+    for a, b in zip(model.parameters(), other.parameters()):
+        assert torch.equal(a, b)
+    assert float(opt2.get_loss_scale()) == 8.0
+    bad = dict(sd, fp32_from_fp16_params=[sd["fp32_from_fp16_params"][0][:3]])
+    with pytest.raises(ValueError, match="3 main params"):
+        opt2.load_state_dict(bad)
+
+
+def test_scale_loss_multiplies_by_the_loss_scale_and_keeps_shape():
+    p = torch.nn.Parameter(torch.zeros(1, dtype=torch.float16))
+    opt = tpamp.MixedPrecisionOptimizer(torch.optim.SGD([p], lr=1.0), grad_scaler=tpamp.ConstantGradScaler(512.0))
+    loss = torch.tensor(0.5)
+    scaled = opt.scale_loss(loss)
+    assert scaled.shape == loss.shape and float(scaled) == 256.0
+
+
+def test_fp32_optimizer_clips_counts_and_skips():
+    p = torch.nn.Parameter(torch.zeros(4))
+    opt = tpamp.FP32Optimizer(torch.optim.SGD([p], lr=1.0), clip_grad=1.0, log_num_zeros_in_grad=True)
+    p.grad = torch.tensor([0.0, 3.0, 4.0, 0.0])
+    ok, norm, zeros = opt.step()
+    assert ok and norm == pytest.approx(5.0) and zeros == 2
+    torch.testing.assert_close(p.detach(), torch.tensor([0.0, -0.6, -0.8, 0.0]), rtol=1e-5, atol=1e-6)
+    assert opt.param_groups[0]["params"][0] is p
+    p.grad = torch.tensor([0.0, math.inf, 0.0, 0.0])
+    before = p.detach().clone()
+    assert tuple(opt.step()) == (False, None, None)
+    assert torch.equal(p.detach(), before)
