@@ -36,7 +36,7 @@ def test_jsonl_has_a_record_per_iteration_with_spec_fields(tmp_path):
     for r, (it, loss, scale, res) in zip(recs, steps):
         assert set(r) >= {"iteration", "loss", "lr", "loss_scale", "grad_norm", "num_zeros", "skipped", "nan"}
         assert r["skipped"] is (not res.update_successful)
-        assert r["grad_norm"] == res.grad_norm and r["num_zeros"] == res.num_zeros
+        assert r["grad_norm"] == res.grad_norm and r["num_zeros"] == res.num_zeros_in_grad
         assert r["loss_scale"] == scale and r["lr"] == 1e-3
         assert r["nan"] is (not math.isfinite(loss))
         assert r["loss"] == (loss if math.isfinite(loss) else None)
