@@ -310,10 +310,18 @@ def test_fp32_islands_train_through_mixed_precision_optimizer_without_master_cop
     for _ in range(4):
         loss = torch.nn.functional.mse_loss(model(x), y)
         opt.scale_loss(loss).backward()
+        # independent reference over ALL grads, fp32 island included (no TP: all count)
+        scale = opt.get_loss_scale().item()
+        grads = [p.grad.double() / scale for p in model.parameters()]
+        ref_norm = torch.cat([g.flatten() for g in grads]).norm().item()
+        ref_zeros = sum(int((g == 0).sum()) for g in grads)
+        island_norm = torch.cat([p.grad.double().flatten() / scale for p in m.head.parameters()]).norm()
+        assert island_norm > 0
         result = opt.step()
         opt.zero_grad()
         assert result.update_successful
-        assert result.grad_norm is not None and result.num_zeros_in_grad is not None
+        assert result.grad_norm == pytest.approx(ref_norm, rel=1e-5)
+        assert result.num_zeros_in_grad == ref_zeros
         losses.append(loss.item())
     assert losses[-1] < losses[0]
     assert m.norm.weight.dtype == torch.float32 and not torch.equal(m.norm.weight, norm_before)

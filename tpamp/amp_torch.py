@@ -1,0 +1,229 @@
+"""torch.amp (autocast + GradScaler) made safe for model parallelism.
+
+Under tensor or pipeline parallelism each rank holds different gradients. A plain
+``torch.amp.GradScaler`` checks only its own rank's grads, so when one TP rank overflows it
+skips its step while its peers step: the shards of one weight matrix diverge, and so do the loss
+scales. :class:`ModelParallelGradScaler` all-reduces ``found_inf`` over the model-parallel group
+before the skip decision, so every rank skips the same steps and keeps the same scale.
+
+Usage (what ``tpamp.initialize(..., fp16=dict(mode="torch"))`` builds)::
+
+    scaler = ModelParallelGradScaler("cuda", model_parallel_group=ps.model_parallel_group)
+    with torch.autocast("cuda", dtype=torch.float16):
+        loss = criterion(model(x), y)
+    scaler.scale(loss).backward()
+    scaler.step(optimizer)       # skipped on every rank if any rank overflowed
+    scaler.update()
+"""
+
+from __future__ import annotations
+
+from typing import Any, Dict, Optional
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from tpamp.grad_stats import (
+    clip_grad_by_total_norm_fp32,
+    count_zeros_fp32,
+    filter_grads_for_norm,
+    get_grad_norm_fp32,
+)
+from tpamp.optimizer import StepResult
+
+__all__ = ["ModelParallelGradScaler", "TorchAMPModel", "TorchAMPLoss", "TorchAMPOptimizer"]
+
+
+class ModelParallelGradScaler(torch.amp.GradScaler):
+    """A ``torch.amp.GradScaler`` whose inf/nan check is agreed over the model-parallel group.
+
+    Same algorithm, arguments and defaults as ``torch.amp.GradScaler`` (``init_scale=2**16``,
+    ``growth_factor=2``, ``backoff_factor=0.5``, ``growth_interval=2000``, ``enabled``): the
+    scale is multiplied by ``backoff_factor`` after a step with an inf/nan gradient (which is
+    skipped) and by ``growth_factor`` after ``growth_interval`` clean steps in a row. Gradient
+    accumulation, ``unscale_`` before clipping, several optimizers and ``state_dict`` work as in
+    torch.amp.
+
+    The one difference: when this rank's grads have been checked (in ``unscale_``, or in
+    ``step`` for optimizers that unscale themselves), the per-device ``found_inf`` flags
+    (``optimizer_state["found_inf_per_device"]``) are summed into one float32 flag on the
+    scale's device and all-reduced with MAX over ``model_parallel_group``; that flag replaces
+    the per-device ones, so ``step`` (skip or not) and ``update`` (back off or grow) decide
+    identically on every rank. Every rank of the group must call ``unscale_``/``step`` for
+    each optimizer, also a rank whose optimizer holds no grads (it contributes 0).
+
+    Args:
+        device: device type of the grads and the scale, e.g. "cuda" or "cpu".
+        model_parallel_group: the TP x PP group (``ParallelState.model_parallel_group``);
+            None means no reduction (then it behaves exactly like torch.amp.GradScaler).
+    """
+
+    def __init__(
+        self,
+        device: str = "cuda",
+        init_scale: float = 2.0**16,
+        growth_factor: float = 2.0,
+        backoff_factor: float = 0.5,
+        growth_interval: int = 2000,
+        enabled: bool = True,
+        *,
+        model_parallel_group: Optional[dist.ProcessGroup] = None,
+    ):
+        super().__init__(
+            device,
+            init_scale=init_scale,
+            growth_factor=growth_factor,
+            backoff_factor=backoff_factor,
+            growth_interval=growth_interval,
+            enabled=enabled,
+        )
+        self.model_parallel_group = model_parallel_group
+
+    def _unscale_grads_(self, optimizer, inv_scale, found_inf, allow_fp16):
+        # torch.amp calls this from unscale_ and from _check_inf_per_device (optimizers with
+        # _step_supports_amp_scaling); both feed step()'s skip decision and update().
+        per_device = super()._unscale_grads_(optimizer, inv_scale, found_inf, allow_fp16)
+        if self.model_parallel_group is None:
+            return per_device
+        combined = torch.zeros((), dtype=torch.float32, device=found_inf.device)
+        for flag in per_device.values():
+            combined += flag.to(combined.device)
+        dist.all_reduce(combined, op=dist.ReduceOp.MAX, group=self.model_parallel_group)
+        return {combined.device: combined}
+
+    def found_inf(self, optimizer: torch.optim.Optimizer) -> torch.Tensor:
+        """This iteration's found_inf for ``optimizer`` (0-dim float32, > 0 when any rank of
+        the group overflowed), after ``unscale_``/``step``. Raises RuntimeError before."""
+        per_device = self._per_optimizer_states[id(optimizer)]["found_inf_per_device"]
+        if not per_device:
+            raise RuntimeError("found_inf is known only after unscale_(optimizer) or step()")
+        flags = [f.to(self._scale.device) for f in per_device.values()]
+        return torch.stack(flags).sum()
+
+
+class TorchAMPModel(nn.Module):
+    """Runs ``model``'s forward under ``torch.autocast(device_type, dtype)`` (Colossal-AI's
+    TorchAMPModel). Params stay fp32; outputs are in whatever dtype autocast produced."""
+
+    def __init__(self, model: nn.Module, device_type: str, dtype: torch.dtype = torch.float16,
+                 enabled: bool = True):
+        super().__init__()
+        self.model = model
+        self.device_type = device_type
+        self.dtype = dtype
+        self.enabled = enabled
+
+    def forward(self, *args, **kwargs):
+        with torch.autocast(self.device_type, dtype=self.dtype, enabled=self.enabled):
+            return self.model(*args, **kwargs)
+
+
+class TorchAMPLoss(nn.Module):
+    """Calls ``criterion`` under autocast (Colossal-AI's TorchAMPLoss); autocast runs losses such
+    as cross_entropy in fp32."""
+
+    def __init__(self, criterion, device_type: str, dtype: torch.dtype = torch.float16,
+                 enabled: bool = True):
+        super().__init__()
+        self.criterion = criterion
+        self.device_type = device_type
+        self.dtype = dtype
+        self.enabled = enabled
+
+    def forward(self, *args, **kwargs):
+        with torch.autocast(self.device_type, dtype=self.dtype, enabled=self.enabled):
+            return self.criterion(*args, **kwargs)
+
+
+class TorchAMPOptimizer:
+    """A torch optimizer driven by a :class:`ModelParallelGradScaler`, with the interface of
+    :class:`tpamp.MixedPrecisionOptimizer` (``scale_loss``, ``step() -> StepResult``,
+    ``zero_grad``, ``get_loss_scale``, ``state_dict``), so loops work the same in each mode.
+
+    ``step()``: ``scaler.unscale_`` (grads of every rank checked, found_inf all-reduced over
+    the model-parallel group); if no rank overflowed, the grad norm over ``grad_stats_group``
+    (TP duplicates counted once, as :func:`tpamp.get_grad_norm_fp32`), clipping when
+    ``clip_grad > 0`` and the zero count when ``log_num_zeros_in_grad``; then ``scaler.step``
+    and ``scaler.update``. Returns ``StepResult(update_successful, grad_norm, num_zeros)``
+    ((False, None, None) for a skipped step). Gradient accumulation: call ``backward`` (or
+    ``scale_loss(loss).backward()``) for each micro-batch, then ``step()`` once.
+    """
+
+    def __init__(
+        self,
+        optimizer: torch.optim.Optimizer,
+        scaler: ModelParallelGradScaler,
+        *,
+        clip_grad: float = 0.0,
+        norm_type: float = 2.0,
+        log_num_zeros_in_grad: bool = False,
+        grad_stats_group=None,
+        tensor_parallel_group=None,
+    ):
+        self.optimizer = optimizer
+        self.scaler = scaler
+        self.clip_grad = float(clip_grad)
+        self.norm_type = float(norm_type)
+        self.log_num_zeros_in_grad = bool(log_num_zeros_in_grad)
+        self.grad_stats_group = grad_stats_group
+        self.tensor_parallel_group = tensor_parallel_group
+
+    @property
+    def param_groups(self):
+        return self.optimizer.param_groups
+
+    @property
+    def state(self):
+        return self.optimizer.state
+
+    def _params(self):
+        return [p for g in self.optimizer.param_groups for p in g["params"]]
+
+    def get_loss_scale(self) -> torch.Tensor:
+        """The loss scale as a float32 tensor of shape [1] (1.0 when disabled)."""
+        scale = self.scaler._get_scale_async() if self.scaler.is_enabled() else None
+        if scale is None:
+            return torch.tensor([self.scaler.get_scale()], dtype=torch.float32)
+        return scale.reshape(1)
+
+    def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
+        return self.scaler.scale(loss)
+
+    def backward(self, loss: torch.Tensor) -> None:
+        self.scaler.scale(loss).backward()
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self.optimizer.zero_grad(set_to_none=set_to_none)
+
+    def step(self) -> StepResult:
+        if not self.scaler.is_enabled():
+            found = False
+        else:
+            self.scaler.unscale_(self.optimizer)
+            found = bool(self.scaler.found_inf(self.optimizer).item() > 0)
+        grad_norm = num_zeros = None
+        if not found:
+            params = self._params()
+            grads = filter_grads_for_norm(params, self.tensor_parallel_group)
+            total = get_grad_norm_fp32(grads, self.norm_type, self.grad_stats_group)
+            if self.clip_grad > 0:
+                clip_grad_by_total_norm_fp32(params, self.clip_grad, total)
+            if self.log_num_zeros_in_grad:
+                num_zeros = int(
+                    count_zeros_fp32(params, self.grad_stats_group, self.tensor_parallel_group)
+                )
+            grad_norm = float(total)
+        self.scaler.step(self.optimizer)  # skips by itself on the same (all-reduced) flag
+        self.scaler.update()
+        if found:
+            return StepResult(False, None, None)
+        return StepResult(True, grad_norm, num_zeros)
+
+    def state_dict(self) -> Dict[str, Any]:
+        return {"optimizer": self.optimizer.state_dict(), "grad_scaler": self.scaler.state_dict()}
+
+    def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
+        self.optimizer.load_state_dict(state_dict["optimizer"])
+        if state_dict.get("grad_scaler"):
+            self.scaler.load_state_dict(state_dict["grad_scaler"])
