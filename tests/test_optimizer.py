@@ -204,3 +204,40 @@ def test_fp32_optimizer_clips_counts_and_skips():
     before = p.detach().clone()
     assert tuple(opt.step()) == (False, None, None)
     assert torch.equal(p.detach(), before)
+
+
+def _trace(sync_free, steps=8):
+    torch.manual_seed(0)
+    model = _half_model()
+    opt = tpamp.MixedPrecisionOptimizer(
+        torch.optim.AdamW(model.parameters(), lr=1e-2, fused=True),
+        grad_scaler=tpamp.DynamicGradScaler(initial_scale=64.0, growth_interval=2, hysteresis=1),
+        clip_grad=0.3, log_num_zeros_in_grad=True, sync_free=sync_free,
+    )
+    g = torch.Generator().manual_seed(3)
+    out = []
+    for it in range(steps):
+        x = torch.randn(5, 6, generator=g).half()
+        loss = model(x).float().pow(2).mean()
+        opt.scale_loss(loss).backward()
+        if it in (2, 5):
+            model[0].weight.grad[0, 0] = math.inf
+        ok, norm, zeros = opt.step()
+        opt.zero_grad()
+        out.append((bool(ok), None if not ok else float(norm), None if not ok else int(zeros),
+                    float(opt.get_loss_scale())))
+    return out, [p.detach().clone() for p in model.parameters()]
+
+
+def test_sync_free_step_matches_the_synchronous_step():
+    want, want_params = _trace(False)
+    got, got_params = _trace(True)
+    assert [r[0] for r in want].count(False) == 2
+    assert got == want
+    assert all(torch.equal(a, b) for a, b in zip(got_params, want_params))
+
+
+def test_sync_free_needs_a_fused_inner_optimizer():
+    p = torch.nn.Parameter(torch.zeros(2, dtype=torch.bfloat16))
+    with pytest.raises(ValueError, match="sync_free=True needs"):
+        tpamp.MixedPrecisionOptimizer(torch.optim.AdamW([p]), sync_free=True)

@@ -22,3 +22,22 @@ from tpamp.grad_stats import (
 from tpamp.optimizer import FP32Optimizer, MixedPrecisionOptimizer, StepResult
 from tpamp import parallel
 from tpamp.logger import TrainingLogger
+from tpamp.model import (
+    NaiveAMPModel,
+    TF32Flags,
+    module_has_fp32_attr,
+    parse_dtype,
+    set_fp32_attr_to_module,
+    tf32_enabled,
+)
+from tpamp.functional import residual_add, scale_mask_softmax, vocab_parallel_cross_entropy
+from tpamp.amp_torch import ModelParallelGradScaler, TorchAMPLoss, TorchAMPModel, TorchAMPOptimizer
+from tpamp.initialize import (
+    AMPComponents,
+    ApexAMPConfig,
+    ApexAMPOptimizer,
+    ParallelAMPConfig,
+    TorchAMPConfig,
+    initialize,
+    parse_amp_config,
+)

@@ -189,26 +189,26 @@ def _grad_stats_torch(
     else:
         targets = grads
     if targets and (check_finite or scale is not None):
-        inv = scale if scale is not None else torch.ones(1, dtype=torch.float32, device=device)
-        # Checks every element for inf/nan and multiplies by inv (a no-op multiply when 1.0).
+        one = torch.ones(1, dtype=torch.float32, device=device)
         by_dtype = {}
         for t in targets:
             by_dtype.setdefault(t.dtype, []).append(t)
         for ts in by_dtype.values():
-            torch._amp_foreach_non_finite_check_and_unscale_(ts, found_inf, inv.reshape(1))
+            if scale is not None:
+                # multiply first, then check the values written: a scale > 1 may overflow
+                torch._foreach_mul_(ts, scale.reshape(()))
+            torch._amp_foreach_non_finite_check_and_unscale_(ts, found_inf, one)
 
     counted = targets if norm_mask is None else [t for t, m in zip(targets, norm_mask) if m]
     norm_stat = None
     if norm_type is not None:
-        if counted:
-            norms = torch._foreach_norm(counted, norm_type, dtype=torch.float32)
-            stacked = torch.stack(norms)
-            if norm_type == math.inf:
-                norm_stat = stacked.max()
-            else:
-                norm_stat = (stacked.double() ** norm_type).sum().float()
-        else:
+        norms = _norms(counted, norm_type)
+        if norms is None:
             norm_stat = torch.zeros((), dtype=torch.float32, device=device)
+        elif norm_type == math.inf:
+            norm_stat = norms.max()
+        else:
+            norm_stat = (norms.double() ** norm_type).sum().float()
     num_zeros = None
     if count_zeros:
         num_zeros = torch.zeros((), dtype=torch.int64, device=device)
@@ -217,11 +217,20 @@ def _grad_stats_torch(
     pt = None
     if per_tensor:
         p = 2.0 if norm_type is None else norm_type
-        if targets:
-            pt = torch.stack(torch._foreach_norm(targets, p, dtype=torch.float32))
-        else:
-            pt = torch.zeros(0, dtype=torch.float32, device=device)
+        pt = torch.zeros(len(targets), dtype=torch.float32, device=device)
+        nonempty = [i for i, t in enumerate(targets) if t.numel() > 0]
+        if nonempty:
+            pt[nonempty] = _norms([targets[i] for i in nonempty], p)
     return GradStats(found_inf, norm_stat, num_zeros, pt)
+
+
+def _norms(tensors, p: float) -> Optional[Tensor]:
+    """float32 [n] p-norms of the non-empty tensors (None if there are none): _foreach_norm
+    rejects empty tensors for p = inf, and an empty tensor contributes 0 to any norm."""
+    tensors = [t for t in tensors if t.numel() > 0]
+    if not tensors:
+        return None
+    return torch.stack(torch._foreach_norm(tensors, p, dtype=torch.float32))
 
 
 def _grad_stats_ext(grads, out, scale, norm_mask, norm_type, count_zeros, per_tensor):
@@ -236,7 +245,11 @@ def _grad_stats_ext(grads, out, scale, norm_mask, norm_type, count_zeros, per_te
         norm_stat = amax if norm_type == math.inf else sumsq
     if per_tensor and norm_type == math.inf:
         # The kernel reports per-tensor L2 norms only; the inf case is rare enough to recompute.
-        pt = torch.stack(torch._foreach_norm(out if out is not None else grads, math.inf, dtype=torch.float32))
+        targets = out if out is not None else grads
+        pt = torch.zeros(len(targets), dtype=torch.float32, device=targets[0].device)
+        nonempty = [i for i, t in enumerate(targets) if t.numel() > 0]
+        if nonempty:
+            pt[nonempty] = _norms([targets[i] for i in nonempty], math.inf)
     return GradStats(found_inf, norm_stat, zeros if count_zeros else None, pt if per_tensor else None)
 
 
@@ -267,7 +280,9 @@ def scale_and_copy(
     if in_place:
         torch._foreach_mul_(dsts, scale.reshape(()))
     else:
-        torch._foreach_copy_(dsts, torch._foreach_mul(srcs, scale.reshape(())))
+        # multiply in fp32 (not in the source's half precision), then cast on the copy
+        wide = [s if s.dtype == torch.float32 else s.float() for s in srcs]
+        torch._foreach_copy_(dsts, torch._foreach_mul(wide, scale.reshape(())))
 
 
 def dynamic_scaler_update_(

@@ -29,6 +29,7 @@ from tpamp import ops
 from tpamp.grad_scaler import MegatronGradScaler
 from tpamp.grad_stats import (
     _check_group,
+    clip_coefficient,
     _check_norm_type,
     _tp_rank,
     collective_device,
@@ -96,6 +97,12 @@ class MixedPrecisionOptimizer:
             ``tpamp.parallel.ParallelState.model_parallel_group``); None: no reduction.
         tensor_parallel_group: the TP group, to count replicated params on TP rank 0 only.
         skip_nonfinite: without a scaler, still skip steps with non-finite grads (default).
+        sync_free: never read the device in step(): the skip is decided on the device by a
+            fused inner optimizer (``fused=True``; it receives ``found_inf`` as torch.amp's
+            GradScaler passes it), the clip coefficient is computed on the device, and
+            StepResult holds device tensors (update_successful: bool 0-dim, grad_norm: float32
+            0-dim, num_zeros_in_grad: int64 0-dim or None). The min-scale stall is then not
+            checked in step (read ``grad_scaler._overflow_at_min_scale()`` when convenient).
 
     Raises:
         TypeError: optimizer is not a torch.optim.Optimizer, or a param has a dtype other than
@@ -115,6 +122,7 @@ class MixedPrecisionOptimizer:
         grad_stats_group=None,
         tensor_parallel_group=None,
         skip_nonfinite: bool = True,
+        sync_free: bool = False,
     ):
         if not isinstance(optimizer, torch.optim.Optimizer):
             raise TypeError(
@@ -142,6 +150,13 @@ class MixedPrecisionOptimizer:
         self.grad_stats_group = grad_stats_group
         self.tensor_parallel_group = tensor_parallel_group
         self.skip_nonfinite = bool(skip_nonfinite)
+        self.sync_free = bool(sync_free)
+        if self.sync_free and not getattr(optimizer, "_step_supports_amp_scaling", False):
+            raise ValueError(
+                f"sync_free=True needs an inner optimizer that skips on a device found_inf "
+                f"(fused=True Adam/AdamW/SGD); got {type(optimizer).__name__} without "
+                "_step_supports_amp_scaling"
+            )
         self._tp_rank = _tp_rank(tensor_parallel_group)
 
         # (model param, main param) for each fp16/bf16 param, per group; fp32 params per group
@@ -214,6 +229,10 @@ class MixedPrecisionOptimizer:
         """loss * loss_scale, keeping loss's shape; call ``.backward()`` on the result."""
         return loss * self.get_loss_scale().reshape(())
 
+    def backward(self, loss: Tensor) -> None:
+        """``scale_loss(loss).backward()`` (apex's ``optimizer.backward(loss)`` spelling)."""
+        self.scale_loss(loss).backward()
+
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Clear the grads of model params and main params (``main_grad`` buffers belong to the
         data-parallel wrapper that attached them and are left alone, as in Megatron-LM)."""
@@ -261,8 +280,11 @@ class MixedPrecisionOptimizer:
         if self.grad_scaler is not None:
             self.grad_scaler.update(found_inf)
             at_min = self.grad_scaler._overflow_at_min_scale()
+        if self.sync_free:
+            return self._finish_on_device(found_inf, norm_stat, num_zeros, all_main, finite_p)
+        norm = self._root(norm_stat, finite_p)
         # The one host read of the step: found_inf, norm and zeros together.
-        parts = [found_inf.reshape(1).double(), norm_stat.reshape(1).double()]
+        parts = [found_inf.reshape(1).double(), norm.reshape(1).double()]
         if num_zeros is not None:
             parts.append(num_zeros.reshape(1).double())
         if at_min is not None:
@@ -274,19 +296,42 @@ class MixedPrecisionOptimizer:
         if found and (self.grad_scaler is not None or self.skip_nonfinite):
             return StepResult(False, None, None)
 
-        grad_norm = host[1] ** (1.0 / self.norm_type) if finite_p else host[1]
-        if self.clip_grad > 0.0 and all_main:
-            coeff = self.clip_grad / (grad_norm + 1.0e-6)
-            if math.isfinite(grad_norm) and coeff < 1.0:
-                ops.scale_and_copy(
-                    all_main, all_main, torch.tensor([coeff], dtype=torch.float32, device=self._device)
-                )
+        grad_norm = host[1]
+        if self.clip_grad > 0.0 and all_main and math.isfinite(grad_norm):
+            if self.clip_grad / (grad_norm + 1.0e-6) < 1.0:  # Megatron: clip only when < 1
+                ops.scale_and_copy(all_main, all_main, clip_coefficient(self.clip_grad, norm))
         zeros = int(round(host[2])) if num_zeros is not None else None
 
         self.optimizer.step()
         mains, models = self._pair_locals()
         ops.scale_and_copy(mains, models)
         return StepResult(True, float(grad_norm), zeros)
+
+    def _root(self, norm_stat: Tensor, finite_p: bool) -> Tensor:
+        """Reduced norm statistic -> norm, float32 on the device (p-th root taken in float64)."""
+        if not finite_p:
+            return norm_stat.float()
+        return norm_stat.double().pow(1.0 / self.norm_type).float()
+
+    def _finish_on_device(self, found_inf, norm_stat, num_zeros, all_main, finite_p):
+        """Steps 5-9 with no host read: the fused inner optimizer skips on found_inf itself."""
+        norm = self._root(norm_stat, finite_p).reshape(())
+        if self.clip_grad > 0.0 and all_main:
+            # non-finite norm -> coefficient 1: a skipped step never turns grads into nan
+            ops.scale_and_copy(all_main, all_main, clip_coefficient(self.clip_grad, norm))
+        skip = found_inf.reshape(()).float()
+        if self.grad_scaler is None and not self.skip_nonfinite:
+            skip = torch.zeros_like(skip)
+        inner = self.optimizer
+        inner.found_inf, inner.grad_scale = skip, None
+        try:
+            inner.step()
+        finally:
+            del inner.found_inf, inner.grad_scale
+        mains, models = self._pair_locals()
+        ops.scale_and_copy(mains, models)
+        zeros = num_zeros.reshape(()).to(torch.int64) if num_zeros is not None else None
+        return StepResult(skip == 0, norm, zeros)
 
     def _collect_grads(self):
         """Step 1: point main params at their gradient buffers. Returns the fused pass's inputs
