@@ -1,0 +1,63 @@
+"""tpamp.parallel: Megatron rank order (TP fastest, then DP, then PP) and its groups."""
+
+import pytest
+import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+
+from tpamp.parallel import ParallelDims, initialize_model_parallel
+
+from dist_utils import run_workers
+
+# Megatron-LM's parallel_state for world 8, TP=2, PP=2 (DP=2), written out by hand.
+MEGATRON_8 = {
+    "tp": [[0, 1], [2, 3], [4, 5], [6, 7]],
+    "dp": [[0, 2], [1, 3], [4, 6], [5, 7]],
+    "pp": [[0, 4], [1, 5], [2, 6], [3, 7]],
+    "mp": [[0, 1, 4, 5], [2, 3, 6, 7]],
+    "emb": [[0, 4], [1, 5], [2, 6], [3, 7]],
+}
+
+
+def _groups(rank, world, use_mesh):
+    if use_mesh:
+        mesh = init_device_mesh("cpu", (2, 2, 2), mesh_dim_names=("pp", "dp", "tp"))
+        st = initialize_model_parallel(mesh=mesh)
+    else:
+        st = initialize_model_parallel(2, 2)
+    ranks = dist.get_process_group_ranks
+    return {
+        "tp": ranks(st.tp_group), "dp": ranks(st.dp_group), "pp": ranks(st.pp_group),
+        "mp": ranks(st.model_parallel_group), "emb": ranks(st.embedding_group),
+        "coords": (st.pp_rank, st.dp_rank, st.tp_rank), "pp_ranks": st.pp_ranks,
+        "first": st.is_first_stage, "last": st.is_last_stage,
+    }
+
+
+@pytest.mark.parametrize("use_mesh", [False, True])
+def test_groups_follow_megatron_rank_order(use_mesh):
+    results = run_workers(_groups, 8, use_mesh)
+    for rank, got in enumerate(results):
+        for name, lists in MEGATRON_8.items():
+            mine = [g for g in lists if rank in g]
+            assert sorted(got[name]) == mine[0], (rank, name, got[name])
+        assert got["coords"] == (rank // 4, (rank // 2) % 2, rank % 2)
+        assert got["pp_ranks"] == [rank % 4, rank % 4 + 4]
+        assert got["first"] == (rank < 4) and got["last"] == (rank >= 4)
+
+
+def _bad_mesh(rank, world):
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    with pytest.raises(ValueError, match=r"mesh dim names must be \('pp', 'dp', 'tp'\)"):
+        initialize_model_parallel(mesh=mesh)
+    return True
+
+
+def test_mesh_with_other_dim_names_is_rejected():
+    assert all(run_workers(_bad_mesh, 4))
+
+
+def test_layout_that_does_not_multiply_out_names_the_numbers():
+    with pytest.raises(ValueError, match=r"tp \* pp \* dp = 2 \* 2 \* 3 = 12 does not equal world_size 8"):
+        ParallelDims(tp=2, pp=2, dp=3, world_size=8)
+    with pytest.raises(ValueError, match="world_size 6 is not divisible by tp \\* pp = 2 \\* 2 = 4"):
+        ParallelDims(tp=2, pp=2, world_size=6)
