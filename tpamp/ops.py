@@ -39,6 +39,11 @@ def _load_extension():
     global _ext, _ext_error
     if _ext is not None or _ext_error is not None:
         return _ext
+    if not torch.version.cuda:
+        # A CPU (or ROCm) torch cannot load a CUDA extension; a stale tpamp._C built in the
+        # same tree by a CUDA torch is not an error here, so no warning.
+        _ext_error = f"torch {torch.__version__} is not a CUDA build"
+        return None
     try:
         from tpamp import _C  # noqa: F401  (registers torch.ops.tpamp.*)
 
@@ -236,6 +241,14 @@ def _norms(tensors, p: float) -> Optional[Tensor]:
 def _grad_stats_ext(grads, out, scale, norm_mask, norm_type, count_zeros, per_tensor):
     # Contract of torch.ops.tpamp.grad_stats (csrc/): see SPEC.md section 4. Returns
     # (found_inf [1] f32, sumsq [] f32, amax [] f32, zeros [] i64, per_tensor [n] f32).
+    # The kernel walks contiguous memory only; other layouts (rare for grads) take the
+    # PyTorch path, which gives the same results.
+    if not all(t.is_contiguous() for t in grads) or (
+        out is not None and not all(o.is_contiguous() for o in out)
+    ):
+        return _grad_stats_torch(
+            grads, out, scale, norm_mask, norm_type, count_zeros, per_tensor, True, grads[0].device
+        )
     mask = [True] * len(grads) if norm_mask is None else norm_mask
     found_inf, sumsq, amax, zeros, pt = _ext.grad_stats(
         grads, out if out is not None else [], scale, mask, bool(count_zeros), bool(per_tensor)
@@ -245,11 +258,12 @@ def _grad_stats_ext(grads, out, scale, norm_mask, norm_type, count_zeros, per_te
         norm_stat = amax if norm_type == math.inf else sumsq
     if per_tensor and norm_type == math.inf:
         # The kernel reports per-tensor L2 norms only; the inf case is rare enough to recompute.
+        # Built with stack (no index tensor made on the host, so no host-to-device copy).
         targets = out if out is not None else grads
-        pt = torch.zeros(len(targets), dtype=torch.float32, device=targets[0].device)
-        nonempty = [i for i, t in enumerate(targets) if t.numel() > 0]
-        if nonempty:
-            pt[nonempty] = _norms([targets[i] for i in nonempty], math.inf)
+        nonempty = [t for t in targets if t.numel() > 0]
+        norms = iter(torch._foreach_norm(nonempty, math.inf, dtype=torch.float32) if nonempty else ())
+        zero = found_inf.new_zeros(())
+        pt = torch.stack([next(norms) if t.numel() > 0 else zero for t in targets])
     return GradStats(found_inf, norm_stat, zeros if count_zeros else None, pt if per_tensor else None)
 
 
@@ -269,7 +283,11 @@ def scale_and_copy(
         return
     _check_list("srcs", srcs)
     _check_list("dsts", dsts)
-    if _use_ext(srcs) and hasattr(_ext, "scale_and_copy"):
+    if (
+        _use_ext(srcs)
+        and hasattr(_ext, "scale_and_copy")
+        and all(s.is_contiguous() and d.is_contiguous() for s, d in zip(srcs, dsts))
+    ):
         _ext.scale_and_copy(srcs, dsts, scale)
         return
     in_place = all(s is d for s, d in zip(srcs, dsts))
@@ -306,7 +324,8 @@ def dynamic_scaler_update_(
     """
     if scale.is_cuda and _load_extension() is not None and hasattr(_ext, "dynamic_scaler_update_") and not _force_fallback:
         _ext.dynamic_scaler_update_(
-            scale, growth_tracker, hysteresis_tracker, found_inf.reshape(1).to(torch.float32),
+            scale, growth_tracker, hysteresis_tracker,
+            found_inf.reshape(1).to(device=scale.device, dtype=torch.float32),
             float(growth_factor), float(backoff_factor), int(growth_interval), int(hysteresis),
             float(min_scale), float(max_scale) if max_scale is not None else math.inf,
             bool(consecutive_hysteresis),
