@@ -1,0 +1,255 @@
+"""A small GPT (decoder-only transformer), cut into pipeline stages, with a tensor-parallel plan.
+
+Example code for scripts/train_gpt.py, not library code. One :class:`GPTStage` holds the layers
+of one pipeline stage:
+
+- first stage: token embedding ``wte`` [V, H] and position embedding ``wpe`` [T, H];
+- every stage: its slice of the transformer blocks (pre-LayerNorm, causal self-attention, MLP);
+- last stage: the final LayerNorm and the output head. The head is tied to the word embedding
+  as in Megatron-LM: with one stage it *is* ``wte.weight``; with several, the last stage holds
+  its own copy ``head_weight`` [V, H], marked ``shared = True``, that the trainer initialises
+  from the first stage and keeps identical by summing the two copies' grads over the
+  embedding group before every optimizer step.
+
+Tensor parallelism (:func:`tensor_parallel_plan`) follows Megatron's split, in PyTorch's own
+``torch.distributed.tensor.parallel``: the fused q/k/v linear (rows grouped by head) and the
+first MLP linear are column-parallel (each
+TP rank holds ``n_head / tp`` heads and ``4H / tp`` MLP features), the attention output and the
+second MLP linear are row-parallel (their outputs are summed over the TP group). Embeddings,
+LayerNorms and the head stay replicated plain tensors, so a stage's input and output
+activations are plain, identical tensors on every TP rank: [B, T, H] in the model dtype.
+
+Half precision on CPU: CPUs without AVX512-FP16/BF16 have no fast fp16/bf16 GEMM (here a
+[1024, 256] x [256, 512] matmul is ~45x slower in fp16 than in fp32). With
+``cfg.cpu_matmul_in_fp32`` (the default) every matmul and attention whose inputs are fp16/bf16
+CPU tensors runs in fp32 and its output is rounded back to the half dtype: params, activations
+and gradients are still stored in fp16/bf16 (so overflow in a gradient still gives inf, which is
+what loss scaling handles), only the accumulation is fp32 -- as on a GPU's tensor cores. CUDA
+tensors always use the native half-precision kernels.
+
+Initialisation is seeded per layer (:meth:`GPTStage.init_weights`), so the full model is the same
+whatever the TP x PP layout: block ``i`` gets the same weights on whichever stage it lands.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+
+@dataclass
+class GPTConfig:
+    vocab_size: int = 256  # byte-level tokens
+    seq_length: int = 128  # T, also the size of the position embedding
+    hidden_size: int = 256  # H
+    num_layers: int = 4
+    num_attention_heads: int = 8
+    cpu_matmul_in_fp32: bool = True  # see the module docstring
+
+    def __post_init__(self):
+        if self.hidden_size % self.num_attention_heads != 0:
+            raise ValueError(
+                f"hidden_size {self.hidden_size} is not divisible by "
+                f"num_attention_heads {self.num_attention_heads}"
+            )
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_attention_heads
+
+
+_HALF = (torch.float16, torch.bfloat16)
+
+
+def _in_fp32(x: torch.Tensor, enabled: bool) -> bool:
+    """Run this op in fp32? Only for fp16/bf16 CPU tensors and when enabled."""
+    return enabled and x.dtype in _HALF and x.device.type == "cpu"
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias=None, cpu_in_fp32: bool = True):
+    """F.linear; for half-precision CPU inputs computed in fp32 and returned in x.dtype."""
+    if _in_fp32(x, cpu_in_fp32):
+        b = bias.float() if bias is not None else None
+        return F.linear(x.float(), weight.float(), b).to(x.dtype)
+    return F.linear(x, weight, bias)
+
+
+class Linear(nn.Linear):
+    """nn.Linear (so the TP styles accept it) that uses :func:`linear`."""
+
+    def __init__(self, in_features: int, out_features: int, cpu_in_fp32: bool = True):
+        super().__init__(in_features, out_features)
+        self.cpu_in_fp32 = cpu_in_fp32
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return linear(x, self.weight, self.bias, self.cpu_in_fp32)
+
+
+class CausalSelfAttention(nn.Module):
+    def __init__(self, cfg: GPTConfig):
+        super().__init__()
+        h, f = cfg.hidden_size, cfg.cpu_matmul_in_fp32
+        self.head_dim = cfg.head_dim
+        self.cpu_in_fp32 = f
+        # One fused [3H, H] q/k/v weight whose rows are grouped by head (Megatron's layout:
+        # head 0's q, k, v, then head 1's, ...), so that a column split over TP ranks hands
+        # each rank whole heads, and the TP all-reduce of the input grad happens once, not 3x.
+        self.qkv = Linear(h, 3 * h, f)
+        self.proj = Linear(h, h, f)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x: [B, T, H] -> [B, T, H]. Under TP, qkv gives [B, T, 3H/tp]: this rank's heads."""
+        b, t, _ = x.shape
+        # -1: the number of heads held here (n_head / tp under tensor parallelism)
+        qkv = self.qkv(x).view(b, t, -1, 3, self.head_dim)
+        q, k, v = (z.transpose(1, 2) for z in qkv.unbind(dim=3))  # [B, heads, T, head_dim]
+        if _in_fp32(q, self.cpu_in_fp32):
+            y = F.scaled_dot_product_attention(q.float(), k.float(), v.float(), is_causal=True)
+            y = y.to(q.dtype)
+        else:
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        y = y.transpose(1, 2).reshape(b, t, -1)
+        return self.proj(y)
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: GPTConfig):
+        super().__init__()
+        h, f = cfg.hidden_size, cfg.cpu_matmul_in_fp32
+        self.fc1 = Linear(h, 4 * h, f)
+        self.fc2 = Linear(4 * h, h, f)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc2(F.gelu(self.fc1(x), approximate="tanh"))
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: GPTConfig):
+        super().__init__()
+        self.ln_1 = nn.LayerNorm(cfg.hidden_size)
+        self.attn = CausalSelfAttention(cfg)
+        self.ln_2 = nn.LayerNorm(cfg.hidden_size)
+        self.mlp = MLP(cfg)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.ln_1(x))
+        return x + self.mlp(self.ln_2(x))
+
+
+def stage_layers(num_layers: int, pp_size: int, pp_rank: int) -> range:
+    """Global indices of the blocks on pipeline stage ``pp_rank`` (an even split)."""
+    if num_layers % pp_size != 0:
+        raise ValueError(f"num_layers {num_layers} is not divisible by pipeline size {pp_size}")
+    per = num_layers // pp_size
+    return range(pp_rank * per, (pp_rank + 1) * per)
+
+
+class GPTStage(nn.Module):
+    """The part of the GPT on one pipeline stage (see the module docstring).
+
+    forward(x): on the first stage x is token ids [B, T] int64, otherwise the previous stage's
+    activation [B, T, H] (model dtype). Returns the activation [B, T, H] for the next stage, or
+    on the last stage the logits [B, T, V] (model dtype).
+    """
+
+    def __init__(self, cfg: GPTConfig, pp_size: int = 1, pp_rank: int = 0):
+        super().__init__()
+        self.cfg = cfg
+        self.is_first = pp_rank == 0
+        self.is_last = pp_rank == pp_size - 1
+        self.layer_ids = list(stage_layers(cfg.num_layers, pp_size, pp_rank))
+        if self.is_first:
+            self.wte = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+            self.wpe = nn.Embedding(cfg.seq_length, cfg.hidden_size)
+        self.blocks = nn.ModuleList(Block(cfg) for _ in self.layer_ids)
+        if self.is_last:
+            self.ln_f = nn.LayerNorm(cfg.hidden_size)
+            if not self.is_first:
+                # The last stage's copy of the word embedding, used as the output head.
+                self.head_weight = nn.Parameter(torch.empty(cfg.vocab_size, cfg.hidden_size))
+                self.head_weight.shared = True
+
+    def output_head_weight(self) -> torch.Tensor:
+        """The [V, H] weight of the output head: wte.weight itself, or the tied copy."""
+        return self.wte.weight if self.is_first else self.head_weight
+
+    def word_embedding_weight(self):
+        """The weight to keep identical across the embedding group (None in middle stages)."""
+        if self.is_first:
+            return self.wte.weight
+        if self.is_last:
+            return self.head_weight
+        return None
+
+    @torch.no_grad()
+    def init_weights(self, seed: int) -> None:
+        """GPT-2 init (normal std 0.02; residual projections 0.02/sqrt(2L); zero biases; unit
+        LayerNorm), each module from its own seeded generator so the result does not depend on
+        the pipeline split. The last stage's head copy gets the same values as ``wte``."""
+        std = 0.02
+        proj_std = std / math.sqrt(2 * self.cfg.num_layers)
+
+        def gen(k: int) -> torch.Generator:
+            return torch.Generator().manual_seed(seed * 1_000_003 + k)
+
+        def normal_(t: torch.Tensor, s: float, g: torch.Generator) -> None:
+            t.copy_(torch.randn(t.shape, generator=g) * s)
+
+        if self.is_first:
+            normal_(self.wte.weight, std, gen(0))
+            normal_(self.wpe.weight, std, gen(1))
+        if self.is_last and not self.is_first:
+            normal_(self.head_weight, std, gen(0))  # the same stream as wte
+        for i, block in zip(self.layer_ids, self.blocks):
+            g = gen(100 + i)
+            for name, lin in (
+                ("qkv", block.attn.qkv), ("proj", block.attn.proj),
+                ("fc1", block.mlp.fc1), ("fc2", block.mlp.fc2),
+            ):
+                normal_(lin.weight, proj_std if name in ("proj", "fc2") else std, g)
+                lin.bias.zero_()
+        for m in self.modules():
+            if isinstance(m, nn.LayerNorm):
+                m.weight.fill_(1.0)
+                m.bias.zero_()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.is_first:
+            t = x.shape[1]
+            pos = torch.arange(t, device=x.device)
+            x = self.wte(x) + self.wpe(pos)
+        for block in self.blocks:
+            x = block(x)
+        if self.is_last:
+            x = linear(self.ln_f(x), self.output_head_weight(), None, self.cfg.cpu_matmul_in_fp32)
+        return x
+
+
+def tensor_parallel_plan(stage: GPTStage) -> dict:
+    """The parallelize_module plan of one stage: Megatron's column/row split of each block.
+
+    Column-parallel qkv and fc1 take a replicated [B, T, H] input and give this rank's features
+    (a plain local tensor); row-parallel proj, fc2 take those and return the TP-summed,
+    replicated [B, T, H]. Everything else stays replicated.
+    """
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+    plan = {}
+    for j in range(len(stage.blocks)):
+        p = f"blocks.{j}"
+        for name in ("attn.qkv", "mlp.fc1"):
+            plan[f"{p}.{name}"] = ColwiseParallel()
+        for name in ("attn.proj", "mlp.fc2"):
+            plan[f"{p}.{name}"] = RowwiseParallel()
+    return plan
+
+
+def count_params(cfg: GPTConfig) -> int:
+    """Parameters of the whole model, counting the tied embedding/head once."""
+    h, v, t, n = cfg.hidden_size, cfg.vocab_size, cfg.seq_length, cfg.num_layers
+    per_block = 4 * (h * h + h) + (4 * h * h + 4 * h) + (4 * h * h + h) + 4 * h
+    return v * h + t * h + n * per_block + 2 * h

@@ -1,0 +1,481 @@
+"""Train a small GPT with tensor, pipeline and data parallelism in fp16, bf16 or fp32 with tpamp.
+
+Run (CPU, gloo; 4 ranks = TP 2 x PP 2 x DP 1; the defaults run as they are)::
+
+    torchrun --nproc-per-node 4 scripts/train_gpt.py
+    torchrun --nproc-per-node 4 scripts/train_gpt.py --bf16
+    torchrun --nproc-per-node 8 scripts/train_gpt.py --log-dir runs/gpt   # DP 2 as well
+
+On GPUs the same command uses NCCL and one GPU per rank.
+
+What happens:
+
+- Data: a byte-level (vocab 256) text file, by default the Python standard library's own
+  source (the sorted ``*.py`` files of the ``os`` module's directory, up to 4 MiB); ``--data``
+  takes any text file. The last 10% is the validation split. Every rank draws the same global
+  batch from a seeded generator and keeps its DP rank's slice, so TP and PP peers agree.
+- Model (scripts/gpt_model.py): the blocks are split evenly over the pipeline stages; inside
+  a stage, PyTorch's ``parallelize_module`` shards attention and MLP over the TP sub-mesh
+  (Megatron's column/row split). The word embedding (first stage) is tied to the output head
+  (last stage, a copy marked ``shared``), as in Megatron-LM.
+- Pipeline: GPipe with plain ``torch.distributed`` send/recv between the ranks of
+  ``pp_ranks``: all microbatches forward, then all backward. Activations are [mb, T, H].
+- After backward: grads are averaged over the DP group, the two embedding copies' grads are
+  summed over the embedding group, then ``tpamp.MixedPrecisionOptimizer`` (around AdamW) unscales,
+  checks inf/nan over the model-parallel group, updates the loss scale, clips, and steps or
+  skips.
+- Logging on one rank (last PP stage, TP rank 0, DP rank 0): a tqdm bar when stderr is a
+  terminal, Megatron's line every ``--log-interval`` iterations (``tpamp.TrainingLogger``), a
+  JSONL record per iteration and TensorBoard scalars under ``--log-dir``, validation loss every
+  ``--eval-interval`` iterations, and a summary at the end (also ``summary.json``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import datetime
+import glob
+import json
+import math
+import os
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch.distributed.tensor.parallel import parallelize_module
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # gpt_model
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # tpamp
+
+import tpamp  # noqa: E402
+from gpt_model import GPTConfig, GPTStage, count_params, tensor_parallel_plan  # noqa: E402
+from tpamp.grad_stats import local_tensor  # noqa: E402
+from tpamp.parallel import initialize_model_parallel  # noqa: E402
+
+
+# ----------------------------------------------------------------------------- configuration
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    a = p.add_argument
+    # parallel layout
+    a("--tensor-model-parallel-size", type=int, default=2)
+    a("--pipeline-model-parallel-size", type=int, default=2)
+    # model
+    a("--num-layers", type=int, default=4)
+    a("--hidden-size", type=int, default=256)
+    a("--num-attention-heads", type=int, default=8)
+    a("--seq-length", type=int, default=128)
+    # batch: global = micro * num_microbatches * DP; give one of the last two
+    a("--micro-batch-size", type=int, default=4)
+    a("--global-batch-size", type=int, default=None)
+    a("--num-microbatches", type=int, default=None, help="per DP rank (default 4)")
+    # training
+    a("--train-iters", type=int, default=300)
+    a("--lr", type=float, default=2e-3)
+    a("--min-lr", type=float, default=2e-4, help="end of the cosine decay")
+    a("--lr-warmup-iters", type=int, default=20)
+    a("--weight-decay", type=float, default=0.1)
+    a("--clip-grad", type=float, default=1.0, help="max global grad norm; 0 disables")
+    a("--seed", type=int, default=1234)
+    # precision and loss scaling (Megatron's flags)
+    prec = p.add_mutually_exclusive_group()
+    prec.add_argument("--fp16", action="store_true", help="the default")
+    prec.add_argument("--bf16", action="store_true")
+    prec.add_argument("--fp32", action="store_true")
+    a("--loss-scale", type=float, default=None, help="a constant loss scale (ConstantGradScaler)")
+    a("--initial-loss-scale", type=float, default=2.0**16)
+    a("--min-loss-scale", type=float, default=1.0)
+    a("--loss-scale-window", type=int, default=1000, help="growth interval (clean steps)")
+    a("--hysteresis", type=int, default=2)
+    a("--cpu-native-half-matmul", action="store_true",
+      help="on CPU, use the (slow) native fp16/bf16 GEMM instead of fp32 accumulation")
+    # data
+    a("--data", default=None, help="a text file (default: the Python stdlib's .py source)")
+    a("--data-max-bytes", type=int, default=4 * 2**20, help="cap for the default data")
+    a("--valid-fraction", type=float, default=0.1)
+    # logging and evaluation
+    a("--log-interval", type=int, default=10)
+    a("--log-num-zeros-in-grad", action="store_true")
+    a("--log-dir", default=None, help="JSONL log, summary.json and TensorBoard events")
+    a("--eval-interval", type=int, default=100)
+    a("--eval-iters", type=int, default=5, help="global batches per evaluation")
+    a("--no-progress", action="store_true", help="no tqdm bar")
+    a("--dist-timeout", type=float, default=300.0, help="seconds before a collective fails")
+    return p.parse_args(argv)
+
+
+# ----------------------------------------------------------------------------- data
+
+
+def default_text() -> bytes:
+    """The Python standard library's own source: the sorted *.py files next to ``os.py``."""
+    files = sorted(glob.glob(os.path.join(os.path.dirname(os.__file__), "*.py")))
+    return b"\n".join(open(f, "rb").read() for f in files)
+
+
+class ByteData:
+    """Byte-level tokens (vocab 256) of one text, split into train and validation.
+
+    ``batch`` returns (x, y): int64 [n, T] inputs and the next-byte targets.
+    """
+
+    def __init__(self, text: bytes, seq_length: int, valid_fraction: float):
+        tokens = torch.frombuffer(bytearray(text), dtype=torch.uint8)
+        n_valid = int(len(tokens) * valid_fraction)
+        self.train, self.valid = tokens[: len(tokens) - n_valid], tokens[len(tokens) - n_valid:]
+        self.seq_length = seq_length
+        for name, split in (("train", self.train), ("validation", self.valid)):
+            if len(split) <= seq_length + 1:
+                raise ValueError(
+                    f"the {name} split has {len(split)} bytes, too few for --seq-length "
+                    f"{seq_length}; use a larger --data file"
+                )
+
+    def batch(self, split: str, n: int, gen: torch.Generator):
+        data = self.train if split == "train" else self.valid
+        starts = torch.randint(len(data) - self.seq_length - 1, (n,), generator=gen)
+        offsets = torch.arange(self.seq_length + 1)
+        chunk = data[starts[:, None] + offsets].long()  # [n, T + 1]
+        return chunk[:, :-1], chunk[:, 1:]
+
+
+def microbatches(data: ByteData, split: str, gen, st, micro_batch_size, num_microbatches, device):
+    """This DP rank's slice of one global batch, as a list of (x, y) int64 [mb, T] pairs.
+
+    Every rank draws the whole global batch from ``gen`` (so the generators stay in step) and
+    keeps rows [dp_rank * per_dp, (dp_rank + 1) * per_dp)."""
+    per_dp = micro_batch_size * num_microbatches
+    x, y = data.batch(split, per_dp * st.dims.dp, gen)
+    x, y = x[st.dp_rank * per_dp:][:per_dp].to(device), y[st.dp_rank * per_dp:][:per_dp].to(device)
+    return list(zip(x.split(micro_batch_size), y.split(micro_batch_size)))
+
+
+# ----------------------------------------------------------------------------- pipeline
+
+
+def forward_backward(stage, batches, st, act_shape, dtype, optimizer=None):
+    """One GPipe pass over ``batches`` (list of (x, y) [mb, T]): all forwards, then all
+    backwards (only when ``optimizer`` is given: it scales the loss).
+
+    Stage boundaries carry activations and their grads, [mb, T, H] in ``dtype``, between this
+    rank and the same-(TP, DP) ranks of the neighbouring stages (``st.pp_ranks``). Returns the
+    per-microbatch losses (fp32 0-dim, detached) on the last stage, [] elsewhere.
+    """
+    train = optimizer is not None
+    prev_rank = None if st.is_first_stage else st.pp_ranks[st.pp_rank - 1]
+    next_rank = None if st.is_last_stage else st.pp_ranks[st.pp_rank + 1]
+    device = batches[0][0].device
+    saved, losses = [], []
+    for x, y in batches:
+        if st.is_first_stage:
+            inp = x
+        else:
+            inp = torch.empty(act_shape, dtype=dtype, device=device)
+            dist.recv(inp, src=prev_rank)
+            inp.requires_grad_(train)
+        with torch.set_grad_enabled(train):
+            out = stage(inp)
+            if st.is_last_stage:
+                # fp32 cross-entropy on the (half) logits, as Megatron-LM does by default
+                loss = F.cross_entropy(out.float().flatten(0, 1), y.flatten())
+                losses.append(loss.detach())
+                out = loss / len(batches)  # the mean over microbatches is what we minimise
+        if not st.is_last_stage:
+            dist.send(out.detach().contiguous(), dst=next_rank)
+        if train:
+            saved.append((inp, out))
+    for inp, out in saved:
+        if st.is_last_stage:
+            optimizer.scale_loss(out).backward()
+        else:
+            grad = torch.empty(act_shape, dtype=dtype, device=device)
+            dist.recv(grad, src=next_rank)
+            torch.autograd.backward(out, grad)
+        if not st.is_first_stage:
+            dist.send(inp.grad.contiguous(), dst=prev_rank)
+    return losses
+
+
+def mean_over_dp(losses, st) -> float:
+    """Mean of the last stage's microbatch losses, averaged over the DP group (host float)."""
+    loss = torch.stack(losses).mean()
+    if st.dims.dp > 1:
+        dist.all_reduce(loss, group=st.dp_group)
+        loss /= st.dims.dp
+    return loss.item()
+
+
+# ----------------------------------------------------------------------------- grad sync
+
+
+def _all_reduce_grads(grads, group, divide_by: int = 1) -> None:
+    """Sum (then divide) grads over ``group`` in one fp32 buffer, written back in place.
+
+    fp32, so that the sum of two finite fp16 grads is not rounded twice and a half-precision
+    all-reduce is not needed from the backend; a sum that overflows fp16 still turns into inf
+    on the way back, and the optimizer skips that step."""
+    if not grads:
+        return
+    flat = torch.cat([g.reshape(-1).float() for g in grads])
+    dist.all_reduce(flat, group=group)
+    if divide_by != 1:
+        flat /= divide_by
+    for g, new in zip(grads, flat.split([g.numel() for g in grads])):
+        g.copy_(new.view_as(g))
+
+
+def all_reduce_data_parallel_grads(stage, st) -> None:
+    """Average every grad over the DP group (for a DTensor grad: its local shard)."""
+    if st.dims.dp > 1:
+        grads = [local_tensor(p.grad) for p in stage.parameters() if p.grad is not None]
+        _all_reduce_grads(grads, st.dp_group, divide_by=st.dims.dp)
+
+
+def all_reduce_embedding_grads(stage, st) -> None:
+    """Sum the grads of the word embedding (first stage) and its tied copy, the output head
+    (last stage), so both copies take the same step and stay identical (Megatron-LM)."""
+    weight = stage.word_embedding_weight() if st.embedding_group is not None else None
+    if weight is not None:
+        _all_reduce_grads([weight.grad], st.embedding_group)
+
+
+# ----------------------------------------------------------------------------- setup
+
+
+def setup_distributed(args):
+    """init_process_group (NCCL with GPUs, else gloo) and the TP x PP x DP layout."""
+    use_cuda = torch.cuda.is_available()
+    if use_cuda:
+        local_rank = int(os.environ.get("LOCAL_RANK", 0))
+        local_world = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
+        if torch.cuda.device_count() < local_world:
+            raise RuntimeError(
+                f"{local_world} ranks on this node but {torch.cuda.device_count()} GPUs: NCCL "
+                "needs one GPU per rank (run on CPU with CUDA_VISIBLE_DEVICES=\"\")"
+            )
+        torch.cuda.set_device(local_rank)
+        device = torch.device("cuda", local_rank)
+    else:
+        torch.set_num_threads(1)  # several ranks share the cores
+        device = torch.device("cpu")
+    dist.init_process_group(
+        "nccl" if use_cuda else "gloo", timeout=datetime.timedelta(seconds=args.dist_timeout)
+    )
+    st = initialize_model_parallel(
+        args.tensor_model_parallel_size, args.pipeline_model_parallel_size
+    )
+    return st, device
+
+
+def build_stage(cfg: GPTConfig, st, dtype, device, seed: int) -> GPTStage:
+    """This rank's stage: seeded fp32 init, tied head copied from the first stage, TP-sharded
+    with parallelize_module, then cast to ``dtype``."""
+    stage = GPTStage(cfg, st.dims.pp, st.pp_rank)
+    stage.init_weights(seed)
+    stage.to(device)
+    weight = stage.word_embedding_weight() if st.embedding_group is not None else None
+    if weight is not None:  # the head copy starts as the first stage's embedding
+        with torch.no_grad():
+            dist.broadcast(weight, src=st.pp_ranks[0], group=st.embedding_group)
+    # src_data_rank=None: every TP rank holds the same seeded full weights and keeps its shard
+    parallelize_module(stage, st.tp_mesh, tensor_parallel_plan(stage), src_data_rank=None)
+    return stage.to(dtype)
+
+
+def build_optimizer(stage, args, st, dtype):
+    """AdamW (weight decay on matrices only) inside tpamp's wrapper for ``dtype``."""
+    params = [p for p in stage.parameters() if p.requires_grad]
+    groups = [
+        {"params": [p for p in params if p.dim() >= 2], "weight_decay": args.weight_decay},
+        {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
+    ]
+    adamw = torch.optim.AdamW(groups, lr=args.lr, betas=(0.9, 0.95), eps=1e-8)
+    if args.loss_scale is not None:
+        scaler = tpamp.ConstantGradScaler(args.loss_scale)
+    elif dtype == torch.float16:
+        scaler = tpamp.DynamicGradScaler(
+            initial_scale=args.initial_loss_scale,
+            min_scale=args.min_loss_scale,
+            growth_interval=args.loss_scale_window,
+            hysteresis=args.hysteresis,
+        )
+    else:
+        scaler = None  # bf16 and fp32 train without loss scaling
+    kwargs = dict(
+        grad_scaler=scaler,
+        clip_grad=args.clip_grad,
+        log_num_zeros_in_grad=args.log_num_zeros_in_grad,
+        grad_stats_group=st.model_parallel_group,
+        tensor_parallel_group=st.tp_group,
+    )
+    if dtype == torch.float32:
+        return tpamp.FP32Optimizer(adamw, **kwargs)
+    return tpamp.MixedPrecisionOptimizer(adamw, **kwargs)
+
+
+def lr_at(it: int, args) -> float:
+    """Linear warmup to --lr, then cosine decay to --min-lr at --train-iters."""
+    if it <= args.lr_warmup_iters:
+        return args.lr * it / max(1, args.lr_warmup_iters)
+    frac = (it - args.lr_warmup_iters) / max(1, args.train_iters - args.lr_warmup_iters)
+    return args.min_lr + 0.5 * (args.lr - args.min_lr) * (1 + math.cos(math.pi * min(frac, 1.0)))
+
+
+# ----------------------------------------------------------------------------- main
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    dtype = torch.bfloat16 if args.bf16 else torch.float32 if args.fp32 else torch.float16
+    st, device = setup_distributed(args)
+    dp = st.dims.dp
+    if args.global_batch_size is not None:
+        per_step = args.micro_batch_size * dp
+        if args.num_microbatches is not None or args.global_batch_size % per_step:
+            raise ValueError(
+                f"--global-batch-size {args.global_batch_size} must be a multiple of "
+                f"micro-batch-size * DP = {args.micro_batch_size} * {dp} (and excludes "
+                "--num-microbatches)"
+            )
+        num_microbatches = args.global_batch_size // per_step
+    else:
+        num_microbatches = args.num_microbatches or 4
+    global_batch = args.micro_batch_size * num_microbatches * dp
+    is_logging_rank = st.is_last_stage and st.tp_rank == 0 and st.dp_rank == 0
+    say = print if is_logging_rank else (lambda *a, **k: None)
+
+    cfg = GPTConfig(
+        vocab_size=256,
+        seq_length=args.seq_length,
+        hidden_size=args.hidden_size,
+        num_layers=args.num_layers,
+        num_attention_heads=args.num_attention_heads,
+        cpu_matmul_in_fp32=not args.cpu_native_half_matmul,
+    )
+    if cfg.num_attention_heads % st.dims.tp:
+        raise ValueError(
+            f"--num-attention-heads {cfg.num_attention_heads} is not divisible by "
+            f"--tensor-model-parallel-size {st.dims.tp}"
+        )
+    text = open(args.data, "rb").read() if args.data else default_text()[: args.data_max_bytes]
+    data = ByteData(text, args.seq_length, args.valid_fraction)
+    torch.manual_seed(args.seed)
+    stage = build_stage(cfg, st, dtype, device, args.seed)
+    optimizer = build_optimizer(stage, args, st, dtype)
+    act_shape = (args.micro_batch_size, args.seq_length, args.hidden_size)
+    say(
+        f"GPT {count_params(cfg) / 1e6:.2f}M params ({cfg.num_layers} layers, hidden "
+        f"{cfg.hidden_size}, {cfg.num_attention_heads} heads, seq {cfg.seq_length}, vocab 256) | "
+        f"{dist.get_world_size()} ranks: TP {st.dims.tp} x PP {st.dims.pp} x DP {dp} on "
+        f"{device.type} ({dist.get_backend()}) | {str(dtype).replace('torch.', '')} | "
+        f"global batch {global_batch} = micro {args.micro_batch_size} x {num_microbatches} "
+        f"microbatches x DP {dp} | data {args.data or 'python stdlib source'}: "
+        f"{len(data.train)} train / {len(data.valid)} validation bytes",
+        flush=True,
+    )
+
+    log_dir = args.log_dir
+    logger = tpamp.TrainingLogger(
+        args.train_iters,
+        log_interval=args.log_interval,
+        jsonl_path=os.path.join(log_dir, "log.jsonl") if log_dir else None,
+        tensorboard_dir=os.path.join(log_dir, "tensorboard") if log_dir else None,
+        enabled=is_logging_rank,
+    )
+    bar = None
+    if is_logging_rank and not args.no_progress:
+        try:
+            from tqdm import tqdm
+            from tqdm.contrib import DummyTqdmFile
+        except ImportError:
+            pass
+        else:  # disable=None: no bar when stderr is not a terminal (CI logs)
+            bar = tqdm(total=args.train_iters, disable=None, unit="it", dynamic_ncols=True)
+            logger.stream = DummyTqdmFile(sys.stdout)  # the log lines print above the bar
+
+    def evaluate() -> float:
+        """Validation loss over --eval-iters fixed global batches (last stage; nan elsewhere)."""
+        gen = torch.Generator().manual_seed(args.seed + 1)  # the same batches every time
+        losses = []
+        for _ in range(args.eval_iters):
+            mbs = microbatches(data, "valid", gen, st, args.micro_batch_size, num_microbatches, device)
+            losses += forward_backward(stage, mbs, st, act_shape, dtype)
+        return mean_over_dp(losses, st) if st.is_last_stage else float("nan")
+
+    train_gen = torch.Generator().manual_seed(args.seed)
+    history, val_loss, first_loss = [], float("nan"), None
+    start = time.time()
+    for it in range(1, args.train_iters + 1):
+        t0 = time.time()
+        lr = lr_at(it, args)
+        for group in optimizer.param_groups:
+            group["lr"] = lr
+        loss_scale = optimizer.get_loss_scale().item()  # the scale this step's loss uses
+        mbs = microbatches(data, "train", train_gen, st, args.micro_batch_size, num_microbatches, device)
+        losses = forward_backward(stage, mbs, st, act_shape, dtype, optimizer)
+        all_reduce_data_parallel_grads(stage, st)
+        all_reduce_embedding_grads(stage, st)
+        result = optimizer.step()
+        optimizer.zero_grad()
+
+        extra = {"elapsed_ms": round(1000 * (time.time() - t0), 1)}
+        if args.eval_interval > 0 and (it % args.eval_interval == 0 or it == args.train_iters):
+            val_loss = evaluate()
+            extra["val_loss"] = val_loss
+        if st.is_last_stage:
+            loss = mean_over_dp(losses, st)
+            history.append(loss)
+            first_loss = loss if first_loss is None else first_loss
+            if is_logging_rank:
+                logger.record(it, loss, lr, loss_scale, result, **extra)
+                if "val_loss" in extra:
+                    say(f" validation loss at iteration {it}: {val_loss:.4f}", file=logger.stream)
+        if bar is not None:
+            bar.update(1)
+            if st.is_last_stage:
+                bar.set_postfix(loss=f"{history[-1]:.3f}", scale=f"{loss_scale:g}", refresh=False)
+    elapsed = time.time() - start
+    if bar is not None:
+        bar.close()
+
+    if is_logging_rank:
+        tail = history[-10:]
+        summary = {
+            "iterations": args.train_iters,
+            "skipped_iterations": logger.skipped_iters,
+            "nan_iterations": logger.nan_iters,
+            "loss_scale_changes": logger.loss_scale_changes,
+            "final_loss_scale": optimizer.get_loss_scale().item(),
+            "first_train_loss": first_loss,
+            "final_train_loss": sum(tail) / len(tail) if tail else float("nan"),
+            "final_validation_loss": val_loss,
+            "wall_time_s": round(elapsed, 1),
+            "dtype": str(dtype).replace("torch.", ""),
+            "tp": st.dims.tp,
+            "pp": st.dims.pp,
+            "dp": dp,
+        }
+        say(
+            f"done: {summary['iterations']} iterations in {elapsed:.1f} s "
+            f"({elapsed / max(1, args.train_iters):.2f} s/it) | skipped {summary['skipped_iterations']} "
+            f"(nan {summary['nan_iterations']}) | loss scale changed {summary['loss_scale_changes']} "
+            f"times, final {summary['final_loss_scale']:g} | train loss {first_loss:.4f} -> "
+            f"{summary['final_train_loss']:.4f} (mean of last {len(tail)}) | validation loss "
+            f"{val_loss:.4f}",
+            flush=True,
+        )
+        if log_dir:
+            with open(os.path.join(log_dir, "summary.json"), "w") as f:
+                json.dump(summary, f, indent=1)
+    logger.close()
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
