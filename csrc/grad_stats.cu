@@ -32,7 +32,6 @@ template <typename in_t, typename out_t>
 struct GradStatsFunctor {
   const float* scale;  // null: no multiply
   Partials p;
-  bool store;          // false for an in-place pass without a multiply: nothing changes
   bool count_zeros;
 
   __device__ __forceinline__ void operator()(const ChunkInfo<2>& c) const {
@@ -45,7 +44,7 @@ struct GradStatsFunctor {
     float mx = 0.0f;
     int nz = 0;
     bool bad = false;
-    transform_chunk(in, out, c.n, c.aligned, store, [&](in_t x) -> out_t {
+    transform_chunk(in, out, c.n, c.aligned, c.write, [&](in_t x) -> out_t {
       float v = static_cast<float>(x);
       if (mul) v *= s;
       const out_t w = static_cast<out_t>(v);
@@ -211,8 +210,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> grad_stat
     e.numel = numel;
     e.slot = static_cast<int32_t>(num_slots);
     e.index = static_cast<int32_t>(i);
+    // Nothing to store when the pass reads and writes the same memory without a multiply.
     e.flags = static_cast<uint8_t>((is_aligned16(src) && is_aligned16(dst) ? kAligned : 0) |
-                                   (mask.get(i) ? kMasked : 0));
+                                   (mask.get(i) ? kMasked : 0) |
+                                   (has_scale || src != dst ? kWrite : 0));
     groups[type_index(g.scalar_type())].push_back(e);
     num_slots += num_chunks(numel);
     TORCH_CHECK(num_slots <= INT32_MAX, "tpamp::grad_stats: ", num_slots,
@@ -242,7 +243,6 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> grad_stat
   }
 
   const float* scale_ptr = has_scale ? scale->data_ptr<float>() : nullptr;
-  const bool store = !in_place || has_scale;
   for (int k = 0; k < 3; ++k) {
     if (groups[k].empty()) continue;
     const at::ScalarType in_type = k == 0 ? at::kFloat : (k == 1 ? at::kHalf : at::kBFloat16);
@@ -250,10 +250,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> grad_stat
       using in_t = decltype(in_tag);
       if (in_place) {
         multi_tensor_apply<2>(groups[k],
-                              GradStatsFunctor<in_t, in_t>{scale_ptr, p, store, count_zeros});
+                              GradStatsFunctor<in_t, in_t>{scale_ptr, p, count_zeros});
       } else {
         multi_tensor_apply<2>(groups[k],
-                              GradStatsFunctor<in_t, float>{scale_ptr, p, store, count_zeros});
+                              GradStatsFunctor<in_t, float>{scale_ptr, p, count_zeros});
       }
     });
   }

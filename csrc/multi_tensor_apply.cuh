@@ -60,7 +60,7 @@ struct TensorTable {
   int32_t first_block[kMax + 1];  // blocks of tensor i: [first_block[i], first_block[i + 1])
   int32_t slot[kMax];             // global slot of tensor i's first chunk
   int32_t index[kMax];            // position of tensor i in the caller's list
-  uint8_t flags[kMax];            // kAligned | kMasked
+  uint8_t flags[kMax];            // kAligned | kMasked | kWrite
   int32_t count;
 };
 static_assert(sizeof(TensorTable<1>) <= 3584, "TensorTable<1> leaves too little room for the functor");
@@ -68,6 +68,7 @@ static_assert(sizeof(TensorTable<2>) <= 3584, "TensorTable<2> leaves too little 
 
 constexpr uint8_t kAligned = 1;  // every pointer of the tensor is 16-byte aligned
 constexpr uint8_t kMasked = 2;   // caller-defined per-tensor flag (grad_stats: counts toward the norm)
+constexpr uint8_t kWrite = 4;    // the functor stores its results for this tensor
 
 // One tensor as the host hands it to multi_tensor_apply.
 template <int DEPTH>
@@ -89,6 +90,7 @@ struct ChunkInfo {
   int32_t index;      // position of the tensor in the caller's list
   bool aligned;
   bool masked;
+  bool write;
 };
 
 inline bool is_aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
@@ -120,6 +122,7 @@ __global__ void __launch_bounds__(kBlockSize)
   c.index = table.index[t];
   c.aligned = (table.flags[t] & kAligned) != 0;
   c.masked = (table.flags[t] & kMasked) != 0;
+  c.write = (table.flags[t] & kWrite) != 0;
   functor(c);
 }
 

@@ -22,7 +22,7 @@ struct ScaleCopyFunctor {
     dst_t* dst = static_cast<dst_t*>(c.addr[1]) + c.offset;
     const bool mul = scale != nullptr;
     const float s = mul ? *scale : 1.0f;
-    transform_chunk(src, dst, c.n, c.aligned, /*store=*/true, [&](src_t x) -> dst_t {
+    transform_chunk(src, dst, c.n, c.aligned, c.write, [&](src_t x) -> dst_t {
       if constexpr (std::is_same_v<src_t, dst_t>) {
         if (!mul) return x;  // a bit-exact copy (NaN payloads included)
       }
@@ -88,7 +88,7 @@ void scale_and_copy_cuda(at::TensorList srcs, at::TensorList dsts,
     e.numel = srcs[i].numel();
     e.slot = 0;  // no per-chunk results
     e.index = static_cast<int32_t>(i);
-    e.flags = is_aligned16(src) && is_aligned16(dst) ? kAligned : 0;
+    e.flags = static_cast<uint8_t>((is_aligned16(src) && is_aligned16(dst) ? kAligned : 0) | kWrite);
     groups[type_index(srcs[i].scalar_type())][type_index(dsts[i].scalar_type())].push_back(e);
   }
 
