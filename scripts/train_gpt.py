@@ -379,15 +379,7 @@ def main(argv=None):
         flush=True,
     )
 
-    log_dir = args.log_dir
-    logger = tpamp.TrainingLogger(
-        args.train_iters,
-        log_interval=args.log_interval,
-        jsonl_path=os.path.join(log_dir, "log.jsonl") if log_dir else None,
-        tensorboard_dir=os.path.join(log_dir, "tensorboard") if log_dir else None,
-        enabled=is_logging_rank,
-    )
-    bar = None
+    bar, stream = None, None
     if is_logging_rank and not args.no_progress:
         try:
             from tqdm import tqdm
@@ -396,7 +388,16 @@ def main(argv=None):
             pass
         else:  # disable=None: no bar when stderr is not a terminal (CI logs)
             bar = tqdm(total=args.train_iters, disable=None, unit="it", dynamic_ncols=True)
-            logger.stream = DummyTqdmFile(sys.stdout)  # the log lines print above the bar
+            stream = DummyTqdmFile(sys.stdout)  # log lines go above the bar, not through it
+    log_dir = args.log_dir
+    logger = tpamp.TrainingLogger(
+        args.train_iters,
+        log_interval=args.log_interval,
+        jsonl_path=os.path.join(log_dir, "log.jsonl") if log_dir else None,
+        tensorboard_dir=os.path.join(log_dir, "tensorboard") if log_dir else None,
+        enabled=is_logging_rank,
+        stream=stream,
+    )
 
     def evaluate() -> float:
         """Validation loss over --eval-iters fixed global batches (last stage; nan elsewhere)."""
@@ -415,7 +416,8 @@ def main(argv=None):
         lr = lr_at(it, args)
         for group in optimizer.param_groups:
             group["lr"] = lr
-        loss_scale = optimizer.get_loss_scale().item()  # the scale this step's loss uses
+        # logged: the scale this iteration's loss is multiplied by (the step may change it)
+        loss_scale = optimizer.get_loss_scale().item()
         mbs = microbatches(data, "train", train_gen, st, args.micro_batch_size, num_microbatches, device)
         losses = forward_backward(stage, mbs, st, act_shape, dtype, optimizer)
         all_reduce_data_parallel_grads(stage, st)
@@ -434,7 +436,12 @@ def main(argv=None):
             if is_logging_rank:
                 logger.record(it, loss, lr, loss_scale, result, **extra)
                 if "val_loss" in extra:
-                    say(f" validation loss at iteration {it}: {val_loss:.4f}", file=logger.stream)
+                    say(
+                        f" validation loss at iteration {it} | lm loss value: {val_loss:.6E} | "
+                        f"lm loss PPL: {math.exp(min(val_loss, 700.0)):.6E} |",
+                        file=stream,
+                        flush=True,
+                    )
         if bar is not None:
             bar.update(1)
             if st.is_last_stage:
