@@ -63,10 +63,9 @@ void dynamic_scaler_update_cuda(const at::Tensor& scale, const at::Tensor& growt
                                 double growth_factor, double backoff_factor,
                                 int64_t growth_interval, int64_t hysteresis, double min_scale,
                                 double max_scale, bool consecutive) {
-  TORCH_CHECK(scale.defined() && scale.is_cuda(),
-              "tpamp::dynamic_scaler_update_: scale must be a CUDA tensor, got ",
-              scale.defined() ? scale.device() : at::Device(at::kCPU), " (undefined: ",
-              !scale.defined(), ")");
+  TORCH_CHECK(scale.defined(), "tpamp::dynamic_scaler_update_: scale is undefined");
+  TORCH_CHECK(scale.is_cuda(), "tpamp::dynamic_scaler_update_: scale must be a CUDA tensor, got ",
+              "one on ", scale.device());
   const at::Device device = scale.device();
   check_one_element(scale, "scale", at::kFloat, device);
   check_one_element(growth_tracker, "growth_tracker", at::kInt, device);

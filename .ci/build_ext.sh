@@ -1,0 +1,67 @@
+#!/usr/bin/env bash
+# Build the CUDA extension tpamp._C in a virtual environment and check that its ops register.
+# Needs no GPU: only nvcc of the same CUDA major version as the torch wheel.
+#
+# Usage: .ci/build_ext.sh [VENV_DIR]
+#   VENV_DIR               the venv to create or reuse (default: <repo>/.ci-venv-cuda)
+# Environment (all optional):
+#   PYTHON                 interpreter that creates the venv (default python3)
+#   TPAMP_CI_TORCH         torch requirement (default torch==2.14.1, from the default index)
+#   TPAMP_CI_PIP_ARGS      extra pip arguments for that install (e.g. an --index-url)
+#   CUDA_HOME              CUDA toolkit (default /usr/local/cuda)
+#   TORCH_CUDA_ARCH_LIST   GPU architectures (default "8.0;9.0")
+#   MAX_JOBS               parallel compile jobs (default 2; each needs up to ~2 GB of memory)
+# Exits non-zero on any failure, saying which step failed.
+
+set -euo pipefail
+
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+VENV="${1:-$ROOT/.ci-venv-cuda}"
+mkdir -p "$(dirname "$VENV")"
+VENV="$(cd "$(dirname "$VENV")" && pwd)/$(basename "$VENV")"
+PYTHON="${PYTHON:-python3}"
+TORCH_REQ="${TPAMP_CI_TORCH:-torch==2.14.1}"
+read -r -a PIP_ARGS <<< "${TPAMP_CI_PIP_ARGS:-}"
+
+step() { echo "== build_ext: $*"; }
+fail() { echo "build_ext: FAILED: $*" >&2; exit 1; }
+
+export CUDA_HOME="${CUDA_HOME:-/usr/local/cuda}"
+export TORCH_CUDA_ARCH_LIST="${TORCH_CUDA_ARCH_LIST:-8.0;9.0}"
+export MAX_JOBS="${MAX_JOBS:-2}"
+[ -x "$CUDA_HOME/bin/nvcc" ] || fail "no nvcc at $CUDA_HOME/bin/nvcc (set CUDA_HOME)"
+
+if [ -x "$VENV/bin/python" ]; then
+    step "reusing the venv $VENV"
+else
+    step "creating the venv $VENV"
+    "$PYTHON" -m venv "$VENV" || fail "could not create the venv $VENV with $PYTHON"
+fi
+PY="$VENV/bin/python"
+export PATH="$VENV/bin:$PATH"  # the venv's ninja, which torch's BuildExtension looks up on PATH
+
+step "installing $TORCH_REQ numpy setuptools wheel ninja"
+"$PY" -m pip install ${PIP_ARGS[@]+"${PIP_ARGS[@]}"} "$TORCH_REQ" numpy setuptools wheel ninja \
+    || fail "pip install of the build requirements"
+
+step "building tpamp._C (CUDA_HOME=$CUDA_HOME, TORCH_CUDA_ARCH_LIST=$TORCH_CUDA_ARCH_LIST, MAX_JOBS=$MAX_JOBS)"
+start=$(date +%s)
+(cd "$ROOT" && TPAMP_BUILD_CUDA=1 "$PY" -m pip install -v --no-build-isolation --no-deps -e .) \
+    || fail "building the extension (see the compiler output above)"
+step "built in $(( $(date +%s) - start )) s"
+
+step "checking that torch.ops.tpamp.* are registered"
+(cd "$ROOT" && "$PY" - <<'EOF') || fail "the extension does not load or lacks an op"
+import torch
+
+import tpamp
+import tpamp._C  # noqa: F401  (registers torch.ops.tpamp.*)
+from tpamp import ops
+
+for name in ("grad_stats", "scale_and_copy", "dynamic_scaler_update_"):
+    print(getattr(torch.ops.tpamp, name).default._schema)
+assert ops.extension_available(), ops._ext_error
+print(f"tpamp {tpamp.__version__}: tpamp._C loads with torch {torch.__version__} "
+      f"(CUDA {torch.version.cuda})")
+EOF
+step "OK"
