@@ -221,11 +221,7 @@ def _grad_stats_torch(
             num_zeros += t.numel() - torch.count_nonzero(t)
     pt = None
     if per_tensor:
-        p = 2.0 if norm_type is None else norm_type
-        pt = torch.zeros(len(targets), dtype=torch.float32, device=device)
-        nonempty = [i for i, t in enumerate(targets) if t.numel() > 0]
-        if nonempty:
-            pt[nonempty] = _norms([targets[i] for i in nonempty], p)
+        pt = _per_tensor_norms(targets, 2.0 if norm_type is None else norm_type, device)
     return GradStats(found_inf, norm_stat, num_zeros, pt)
 
 
@@ -236,6 +232,17 @@ def _norms(tensors, p: float) -> Optional[Tensor]:
     if not tensors:
         return None
     return torch.stack(torch._foreach_norm(tensors, p, dtype=torch.float32))
+
+
+def _per_tensor_norms(targets, p: float, device) -> Tensor:
+    """float32 [len(targets)] p-norm of each tensor, 0 for an empty one. Built with stack, so
+    no index tensor is made on the host (no host-to-device copy in a step)."""
+    nonempty = [t for t in targets if t.numel() > 0]
+    norms = iter(torch._foreach_norm(nonempty, p, dtype=torch.float32) if nonempty else ())
+    zero = torch.zeros((), dtype=torch.float32, device=device)
+    if not targets:
+        return torch.zeros(0, dtype=torch.float32, device=device)
+    return torch.stack([next(norms) if t.numel() > 0 else zero for t in targets])
 
 
 def _grad_stats_ext(grads, out, scale, norm_mask, norm_type, count_zeros, per_tensor):
@@ -259,11 +266,7 @@ def _grad_stats_ext(grads, out, scale, norm_mask, norm_type, count_zeros, per_te
     if per_tensor and norm_type == math.inf:
         # The kernel reports per-tensor L2 norms only; the inf case is rare enough to recompute.
         # Built with stack (no index tensor made on the host, so no host-to-device copy).
-        targets = out if out is not None else grads
-        nonempty = [t for t in targets if t.numel() > 0]
-        norms = iter(torch._foreach_norm(nonempty, math.inf, dtype=torch.float32) if nonempty else ())
-        zero = found_inf.new_zeros(())
-        pt = torch.stack([next(norms) if t.numel() > 0 else zero for t in targets])
+        pt = _per_tensor_norms(out if out is not None else grads, math.inf, found_inf.device)
     return GradStats(found_inf, norm_stat, zeros if count_zeros else None, pt if per_tensor else None)
 
 
