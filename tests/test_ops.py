@@ -486,3 +486,37 @@ def test_dynamic_scaler_update_consecutive_hysteresis_min_and_max_clamps():
         growth_interval=2, hysteresis=2, min_scale=2.0, max_scale=20.0,
         consecutive_hysteresis=True,
     )
+
+
+class _BrokenExtensionFinder:
+    """A tpamp._C that exists but fails to load, as one built against another torch does."""
+
+    def find_spec(self, name, path=None, target=None):
+        import importlib.machinery
+
+        if name != "tpamp._C":
+            return None
+        return importlib.machinery.ModuleSpec(name, self)
+
+    def create_module(self, spec):
+        raise ImportError("tpamp/_C.so: undefined symbol: _ZN3c106detail14torchCheckFailEPKc")
+
+    def exec_module(self, module):  # pragma: no cover - create_module raises first
+        pass
+
+
+def test_extension_built_for_another_torch_is_ignored_with_a_warning(monkeypatch):
+    import sys
+
+    from tpamp import ops
+
+    monkeypatch.setattr(torch.version, "cuda", "13.0")
+    monkeypatch.setattr(ops, "_ext", None)
+    monkeypatch.setattr(ops, "_ext_error", None)
+    monkeypatch.setattr(sys, "meta_path", [_BrokenExtensionFinder()] + sys.meta_path)
+    sys.modules.pop("tpamp._C", None)
+    with pytest.warns(RuntimeWarning, match="undefined symbol"):
+        assert ops.extension_available() is False
+    # and the PyTorch path still works
+    stats = ops.grad_stats([torch.tensor([3.0, 4.0])], norm_type=2.0)
+    assert float(stats.norm_stat) == 25.0

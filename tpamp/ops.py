@@ -12,6 +12,7 @@ tensors' device, and no op reads a device value on the host.
 
 from __future__ import annotations
 
+import importlib.util
 import math
 import warnings
 from typing import List, NamedTuple, Optional, Sequence
@@ -44,23 +45,18 @@ def _load_extension():
         # same tree by a CUDA torch is not an error here, so no warning.
         _ext_error = f"torch {torch.__version__} is not a CUDA build"
         return None
+    if importlib.util.find_spec("tpamp._C") is None:
+        _ext_error = "tpamp._C is not built"  # installed without the extension: no warning
+        return None
     try:
         from tpamp import _C  # noqa: F401  (registers torch.ops.tpamp.*)
 
         _ext = torch.ops.tpamp
-    except ImportError as e:
-        _ext_error = str(e)
-        if "No module named" not in _ext_error:
-            warnings.warn(
-                f"tpamp._C could not be loaded ({_ext_error}); using the PyTorch fallback. "
-                "Rebuild tpamp against the installed torch to use the fused CUDA kernels.",
-                RuntimeWarning,
-                stacklevel=3,
-            )
-    except Exception as e:  # e.g. undefined symbols from a different torch ABI
+    except Exception as e:  # e.g. undefined symbols: built against a different torch
         _ext_error = str(e)
         warnings.warn(
-            f"tpamp._C could not be loaded ({_ext_error}); using the PyTorch fallback.",
+            f"tpamp._C could not be loaded ({_ext_error}); using the PyTorch fallback. "
+            "Rebuild tpamp against the installed torch to use the fused CUDA kernels.",
             RuntimeWarning,
             stacklevel=3,
         )
