@@ -11,13 +11,37 @@ of one pipeline stage:
   from the first stage and keeps identical by summing the two copies' grads over the
   embedding group before every optimizer step.
 
+Megatron-LM's fp16 numerics, with tpamp's helpers (``tpamp.functional``):
+
+- ``cfg.fp32_residual_connection`` (``--fp32-residual-connection``): the embedding output is
+  cast to fp32 and every block adds its sublayer outputs to the residual stream with
+  :func:`tpamp.residual_add` in fp32; the sublayers still run in the model dtype (their input is
+  cast down before the LayerNorm). Stage activations are then fp32 (the pipeline's send/recv
+  buffers too).
+- ``cfg.attention_softmax_in_fp32`` (``--attention-softmax-in-fp32``): attention is computed
+  explicitly, ``softmax(scale * q k^T)`` with :func:`tpamp.scale_mask_softmax` (causal), which
+  upcasts fp16/bf16 scores to fp32 for the softmax when the flag is on and otherwise runs it in
+  the model dtype. The explicit path is always used, so the flag is the only difference.
+- ``cfg.fp32_final_layernorm``: the final LayerNorm is an fp32 island, marked with
+  :func:`tpamp.set_fp32_attr_to_module`: :meth:`GPTStage.cast_` keeps its params fp32 (so
+  ``tpamp.MixedPrecisionOptimizer`` updates them directly, with no fp32 main copy) and the stage
+  feeds it fp32 and casts its output to the model dtype for the head.
+- The cross-entropy (in the trainer) is :func:`tpamp.vocab_parallel_cross_entropy` over the
+  vocab-sharded logits (``--fp16-lm-cross-entropy`` keeps it in fp16/bf16).
+
 Tensor parallelism (:func:`tensor_parallel_plan`) follows Megatron's split, in PyTorch's own
 ``torch.distributed.tensor.parallel``: the fused q/k/v linear (rows grouped by head) and the
 first MLP linear are column-parallel (each
 TP rank holds ``n_head / tp`` heads and ``4H / tp`` MLP features), the attention output and the
-second MLP linear are row-parallel (their outputs are summed over the TP group). Embeddings,
-LayerNorms and the head stay replicated plain tensors, so a stage's input and output
-activations are plain, identical tensors on every TP rank: [B, T, H] in the model dtype.
+second MLP linear are row-parallel (their outputs are summed over the TP group). The word
+embedding is vocab-parallel (Megatron's ``VocabParallelEmbedding``: ``RowwiseParallel`` on
+``wte``, each TP rank holds V/tp rows, the lookup is summed over the TP group), and so is the
+tied output head: its weight (``wte.weight`` itself, or the last stage's copy, sharded the same
+way by :func:`parallelize_stage`) gives each TP rank its own [B, T, V/tp] slice of the logits
+(Megatron's column-parallel head with ``parallel_output=True``), for a vocab-parallel
+cross-entropy on the TP group. The position embedding and the LayerNorms stay replicated, so a
+stage's input and output activations are plain, identical tensors on every TP rank: [B, T, H]
+in the model dtype (fp32 with ``fp32_residual_connection``).
 
 Half precision on CPU: CPUs without AVX512-FP16/BF16 have no fast fp16/bf16 GEMM (here a
 [1024, 256] x [256, 512] matmul is ~45x slower in fp16 than in fp32). With
@@ -39,6 +63,9 @@ from dataclasses import dataclass
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.distributed.tensor import DTensor, Replicate, Shard
+
+from tpamp import module_has_fp32_attr, residual_add, scale_mask_softmax, set_fp32_attr_to_module
 
 
 @dataclass
@@ -49,6 +76,10 @@ class GPTConfig:
     num_layers: int = 4
     num_attention_heads: int = 8
     cpu_matmul_in_fp32: bool = True  # see the module docstring
+    # Megatron's fp16 numerics flags (see the module docstring)
+    fp32_residual_connection: bool = False
+    attention_softmax_in_fp32: bool = False
+    fp32_final_layernorm: bool = False
 
     def __post_init__(self):
         if self.hidden_size % self.num_attention_heads != 0:
@@ -78,6 +109,29 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias=None, cpu_in_fp32: bool =
     return F.linear(x, weight, bias)
 
 
+def matmul(a: torch.Tensor, b: torch.Tensor, cpu_in_fp32: bool = True) -> torch.Tensor:
+    """a @ b; for half-precision CPU inputs computed in fp32 and returned in a.dtype."""
+    if _in_fp32(a, cpu_in_fp32):
+        return torch.matmul(a.float(), b.float()).to(a.dtype)
+    return torch.matmul(a, b)
+
+
+def output_head(h: torch.Tensor, weight: torch.Tensor, cpu_in_fp32: bool = True) -> torch.Tensor:
+    """Logits ``h @ weight.T`` of the tied head. h: [B, T, H], a plain tensor identical on every
+    TP rank. For a vocab-sharded DTensor weight (Shard(0) over the TP mesh) returns this rank's
+    [B, T, V/tp] slice (plain tensor); the backward all-reduces h's grad over the TP group (the
+    column-parallel input grad). For a plain weight returns the full [B, T, V]."""
+    if not isinstance(weight, DTensor):
+        return linear(h, weight, None, cpu_in_fp32)
+    if tuple(weight.placements) != (Shard(0),):
+        raise ValueError(f"the head weight must be Shard(0) on the TP mesh: {weight.placements}")
+    h = DTensor.from_local(h, weight.device_mesh, [Replicate()], run_check=False)
+    logits = linear(h, weight, None, cpu_in_fp32)
+    if tuple(logits.placements) != (Shard(logits.dim() - 1),):  # not expected: keep V/tp local
+        logits = logits.redistribute(weight.device_mesh, [Shard(logits.dim() - 1)])
+    return logits.to_local()
+
+
 class Linear(nn.Linear):
     """nn.Linear (so the TP styles accept it) that uses :func:`linear`."""
 
@@ -95,6 +149,7 @@ class CausalSelfAttention(nn.Module):
         h, f = cfg.hidden_size, cfg.cpu_matmul_in_fp32
         self.head_dim = cfg.head_dim
         self.cpu_in_fp32 = f
+        self.softmax_in_fp32 = cfg.attention_softmax_in_fp32
         # One fused [3H, H] q/k/v weight whose rows are grouped by head (Megatron's layout:
         # head 0's q, k, v, then head 1's, ...), so that a column split over TP ranks hands
         # each rank whole heads, and the TP all-reduce of the input grad happens once, not 3x.
@@ -107,11 +162,15 @@ class CausalSelfAttention(nn.Module):
         # -1: the number of heads held here (n_head / tp under tensor parallelism)
         qkv = self.qkv(x).view(b, t, -1, 3, self.head_dim)
         q, k, v = (z.transpose(1, 2) for z in qkv.unbind(dim=3))  # [B, heads, T, head_dim]
-        if _in_fp32(q, self.cpu_in_fp32):
-            y = F.scaled_dot_product_attention(q.float(), k.float(), v.float(), is_causal=True)
-            y = y.to(q.dtype)
-        else:
-            y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        f = self.cpu_in_fp32
+        scores = matmul(q, k.transpose(-2, -1), f)  # [B, heads, T, T] in the model dtype
+        # Megatron's FusedScaleMaskSoftmax (torch path): scale, causal mask, softmax; in fp32
+        # for fp16/bf16 scores only with --attention-softmax-in-fp32
+        probs = scale_mask_softmax(
+            scores, None, 1.0 / math.sqrt(self.head_dim), causal=True,
+            softmax_in_fp32=self.softmax_in_fp32,
+        )
+        y = matmul(probs, v, f)  # [B, heads, T, head_dim]
         y = y.transpose(1, 2).reshape(b, t, -1)
         return self.proj(y)
 
@@ -134,10 +193,15 @@ class Block(nn.Module):
         self.attn = CausalSelfAttention(cfg)
         self.ln_2 = nn.LayerNorm(cfg.hidden_size)
         self.mlp = MLP(cfg)
+        self.fp32_residual = cfg.fp32_residual_connection
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x + self.attn(self.ln_1(x))
-        return x + self.mlp(self.ln_2(x))
+        """x: the residual stream [B, T, H], in the model dtype or (fp32_residual_connection)
+        fp32. The sublayers run in the model dtype; the residual adds in fp32 if the flag is on."""
+        dt = self.attn.qkv.weight.dtype  # the model dtype
+        f = self.fp32_residual
+        x = residual_add(self.attn(self.ln_1(x.to(dt))), x, f)
+        return residual_add(self.mlp(self.ln_2(x.to(dt))), x, f)
 
 
 def stage_layers(num_layers: int, pp_size: int, pp_rank: int) -> range:
@@ -152,8 +216,10 @@ class GPTStage(nn.Module):
     """The part of the GPT on one pipeline stage (see the module docstring).
 
     forward(x): on the first stage x is token ids [B, T] int64, otherwise the previous stage's
-    activation [B, T, H] (model dtype). Returns the activation [B, T, H] for the next stage, or
-    on the last stage the logits [B, T, V] (model dtype).
+    activation [B, T, H] (model dtype, or fp32 with ``cfg.fp32_residual_connection``). Returns
+    the activation [B, T, H] for the next stage (same dtype rule), or on the last stage the
+    logits in the model dtype: this TP rank's [B, T, V/tp] slice once the stage is
+    parallelized (:func:`parallelize_stage`), the full [B, T, V] before.
     """
 
     def __init__(self, cfg: GPTConfig, pp_size: int = 1, pp_rank: int = 0):
@@ -168,6 +234,8 @@ class GPTStage(nn.Module):
         self.blocks = nn.ModuleList(Block(cfg) for _ in self.layer_ids)
         if self.is_last:
             self.ln_f = nn.LayerNorm(cfg.hidden_size)
+            if cfg.fp32_final_layernorm:
+                set_fp32_attr_to_module(self.ln_f)  # an fp32 island (see cast_)
             if not self.is_first:
                 # The last stage's copy of the word embedding, used as the output head.
                 self.head_weight = nn.Parameter(torch.empty(cfg.vocab_size, cfg.hidden_size))
@@ -184,6 +252,32 @@ class GPTStage(nn.Module):
         if self.is_last:
             return self.head_weight
         return None
+
+    @property
+    def model_dtype(self) -> torch.dtype:
+        """The dtype the matmuls run in (that of the params outside fp32 islands)."""
+        if self.is_first:
+            return self.wte.weight.dtype
+        if self.is_last:
+            return self.head_weight.dtype
+        return self.blocks[0].attn.qkv.weight.dtype
+
+    def cast_(self, dtype: torch.dtype) -> "GPTStage":
+        """Cast the floating params and buffers to ``dtype`` in place, except inside modules
+        marked with :func:`tpamp.set_fp32_attr_to_module`, which are kept (made) fp32 -- the
+        casting rule of :class:`tpamp.NaiveAMPModel`, whose input casts do not suit a pipeline
+        stage that receives fp32 activations. Returns self."""
+        stack = [(self, False)]
+        while stack:
+            module, island = stack.pop()
+            island = island or module_has_fp32_attr(module)
+            target = torch.float32 if island else dtype
+            module._apply(
+                lambda t, target=target: t.to(target) if t.is_floating_point() else t,
+                recurse=False,
+            )
+            stack.extend((child, island) for child in module.children())
+        return self
 
     @torch.no_grad()
     def init_weights(self, seed: int) -> None:
@@ -218,27 +312,40 @@ class GPTStage(nn.Module):
                 m.bias.zero_()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dt = self.model_dtype
         if self.is_first:
             t = x.shape[1]
             pos = torch.arange(t, device=x.device)
             x = self.wte(x) + self.wpe(pos)
+            if self.cfg.fp32_residual_connection:
+                x = x.float()  # Megatron: the residual stream starts fp32 at the embedding
         for block in self.blocks:
             x = block(x)
         if self.is_last:
-            x = linear(self.ln_f(x), self.output_head_weight(), None, self.cfg.cpu_matmul_in_fp32)
+            if module_has_fp32_attr(self.ln_f):
+                h = self.ln_f(x.float()).to(dt)
+            else:
+                h = self.ln_f(x.to(dt))
+            x = output_head(h, self.output_head_weight(), self.cfg.cpu_matmul_in_fp32)
         return x
 
 
 def tensor_parallel_plan(stage: GPTStage) -> dict:
-    """The parallelize_module plan of one stage: Megatron's column/row split of each block.
+    """The parallelize_module plan of one stage: Megatron's column/row split of each block,
+    and the vocab-parallel word embedding.
 
     Column-parallel qkv and fc1 take a replicated [B, T, H] input and give this rank's features
     (a plain local tensor); row-parallel proj, fc2 take those and return the TP-summed,
-    replicated [B, T, H]. Everything else stays replicated.
+    replicated [B, T, H]. ``wte`` (first stage) is row-parallel: its weight is Shard(0) (V/tp
+    vocabulary rows per rank), the token ids go in replicated and the looked-up [B, T, H] comes
+    out TP-summed and replicated. The last stage's head copy is not a module: see
+    :func:`parallelize_stage`. Everything else stays replicated.
     """
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
     plan = {}
+    if stage.is_first:
+        plan["wte"] = RowwiseParallel(input_layouts=Replicate())
     for j in range(len(stage.blocks)):
         p = f"blocks.{j}"
         for name in ("attn.qkv", "mlp.fc1"):
@@ -246,6 +353,50 @@ def tensor_parallel_plan(stage: GPTStage) -> dict:
         for name in ("attn.proj", "mlp.fc2"):
             plan[f"{p}.{name}"] = RowwiseParallel()
     return plan
+
+
+def parallelize_stage(stage: GPTStage, tp_mesh) -> GPTStage:
+    """Shard ``stage`` over the 1-D TP mesh: :func:`tensor_parallel_plan` through
+    parallelize_module, and the last stage's tied head copy ``head_weight`` Shard(0) like
+    ``wte``, so that both copies of the tied weight hold the same vocab rows on a TP rank and the
+    head gives vocab-parallel logits. Every TP rank must already hold the same full weights
+    (each keeps its own shard; nothing is sent). Every DTensor param gets a grad hook that
+    places its grad like the param (see :func:`_grad_like_param`); a later in-place conversion
+    of the params (``.to``, :meth:`GPTStage.cast_`) drops those hooks, so cast first. Returns
+    the stage."""
+    from torch.distributed.tensor import distribute_tensor
+    from torch.distributed.tensor.parallel import parallelize_module
+
+    if stage.cfg.vocab_size % tp_mesh.size():
+        raise ValueError(
+            f"vocab_size {stage.cfg.vocab_size} is not divisible by the TP size {tp_mesh.size()}"
+        )
+    parallelize_module(stage, tp_mesh, tensor_parallel_plan(stage), src_data_rank=None)
+    if stage.is_last and not stage.is_first:
+        sharded = distribute_tensor(
+            stage.head_weight.detach(), tp_mesh, [Shard(0)], src_data_rank=None
+        )
+        stage.head_weight = nn.Parameter(sharded, requires_grad=stage.head_weight.requires_grad)
+        stage.head_weight.shared = True
+    for param in stage.parameters():
+        if isinstance(param, DTensor) and param.requires_grad:
+            param.register_hook(_grad_like_param(param))
+    return stage
+
+
+def _grad_like_param(param):
+    """A grad hook giving the grad ``param``'s own placements. DTensor's embedding backward
+    returns a Replicate grad (the full [V, H] on every TP rank) for the Shard(0) ``wte``; the
+    optimizer and the grad syncs expect a grad sharded like its param. Replicate -> Shard is a
+    local slice, no communication; grads already placed like the param pass through."""
+    mesh, placements = param.device_mesh, tuple(param.placements)
+
+    def hook(grad):
+        if isinstance(grad, DTensor) and tuple(grad.placements) != placements:
+            return grad.redistribute(mesh, placements)
+        return grad
+
+    return hook
 
 
 def count_params(cfg: GPTConfig) -> int:

@@ -17,7 +17,17 @@ What happens:
 - Model (scripts/gpt_model.py): the blocks are split evenly over the pipeline stages; inside
   a stage, PyTorch's ``parallelize_module`` shards attention and MLP over the TP sub-mesh
   (Megatron's column/row split). The word embedding (first stage) is tied to the output head
-  (last stage, a copy marked ``shared``), as in Megatron-LM.
+  (last stage, a copy marked ``shared``), as in Megatron-LM; both are vocab-parallel (V/tp rows
+  per TP rank), so each TP rank computes its own slice of the logits.
+- Megatron's fp16 numerics, through ``tpamp.functional``: ``--fp32-residual-connection``
+  (``tpamp.residual_add``; the residual stream, and so the activations passed between pipeline
+  stages, are fp32), ``--attention-softmax-in-fp32`` (``tpamp.scale_mask_softmax``, always used
+  for the attention probabilities; the flag decides whether fp16/bf16 scores are upcast) and
+  ``--fp16-lm-cross-entropy``: the loss is always ``tpamp.vocab_parallel_cross_entropy`` over
+  the vocab-sharded logits on the TP group, in fp32 unless this flag is given.
+  ``--fp32-final-layernorm`` (not a Megatron flag) keeps the final LayerNorm an fp32 island
+  (``tpamp.set_fp32_attr_to_module``). Stage activations are [mb, T, H] in the model dtype, or
+  fp32 with ``--fp32-residual-connection``.
 - Pipeline: GPipe with plain ``torch.distributed`` send/recv between the ranks of
   ``pp_ranks``: all microbatches forward, then all backward. Activations are [mb, T, H].
 - After backward: grads are averaged over the DP group, the two embedding copies' grads are
@@ -44,19 +54,23 @@ import time
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
-from torch.distributed.tensor.parallel import parallelize_module
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # gpt_model
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # tpamp
 
 import tpamp  # noqa: E402
-from gpt_model import GPTConfig, GPTStage, count_params, tensor_parallel_plan  # noqa: E402
+from gpt_model import GPTConfig, GPTStage, count_params, parallelize_stage  # noqa: E402
 from tpamp.grad_stats import local_tensor  # noqa: E402
 from tpamp.parallel import initialize_model_parallel  # noqa: E402
 
 
 # ----------------------------------------------------------------------------- configuration
+
+# the fp16 numerics switches, as argparse dests (reported in the first line and summary.json)
+NUMERICS_FLAGS = (
+    "fp32_residual_connection", "attention_softmax_in_fp32", "fp16_lm_cross_entropy",
+    "fp32_final_layernorm",
+)
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -94,6 +108,15 @@ def parse_args(argv=None) -> argparse.Namespace:
     a("--hysteresis", type=int, default=2)
     a("--cpu-native-half-matmul", action="store_true",
       help="on CPU, use the (slow) native fp16/bf16 GEMM instead of fp32 accumulation")
+    # Megatron's fp16 numerics flags (tpamp.functional)
+    a("--fp32-residual-connection", action="store_true",
+      help="keep the residual stream (and the activations between pipeline stages) in fp32")
+    a("--attention-softmax-in-fp32", action="store_true",
+      help="compute the attention softmax in fp32 for fp16/bf16 scores")
+    a("--fp16-lm-cross-entropy", action="store_true",
+      help="compute the vocab-parallel cross-entropy in fp16/bf16 instead of fp32")
+    a("--fp32-final-layernorm", action="store_true",
+      help="keep the final LayerNorm in fp32 (an fp32 island, tpamp.set_fp32_attr_to_module)")
     # data
     a("--data", default=None, help="a text file (default: the Python stdlib's .py source)")
     a("--data-max-bytes", type=int, default=4 * 2**20, help="cap for the default data")
@@ -158,12 +181,16 @@ def microbatches(data: ByteData, split: str, gen, st, micro_batch_size, num_micr
 # ----------------------------------------------------------------------------- pipeline
 
 
-def forward_backward(stage, batches, st, act_shape, dtype, optimizer=None):
+def forward_backward(stage, batches, st, act_shape, dtype, optimizer=None, *,
+                     fp16_lm_cross_entropy=False):
     """One GPipe pass over ``batches`` (list of (x, y) [mb, T]): all forwards, then all
     backwards (only when ``optimizer`` is given: it scales the loss).
 
-    Stage boundaries carry activations and their grads, [mb, T, H] in ``dtype``, between this
-    rank and the same-(TP, DP) ranks of the neighbouring stages (``st.pp_ranks``). Returns the
+    Stage boundaries carry activations and their grads, [mb, T, H] in ``dtype`` (the model
+    dtype, or fp32 with --fp32-residual-connection), between this rank and the same-(TP, DP)
+    ranks of the neighbouring stages (``st.pp_ranks``). The last stage's loss is
+    ``tpamp.vocab_parallel_cross_entropy`` of its [mb, T, V/tp] logits over the TP group (in
+    the logits' dtype with ``fp16_lm_cross_entropy``, else fp32), averaged in fp32. Returns the
     per-microbatch losses (fp32 0-dim, detached) on the last stage, [] elsewhere.
     """
     train = optimizer is not None
@@ -181,8 +208,11 @@ def forward_backward(stage, batches, st, act_shape, dtype, optimizer=None):
         with torch.set_grad_enabled(train):
             out = stage(inp)
             if st.is_last_stage:
-                # fp32 cross-entropy on the (half) logits, as Megatron-LM does by default
-                loss = F.cross_entropy(out.float().flatten(0, 1), y.flatten())
+                # vocab-parallel cross-entropy (fp32 on the half logits unless
+                # --fp16-lm-cross-entropy), then the fp32 mean over tokens, as Megatron-LM
+                loss = tpamp.vocab_parallel_cross_entropy(
+                    out, y, st.tp_group, fp16_lm_cross_entropy=fp16_lm_cross_entropy
+                ).float().mean()
                 losses.append(loss.detach())
                 out = loss / len(batches)  # the mean over microbatches is what we minimise
         if not st.is_last_stage:
@@ -240,8 +270,8 @@ def all_reduce_embedding_grads(stage, st) -> None:
     """Sum the grads of the word embedding (first stage) and its tied copy, the output head
     (last stage), so both copies take the same step and stay identical (Megatron-LM)."""
     weight = stage.word_embedding_weight() if st.embedding_group is not None else None
-    if weight is not None:
-        _all_reduce_grads([weight.grad], st.embedding_group)
+    if weight is not None:  # both copies are Shard(0) alike: sum the local vocab rows
+        _all_reduce_grads([local_tensor(weight.grad)], st.embedding_group)
 
 
 # ----------------------------------------------------------------------------- setup
@@ -273,8 +303,10 @@ def setup_distributed(args):
 
 
 def build_stage(cfg: GPTConfig, st, dtype, device, seed: int) -> GPTStage:
-    """This rank's stage: seeded fp32 init, tied head copied from the first stage, TP-sharded
-    with parallelize_module, then cast to ``dtype``."""
+    """This rank's stage: seeded fp32 init, tied head copied from the first stage, cast to
+    ``dtype`` (fp32 islands, e.g. --fp32-final-layernorm, stay fp32), then TP-sharded with
+    parallelize_module (vocab-parallel embedding and head copy). Cast before sharding: the
+    grad hooks that parallelize_stage puts on the DTensor params do not survive a later cast."""
     stage = GPTStage(cfg, st.dims.pp, st.pp_rank)
     stage.init_weights(seed)
     stage.to(device)
@@ -283,8 +315,8 @@ def build_stage(cfg: GPTConfig, st, dtype, device, seed: int) -> GPTStage:
         with torch.no_grad():
             dist.broadcast(weight, src=st.pp_ranks[0], group=st.embedding_group)
     # src_data_rank=None: every TP rank holds the same seeded full weights and keeps its shard
-    parallelize_module(stage, st.tp_mesh, tensor_parallel_plan(stage), src_data_rank=None)
-    return stage.to(dtype)
+    stage.cast_(dtype)
+    return parallelize_stage(stage, st.tp_mesh)
 
 
 def build_optimizer(stage, args, st, dtype):
@@ -356,6 +388,9 @@ def main(argv=None):
         num_layers=args.num_layers,
         num_attention_heads=args.num_attention_heads,
         cpu_matmul_in_fp32=not args.cpu_native_half_matmul,
+        fp32_residual_connection=args.fp32_residual_connection,
+        attention_softmax_in_fp32=args.attention_softmax_in_fp32,
+        fp32_final_layernorm=args.fp32_final_layernorm,
     )
     if cfg.num_attention_heads % st.dims.tp:
         raise ValueError(
@@ -368,11 +403,15 @@ def main(argv=None):
     stage = build_stage(cfg, st, dtype, device, args.seed)
     optimizer = build_optimizer(stage, args, st, dtype)
     act_shape = (args.micro_batch_size, args.seq_length, args.hidden_size)
+    # what crosses a pipeline stage boundary: the residual stream
+    act_dtype = torch.float32 if args.fp32_residual_connection else dtype
+    numerics = [name for name in NUMERICS_FLAGS if getattr(args, name)]
     say(
         f"GPT {count_params(cfg) / 1e6:.2f}M params ({cfg.num_layers} layers, hidden "
         f"{cfg.hidden_size}, {cfg.num_attention_heads} heads, seq {cfg.seq_length}, vocab 256) | "
         f"{dist.get_world_size()} ranks: TP {st.dims.tp} x PP {st.dims.pp} x DP {dp} on "
-        f"{device.type} ({dist.get_backend()}) | {str(dtype).replace('torch.', '')} | "
+        f"{device.type} ({dist.get_backend()}) | {str(dtype).replace('torch.', '')}"
+        f"{''.join(' +' + n for n in numerics)} | "
         f"global batch {global_batch} = micro {args.micro_batch_size} x {num_microbatches} "
         f"microbatches x DP {dp} | data {args.data or 'python stdlib source'}: "
         f"{len(data.train)} train / {len(data.valid)} validation bytes",
@@ -405,7 +444,10 @@ def main(argv=None):
         losses = []
         for _ in range(args.eval_iters):
             mbs = microbatches(data, "valid", gen, st, args.micro_batch_size, num_microbatches, device)
-            losses += forward_backward(stage, mbs, st, act_shape, dtype)
+            losses += forward_backward(
+                stage, mbs, st, act_shape, act_dtype,
+                fp16_lm_cross_entropy=args.fp16_lm_cross_entropy,
+            )
         return mean_over_dp(losses, st) if st.is_last_stage else float("nan")
 
     train_gen = torch.Generator().manual_seed(args.seed)
@@ -419,7 +461,10 @@ def main(argv=None):
         # logged: the scale this iteration's loss is multiplied by (the step may change it)
         loss_scale = optimizer.get_loss_scale().item()
         mbs = microbatches(data, "train", train_gen, st, args.micro_batch_size, num_microbatches, device)
-        losses = forward_backward(stage, mbs, st, act_shape, dtype, optimizer)
+        losses = forward_backward(
+            stage, mbs, st, act_shape, act_dtype, optimizer,
+            fp16_lm_cross_entropy=args.fp16_lm_cross_entropy,
+        )
         all_reduce_data_parallel_grads(stage, st)
         all_reduce_embedding_grads(stage, st)
         result = optimizer.step()
@@ -463,6 +508,7 @@ def main(argv=None):
             "final_validation_loss": val_loss,
             "wall_time_s": round(elapsed, 1),
             "dtype": str(dtype).replace("torch.", ""),
+            **{name: bool(getattr(args, name)) for name in NUMERICS_FLAGS},
             "tp": st.dims.tp,
             "pp": st.dims.pp,
             "dp": dp,

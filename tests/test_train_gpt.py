@@ -1,7 +1,8 @@
 """scripts/train_gpt.py end to end: 4 CPU ranks under torchrun, a tiny GPT, a few iterations.
 
-Each test launches ``python -m torch.distributed.run --nproc-per-node 4`` in a subprocess with a
-timeout and reads the JSONL log and summary.json that the logging rank writes.
+Each end-to-end test launches ``python -m torch.distributed.run --nproc-per-node 4`` in a
+subprocess with a timeout and reads the JSONL log and summary.json that the logging rank writes.
+The GPTStage tests run one stage in process (no process group: no TP sharding).
 """
 
 from __future__ import annotations
@@ -13,11 +14,17 @@ import subprocess
 import sys
 
 import pytest
+import torch
+import torch.nn.functional as F
 
 from tests.dist_utils import free_port
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPT = os.path.join(ROOT, "scripts", "train_gpt.py")
+NUMERICS = [
+    "--fp32-residual-connection", "--attention-softmax-in-fp32", "--fp16-lm-cross-entropy",
+    "--fp32-final-layernorm",
+]
 SPEC_FIELDS = ("iteration", "loss", "lr", "loss_scale", "grad_norm", "num_zeros", "skipped", "nan")
 ITERS = 8
 TINY = [
@@ -93,6 +100,23 @@ def test_fp16_tp2_pp2_logs_spec_fields_and_loss_falls(tmp_path):
     assert stdout.count("done: ") == 1
 
 
+def test_fp16_megatron_numerics_flags_tp2_pp2_train(tmp_path):
+    """All of Megatron's fp16 numerics flags at once (fp32 residual stream, so fp32 activations
+    between the pipeline stages; fp32 attention softmax; fp16 vocab-parallel cross-entropy) and
+    the fp32 final LayerNorm island: the run trains and logs every field."""
+    records, summary, stdout = run_train(tmp_path, *NUMERICS)
+    check_records(records, loss_scaling=True)
+    assert_loss_falls(records)
+    assert math.isfinite(records[-1]["val_loss"])
+    assert math.isfinite(summary["final_validation_loss"])
+    assert (summary["tp"], summary["pp"], summary["dp"]) == (2, 2, 1)
+    for flag in NUMERICS:
+        name = flag[2:].replace("-", "_")
+        assert summary[name] is True, summary
+        assert f"+{name}" in stdout
+    assert stdout.count("done: ") == 1
+
+
 @pytest.mark.parametrize("precision", ["--bf16", "--fp32"])
 def test_bf16_and_fp32_runs_train_without_loss_scaling(tmp_path, precision):
     records, summary, _ = run_train(tmp_path, precision)
@@ -103,10 +127,12 @@ def test_bf16_and_fp32_runs_train_without_loss_scaling(tmp_path, precision):
 
 
 def test_fp32_losses_and_grad_norms_do_not_depend_on_the_layout(tmp_path):
-    """TP 2 x PP 2 (tied head copy on the last stage) and DP 4 (pp 1: the head is the
-    embedding) see the same global batches and the same initial model, so in fp32 they must
-    compute the same losses and the same global grad norms (tied weight counted once)."""
-    tp_pp, _, _ = run_train(tmp_path / "tp2pp2", "--fp32")
+    """TP 2 x PP 2 (vocab-parallel embedding and tied head copy on the last stage, vocab-parallel
+    cross-entropy over TP) and DP 4 (pp 1, tp 1: the head is the embedding) see the same global
+    batches and the same initial model, so in fp32 they must compute the same losses and the same
+    global grad norms (tied weight counted once). The TP x PP run also has the fp16 numerics
+    flags on, which must change nothing in fp32."""
+    tp_pp, _, _ = run_train(tmp_path / "tp2pp2", "--fp32", *NUMERICS)
     dp, summary, _ = run_train(
         tmp_path / "dp4", "--fp32", "--tensor-model-parallel-size", "1",
         "--pipeline-model-parallel-size", "1", "--micro-batch-size", "1",
@@ -118,3 +144,60 @@ def test_fp32_losses_and_grad_norms_do_not_depend_on_the_layout(tmp_path):
         assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=1e-5), (a, b)
         if "val_loss" in a:
             assert a["val_loss"] == pytest.approx(b["val_loss"], rel=1e-5), (a, b)
+
+
+# ----------------------------------------------------------------------------- GPTStage in process
+
+
+def _gpt_model():
+    sys.path.insert(0, os.path.join(ROOT, "scripts"))
+    import gpt_model
+
+    return gpt_model
+
+
+def _tiny_stage(dtype, **flags):
+    gm = _gpt_model()
+    cfg = gm.GPTConfig(seq_length=16, hidden_size=32, num_layers=2, num_attention_heads=4, **flags)
+    stage = gm.GPTStage(cfg)
+    stage.init_weights(7)
+    return stage.cast_(dtype)
+
+
+def test_stage_fp32_island_and_fp32_residual_stream_dtypes():
+    stage = _tiny_stage(torch.float16, fp32_residual_connection=True, fp32_final_layernorm=True)
+    assert all(p.dtype == torch.float32 for p in stage.ln_f.parameters())
+    others = [p for n, p in stage.named_parameters() if not n.startswith("ln_f.")]
+    assert others and all(p.dtype == torch.float16 for p in others)
+    assert stage.model_dtype == torch.float16
+    tokens = torch.randint(256, (2, 16), generator=torch.Generator().manual_seed(0))
+    seen = []
+    stage.blocks[0].register_forward_hook(lambda m, a, out: seen.append((a[0].dtype, out.dtype)))
+    logits = stage(tokens)
+    assert seen == [(torch.float32, torch.float32)]  # the residual stream is fp32
+    assert logits.dtype == torch.float16 and logits.shape == (2, 16, 256)
+    assert torch.isfinite(logits).all()
+
+    plain = _tiny_stage(torch.float16)
+    assert all(p.dtype == torch.float16 for p in plain.parameters())
+    plain.blocks[0].register_forward_hook(lambda m, a, out: seen.append((a[0].dtype, out.dtype)))
+    plain(tokens)
+    assert seen[-1] == (torch.float16, torch.float16)
+
+
+@pytest.mark.parametrize("softmax_in_fp32", [False, True])
+def test_stage_explicit_attention_matches_sdpa(softmax_in_fp32):
+    """The explicit scale_mask_softmax attention is causal softmax(q k^T / sqrt(d)) v: in fp32
+    it matches F.scaled_dot_product_attention; in fp16 it stays close to it."""
+    gm = _gpt_model()
+    for dtype, tol in ((torch.float32, 1e-5), (torch.float16, 2e-2)):
+        stage = _tiny_stage(dtype, attention_softmax_in_fp32=softmax_in_fp32)
+        attn = stage.blocks[0].attn
+        x = torch.randn(2, 16, 32, generator=torch.Generator().manual_seed(1)).to(dtype)
+        got = attn(x).float()
+        qkv = gm.linear(x.float(), attn.qkv.weight.float(), attn.qkv.bias.float())
+        q, k, v = (z.transpose(1, 2) for z in qkv.view(2, 16, -1, 3, 8).unbind(dim=3))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        y = y.transpose(1, 2).reshape(2, 16, -1)
+        want = gm.linear(y, attn.proj.weight.float(), attn.proj.bias.float())
+        assert torch.allclose(got, want, rtol=tol, atol=tol), (dtype, (got - want).abs().max())
