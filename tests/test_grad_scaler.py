@@ -615,3 +615,10 @@ def test_bad_argument_raises_value_error_naming_the_value(kwargs, name, value):
 def test_boundary_arguments_are_accepted(kwargs):
     s = DynamicGradScaler(**kwargs)
     assert float(s.scale.reshape(-1)[0]) == f32(kwargs.get("initial_scale", 2.0**32))
+
+
+@pytest.mark.parametrize("name", ["growth_interval", "hysteresis"])
+def test_tracker_limits_beyond_int32_are_rejected(name):
+    # the trackers live in int32 device tensors; a larger interval could never be reached
+    with pytest.raises(ValueError, match=rf"{name} must be an int in \[1, 2\*\*31 - 1\], got 2147483648"):
+        tpamp.DynamicGradScaler(**{name: 2**31})

@@ -45,9 +45,16 @@ def _check_number(name: str, value, *, allow_none: bool = False) -> Optional[flo
     return value
 
 
+_INT32_MAX = 2**31 - 1  # the trackers are int32 device tensors
+
+
 def _check_int(name: str, value, minimum: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < minimum:
-        raise ValueError(f"{name} must be an int >= {minimum}, got {value!r}")
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, numbers.Integral)
+        or not minimum <= value <= _INT32_MAX
+    ):
+        raise ValueError(f"{name} must be an int in [{minimum}, 2**31 - 1], got {value!r}")
     return int(value)
 
 
