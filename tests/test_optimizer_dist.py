@@ -170,3 +170,25 @@ def test_resumed_run_equals_uninterrupted_run_bit_for_bit():
         assert [r[0] for r in full].count(False) >= 1  # the trace really skipped a step
         assert same, f"rank {rank}: params differ after resume"
         assert scaler_same
+
+
+def _replicate_grad_for_sharded_param(rank, world):
+    from torch.distributed.tensor import DTensor, Replicate, Shard
+
+    st = initialize_model_parallel(2, 1)
+    full = torch.arange(8.0).reshape(4, 2)
+    grad_full = torch.arange(8.0).reshape(4, 2) / 8
+    p = torch.nn.Parameter(DTensor.from_local(full.chunk(2)[rank].half(), st.tp_mesh, [Shard(0)]))
+    # as DTensor's embedding backward gives it: the full grad, replicated
+    p.grad = DTensor.from_local(grad_full.half(), st.tp_mesh, [Replicate()])
+    opt = tpamp.MixedPrecisionOptimizer(
+        torch.optim.SGD([p], lr=1.0), grad_scaler=tpamp.ConstantGradScaler(1.0),
+        grad_stats_group=st.grad_stats_group, tensor_parallel_group=st.tp_group)
+    ok, norm, _ = opt.step()
+    return ok, norm, p.to_local().detach().float(), (full - grad_full).chunk(2)[rank]
+
+
+def test_dtensor_grad_with_other_placements_is_placed_like_its_param():
+    for ok, norm, got, want in run_workers(_replicate_grad_for_sharded_param, 2):
+        assert ok and isclose(norm, float((torch.arange(8.0) / 8).norm()))
+        assert torch.equal(got, want)

@@ -345,6 +345,7 @@ class MixedPrecisionOptimizer:
                 if grad is None:
                     main.grad = None
                     continue
+                grad = _placed_like(grad, model)
                 if grad.dtype == torch.float32:
                     main.grad = grad  # a main_grad buffer: used in place, as Megatron does
                     src = out = local_tensor(grad)
@@ -361,6 +362,7 @@ class MixedPrecisionOptimizer:
                     p.grad = main_grad
                 if p.grad is None:
                     continue
+                p.grad = _placed_like(p.grad, p)
                 g = local_tensor(p.grad)
                 if g.dtype != torch.float32:
                     raise TypeError(f"an fp32 param has a {g.dtype} gradient; expected float32")
@@ -467,6 +469,15 @@ class FP32Optimizer(MixedPrecisionOptimizer):
                         "expected float32 (use MixedPrecisionOptimizer for fp16/bf16 params)"
                     )
         super().__init__(optimizer, **kwargs)
+
+
+def _placed_like(grad: Tensor, param: Tensor) -> Tensor:
+    """A DTensor grad with the param's placements. Some DTensor backwards (e.g. embedding on a
+    Shard(0) weight) return Replicate or Partial grads; Replicate -> Shard is a local slice,
+    Partial -> Shard a reduce-scatter that every rank of the mesh runs alike."""
+    if _is_dtensor(grad) and _is_dtensor(param) and tuple(grad.placements) != tuple(param.placements):
+        return grad.redistribute(param.device_mesh, param.placements)
+    return grad
 
 
 def _is_dtensor(t: Tensor) -> bool:
