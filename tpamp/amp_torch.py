@@ -30,7 +30,7 @@ from tpamp.grad_stats import (
     filter_grads_for_norm,
     get_grad_norm_fp32,
 )
-from tpamp.optimizer import StepResult
+from tpamp.optimizer import OptimizerWrapper, StepResult
 
 __all__ = ["ModelParallelGradScaler", "TorchAMPModel", "TorchAMPLoss", "TorchAMPOptimizer"]
 
@@ -136,7 +136,7 @@ class TorchAMPLoss(nn.Module):
             return self.criterion(*args, **kwargs)
 
 
-class TorchAMPOptimizer:
+class TorchAMPOptimizer(OptimizerWrapper):
     """A torch optimizer driven by a :class:`ModelParallelGradScaler`, with the interface of
     :class:`tpamp.MixedPrecisionOptimizer` (``scale_loss``, ``step() -> StepResult``,
     ``zero_grad``, ``get_loss_scale``, ``state_dict``), so loops work the same in each mode.
@@ -168,14 +168,6 @@ class TorchAMPOptimizer:
         self.log_num_zeros_in_grad = bool(log_num_zeros_in_grad)
         self.grad_stats_group = grad_stats_group
         self.tensor_parallel_group = tensor_parallel_group
-
-    @property
-    def param_groups(self):
-        return self.optimizer.param_groups
-
-    @property
-    def state(self):
-        return self.optimizer.state
 
     def _params(self):
         return [p for g in self.optimizer.param_groups for p in g["params"]]

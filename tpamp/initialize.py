@@ -45,7 +45,7 @@ from torch import nn
 from tpamp.amp_torch import ModelParallelGradScaler, TorchAMPLoss, TorchAMPModel, TorchAMPOptimizer
 from tpamp.grad_scaler import ConstantGradScaler, DynamicGradScaler
 from tpamp.model import NaiveAMPModel, parse_dtype
-from tpamp.optimizer import FP32Optimizer, MixedPrecisionOptimizer
+from tpamp.optimizer import FP32Optimizer, MixedPrecisionOptimizer, OptimizerWrapper
 from tpamp.parallel import ParallelState
 
 __all__ = [
@@ -331,7 +331,7 @@ def _import_apex_amp():
     return amp
 
 
-class ApexAMPOptimizer:
+class ApexAMPOptimizer(OptimizerWrapper):
     """An optimizer returned by apex ``amp.initialize`` (Colossal-AI's ApexAMPOptimizer):
     ``backward(loss)`` runs ``with amp.scale_loss(loss, optimizer) as s: s.backward()``; apex
     decides overflow skips inside its patched ``step()``, so ``step()`` returns what that returns
@@ -340,14 +340,6 @@ class ApexAMPOptimizer:
     def __init__(self, optimizer, amp_module):
         self.optimizer = optimizer
         self._amp = amp_module
-
-    @property
-    def param_groups(self):
-        return self.optimizer.param_groups
-
-    @property
-    def state(self):
-        return self.optimizer.state
 
     def backward(self, loss: torch.Tensor) -> None:
         with self._amp.scale_loss(loss, self.optimizer) as scaled:

@@ -60,7 +60,21 @@ class StepResult(NamedTuple):
     num_zeros_in_grad: Optional[int]
 
 
-class MixedPrecisionOptimizer:
+class OptimizerWrapper:
+    """Gives a wrapper the inner optimizer's ``param_groups`` and ``state`` (``self.optimizer``)."""
+
+    optimizer: torch.optim.Optimizer
+
+    @property
+    def param_groups(self):
+        return self.optimizer.param_groups
+
+    @property
+    def state(self):
+        return self.optimizer.state
+
+
+class MixedPrecisionOptimizer(OptimizerWrapper):
     """Wrap any ``torch.optim.Optimizer`` with fp32 main params for its fp16/bf16 params.
 
     Construction replaces every fp16/bf16 param with requires_grad, inside the wrapped
@@ -211,14 +225,6 @@ class MixedPrecisionOptimizer:
         return collective_device(self.grad_stats_group)
 
     # -- public interface -----------------------------------------------------------------
-
-    @property
-    def param_groups(self):
-        return self.optimizer.param_groups
-
-    @property
-    def state(self):
-        return self.optimizer.state
 
     def get_loss_scale(self) -> Tensor:
         """The loss scale: float32 tensor of shape [1] on the params' device (1.0 without a
