@@ -520,3 +520,25 @@ def test_extension_built_for_another_torch_is_ignored_with_a_warning(monkeypatch
     # and the PyTorch path still works
     stats = ops.grad_stats([torch.tensor([3.0, 4.0])], norm_type=2.0)
     assert float(stats.norm_stat) == 25.0
+
+
+def test_scale_at_most_one_hint_gives_the_same_results():
+    from tpamp import ops
+
+    g = torch.Generator().manual_seed(7)
+    for bad in (None, math.inf, math.nan):
+        grads = [torch.randn(n, generator=g).to(dt) for n, dt in ((5, torch.float16), (0, torch.float32), (9, torch.bfloat16))]
+        if bad is not None:
+            grads[2][4] = bad
+        scale = torch.tensor([2.0**-10])
+        res = []
+        for hint in (False, True):
+            outs = [torch.empty(t.shape) for t in grads]
+            st = ops.grad_stats(grads, out=outs, scale=scale, norm_type=2.0, count_zeros=True, scale_at_most_one=hint)
+            res.append((st, outs))
+        (a, oa), (b, ob) = res
+        assert torch.equal(a.found_inf, b.found_inf) and float(a.found_inf) == (bad is not None)
+        assert torch.equal(a.num_zeros, b.num_zeros)
+        torch.testing.assert_close(a.norm_stat, b.norm_stat, rtol=0, atol=0, equal_nan=True)
+        for x, y in zip(oa, ob):
+            torch.testing.assert_close(x, y, rtol=0, atol=0, equal_nan=True)

@@ -241,3 +241,13 @@ def test_sync_free_needs_a_fused_inner_optimizer():
     p = torch.nn.Parameter(torch.zeros(2, dtype=torch.bfloat16))
     with pytest.raises(ValueError, match="sync_free=True needs"):
         tpamp.MixedPrecisionOptimizer(torch.optim.AdamW([p]), sync_free=True)
+
+
+def test_loss_scale_below_one_whose_unscale_overflows_skips_the_step():
+    # scale 0.25: unscaling multiplies by 4, and 1e38 * 4 overflows fp32 (in-place fp32 grad)
+    p = torch.nn.Parameter(torch.zeros(2))
+    scaler = tpamp.DynamicGradScaler(initial_scale=0.25, min_scale=0.125, hysteresis=1)
+    opt = tpamp.MixedPrecisionOptimizer(torch.optim.SGD([p], lr=1.0), grad_scaler=scaler)
+    p.grad = torch.tensor([1e38, 1.0])
+    assert tuple(opt.step()) == (False, None, None)
+    assert torch.equal(p.detach(), torch.zeros(2)) and float(scaler.scale) == 0.125

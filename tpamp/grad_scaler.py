@@ -95,6 +95,12 @@ class MegatronGradScaler:
     def update(self, found_inf) -> None:
         raise NotImplementedError
 
+    @property
+    def never_below_one(self) -> bool:
+        """True when the scale can never drop below 1, so multiplying by ``inv_scale`` cannot
+        overflow (known on the host, without reading the device)."""
+        return False
+
     def _overflow_at_min_scale(self) -> Optional[torch.Tensor]:
         """Device bool tensor: the last update saw an overflow at min_scale (None: not tracked)."""
         return None
@@ -122,6 +128,11 @@ class ConstantGradScaler(MegatronGradScaler):
 
     def __init__(self, scale: float, device: Optional[Union[str, torch.device]] = None):
         super().__init__(scale, device)
+        self._host_scale = float(scale)
+
+    @property
+    def never_below_one(self) -> bool:
+        return self._host_scale >= 1.0
 
     def update(self, found_inf) -> None:
         _validate_found_inf(found_inf)
@@ -136,7 +147,8 @@ class ConstantGradScaler(MegatronGradScaler):
         if unknown:
             raise KeyError(f"unexpected keys in ConstantGradScaler state_dict: {sorted(unknown)}")
         if "tpamp_constant_scale" in state_dict:
-            self._scale.fill_(float(state_dict["tpamp_constant_scale"]))
+            self._host_scale = float(state_dict["tpamp_constant_scale"])
+            self._scale.fill_(self._host_scale)
 
 
 def _validate_found_inf(found_inf):
@@ -265,6 +277,10 @@ class DynamicGradScaler(MegatronGradScaler):
 
     def _overflow_at_min_scale(self) -> Optional[torch.Tensor]:
         return self._overflow_at_min
+
+    @property
+    def never_below_one(self) -> bool:
+        return self.min_scale >= 1.0
 
     def _report_overflow_at_min_scale(self) -> None:
         msg = (

@@ -116,6 +116,7 @@ def grad_stats(
     count_zeros: bool = False,
     per_tensor_norms: bool = False,
     check_finite: bool = True,
+    scale_at_most_one: bool = False,
     device: Optional[torch.device] = None,
 ) -> GradStats:
     """One pass over ``grads``: optional multiply by ``scale``, found_inf, norm statistic, zeros.
@@ -136,6 +137,9 @@ def grad_stats(
         check_finite: False lets the PyTorch path skip the found_inf pass when the caller does not
             need it and passes no scale (found_inf is then all zeros); the fused kernel always
             computes it.
+        scale_at_most_one: the caller knows |scale| <= 1 (an inverse loss scale whose scale
+            never drops below 1), so the multiply cannot overflow and the PyTorch path checks
+            the values and multiplies in one pass. The fused kernel needs no hint.
         device: where results live when ``grads`` is empty (default CPU).
 
     Returns:
@@ -174,12 +178,14 @@ def grad_stats(
     if _use_ext(grads) and (norm_type in (None, 2.0, math.inf)):
         return _grad_stats_ext(grads, out, scale, norm_mask, norm_type, count_zeros, per_tensor_norms)
     return _grad_stats_torch(
-        grads, out, scale, norm_mask, norm_type, count_zeros, per_tensor_norms, check_finite, device
+        grads, out, scale, norm_mask, norm_type, count_zeros, per_tensor_norms, check_finite,
+        device, scale_at_most_one,
     )
 
 
 def _grad_stats_torch(
-    grads, out, scale, norm_mask, norm_type, count_zeros, per_tensor, check_finite, device
+    grads, out, scale, norm_mask, norm_type, count_zeros, per_tensor, check_finite, device,
+    scale_at_most_one=False,
 ):
     found_inf = torch.zeros(1, dtype=torch.float32, device=device)
     if out is not None:
@@ -195,10 +201,15 @@ def _grad_stats_torch(
         for t in targets:
             by_dtype.setdefault(t.dtype, []).append(t)
         for ts in by_dtype.values():
-            if scale is not None:
+            if scale is None:
+                torch._amp_foreach_non_finite_check_and_unscale_(ts, found_inf, one)
+            elif scale_at_most_one:
+                # checks the inputs, then multiplies: |x * scale| <= |x| cannot overflow
+                torch._amp_foreach_non_finite_check_and_unscale_(ts, found_inf, scale.reshape(1))
+            else:
                 # multiply first, then check the values written: a scale > 1 may overflow
                 torch._foreach_mul_(ts, scale.reshape(()))
-            torch._amp_foreach_non_finite_check_and_unscale_(ts, found_inf, one)
+                torch._amp_foreach_non_finite_check_and_unscale_(ts, found_inf, one)
 
     counted = targets if norm_mask is None else [t for t, m in zip(targets, norm_mask) if m]
     norm_stat = None

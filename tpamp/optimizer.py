@@ -279,6 +279,7 @@ class MixedPrecisionOptimizer(OptimizerWrapper):
             norm_mask=mask,
             norm_type=self.norm_type,
             count_zeros=self.log_num_zeros_in_grad,
+            scale_at_most_one=self.grad_scaler is not None and self.grad_scaler.never_below_one,
             device=self._device,
         )
         found_inf, norm_stat, num_zeros = self._reduce(stats, finite_p)
