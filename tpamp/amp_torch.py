@@ -102,38 +102,45 @@ class ModelParallelGradScaler(torch.amp.GradScaler):
         return torch.stack(flags).sum()
 
 
-class TorchAMPModel(nn.Module):
+class _AutocastCall(nn.Module):
+    """Calls the wrapped callable, held in attribute ``_target``, under
+    ``torch.autocast(device_type, dtype, enabled)``."""
+
+    _target: str
+
+    def __init__(self, device_type: str, dtype: torch.dtype, enabled: bool):
+        super().__init__()
+        self.device_type = device_type
+        self.dtype = dtype
+        self.enabled = enabled
+
+    def forward(self, *args, **kwargs):
+        with torch.autocast(self.device_type, dtype=self.dtype, enabled=self.enabled):
+            return getattr(self, self._target)(*args, **kwargs)
+
+
+class TorchAMPModel(_AutocastCall):
     """Runs ``model``'s forward under ``torch.autocast(device_type, dtype)`` (Colossal-AI's
     TorchAMPModel). Params stay fp32; outputs are in whatever dtype autocast produced."""
 
+    _target = "model"
+
     def __init__(self, model: nn.Module, device_type: str, dtype: torch.dtype = torch.float16,
                  enabled: bool = True):
-        super().__init__()
+        super().__init__(device_type, dtype, enabled)
         self.model = model
-        self.device_type = device_type
-        self.dtype = dtype
-        self.enabled = enabled
-
-    def forward(self, *args, **kwargs):
-        with torch.autocast(self.device_type, dtype=self.dtype, enabled=self.enabled):
-            return self.model(*args, **kwargs)
 
 
-class TorchAMPLoss(nn.Module):
+class TorchAMPLoss(_AutocastCall):
     """Calls ``criterion`` under autocast (Colossal-AI's TorchAMPLoss); autocast runs losses such
     as cross_entropy in fp32."""
 
+    _target = "criterion"
+
     def __init__(self, criterion, device_type: str, dtype: torch.dtype = torch.float16,
                  enabled: bool = True):
-        super().__init__()
+        super().__init__(device_type, dtype, enabled)
         self.criterion = criterion
-        self.device_type = device_type
-        self.dtype = dtype
-        self.enabled = enabled
-
-    def forward(self, *args, **kwargs):
-        with torch.autocast(self.device_type, dtype=self.dtype, enabled=self.enabled):
-            return self.criterion(*args, **kwargs)
 
 
 class TorchAMPOptimizer(OptimizerWrapper):
