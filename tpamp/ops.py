@@ -24,6 +24,8 @@ __all__ = [
     "grad_stats",
     "scale_and_copy",
     "dynamic_scaler_update_",
+    "fused_adam_step_",
+    "fused_sgd_step_",
     "extension_available",
 ]
 
@@ -359,3 +361,319 @@ def dynamic_scaler_update_(
     scale.copy_(new_scale)
     growth_tracker.copy_(new_growth)
     hysteresis_tracker.copy_(new_hyst)
+
+
+# -- one-pass optimizer step ------------------------------------------------------------------
+#
+# Contract of torch.ops.tpamp.fused_adam_step_ / fused_sgd_step_ (csrc/kernels/optimizer_step.h
+# holds the per-element math, csrc/cpu and csrc/cuda its launchers) and of the PyTorch reference
+# below, which states the same math with tensor ops: it is the fallback where the extension is
+# not built and the tests' second opinion.
+
+
+def _check_step_lists(op: str, params, grads, model_params, **state_lists) -> None:
+    n = len(params)
+    lists = {"grads": grads, **state_lists}
+    if model_params is not None:
+        lists["model_params"] = model_params
+    for name, lst in lists.items():
+        if len(lst) != n:
+            raise ValueError(f"{op}: params has {n} tensors, {name} has {len(lst)}")
+    _check_list("grads", grads)
+    for i, p in enumerate(params):
+        if not isinstance(p, Tensor) or p.dtype != torch.float32:
+            raise TypeError(
+                f"{op}: params[{i}] must be a float32 tensor (the fp32 main param), got "
+                f"{getattr(p, 'dtype', type(p).__name__)}"
+            )
+        for name, lst in lists.items():
+            t = lst[i]
+            if t is None:
+                continue
+            if t.shape != p.shape:
+                raise ValueError(
+                    f"{op}: {name}[{i}] has shape {tuple(t.shape)}, params[{i}] has "
+                    f"{tuple(p.shape)}"
+                )
+            if t.device != p.device:
+                raise ValueError(
+                    f"{op}: {name}[{i}] is on {t.device}, params[{i}] on {p.device}"
+                )
+        for name in state_lists:
+            t = lists[name][i]
+            if t is not None and name != "steps" and t.dtype != torch.float32:
+                raise TypeError(f"{op}: {name}[{i}] must be float32, got {t.dtype}")
+        if model_params is not None and model_params[i].dtype not in (torch.float16, torch.bfloat16):
+            raise TypeError(
+                f"{op}: model_params[{i}] must be float16 or bfloat16, got {model_params[i].dtype}"
+            )
+
+
+def _check_device_scalar(name: str, t: Optional[Tensor], device: torch.device) -> None:
+    if t is None:
+        return
+    if not isinstance(t, Tensor) or t.numel() != 1 or t.dtype != torch.float32:
+        raise ValueError(
+            f"{name} must be a 1-element float32 tensor, got "
+            f"{getattr(t, 'dtype', type(t).__name__)} of shape {tuple(getattr(t, 'shape', ()))}"
+        )
+    if t.device != device:
+        raise ValueError(f"{name} is on {t.device}, the tensors on {device}")
+
+
+def _lr_args(lr, device):
+    """(lr_tensor or None, lr float) as the ops take them: a tensor lr is read on the device."""
+    if isinstance(lr, Tensor):
+        if lr.numel() != 1:
+            raise ValueError(f"a tensor lr must have one element, got shape {tuple(lr.shape)}")
+        return lr.reshape(1).to(device=device, dtype=torch.float32), 0.0
+    return None, float(lr)
+
+
+def _kernel_layout_ok(*tensor_lists) -> bool:
+    """The kernels walk every tensor of one param in the same element order: all dense, with
+    the same strides (contiguous, or e.g. all channels_last)."""
+    for group in zip(*tensor_lists):
+        first = group[0]
+        if not (first.is_contiguous() or first.is_non_overlapping_and_dense()):
+            return False
+        strides = first.stride()
+        for t in group[1:]:
+            if t is not None and t.stride() != strides and t.numel() > 1:
+                return False
+    return True
+
+
+def _use_step_ext(params, name: str) -> bool:
+    if _force_fallback or not params:
+        return False
+    ext = _load_extension()
+    return ext is not None and hasattr(ext, name)
+
+
+def fused_adam_step_(
+    params: Sequence[Tensor],
+    grads: Sequence[Tensor],
+    exp_avgs: Sequence[Tensor],
+    exp_avg_sqs: Sequence[Tensor],
+    steps: Sequence[Tensor],
+    *,
+    model_params: Optional[Sequence[Tensor]] = None,
+    grad_scale: Optional[Tensor] = None,
+    found_inf: Optional[Tensor] = None,
+    lr,
+    beta1: float,
+    beta2: float,
+    eps: float,
+    weight_decay: float,
+    decoupled_weight_decay: bool,
+    maximize: bool = False,
+) -> None:
+    """One Adam/AdamW step of torch.optim.Adam/AdamW (for-loop/fused math) over a list of
+    fp32 main params, reading the grads once and writing the fp16/bf16 model params, in place.
+
+    For each i, with g = float32(grads[i]) * grad_scale (negated when maximize):
+    steps[i] += 1; AdamW: p *= 1 - lr * weight_decay (Adam: g += weight_decay * p);
+    exp_avg.lerp_(g, 1 - beta1); exp_avg_sq = exp_avg_sq * beta2 + (1 - beta2) * g * g;
+    p += -lr / (1 - beta1^step) * exp_avg / (sqrt(exp_avg_sq) / sqrt(1 - beta2^step) + eps);
+    model_params[i] = cast(p). The bias corrections are float64 of the step count, as
+    torch.optim computes them; the state is torch.optim's own (exp_avg, exp_avg_sq, step).
+
+    Args:
+        params: float32 main params (plain local tensors), any shapes; empty tensors allowed.
+        grads: float32/float16/bfloat16, same shapes: the model grads or fp32 main_grads.
+        exp_avgs, exp_avg_sqs: float32, same shapes (torch.optim's state, updated in place).
+        steps: per param a float32 (or float64) tensor with one element (the step count, as
+            torch.optim keeps it), on the params' device; incremented in place.
+        model_params: None, or float16/bfloat16 tensors of the same shapes that receive the
+            updated params (the copy back to the model, in the same pass).
+        grad_scale: None or a 1-element float32 tensor on the params' device that multiplies
+            every grad (1/loss scale x clip coefficient).
+        found_inf: None or a 1-element float32 tensor on the params' device: when nonzero,
+            nothing is changed (no param, state or step count). Read on the device.
+        lr: float, or a 1-element tensor (read on the device).
+        beta1, beta2, eps, weight_decay: the param group's hyperparameters (floats).
+        decoupled_weight_decay: True for AdamW, False for Adam's L2 penalty.
+        maximize: ascend instead of descend (torch.optim's maximize).
+
+    Raises ValueError/TypeError for mismatched lengths, shapes, devices or dtypes.
+    Uses the extension's kernel (CPU or CUDA) when built, else the PyTorch reference.
+    """
+    params, grads = list(params), list(grads)
+    exp_avgs, exp_avg_sqs, steps = list(exp_avgs), list(exp_avg_sqs), list(steps)
+    if model_params is not None:
+        model_params = list(model_params)
+    op = "fused_adam_step_"
+    _check_step_lists(op, params, grads, model_params, exp_avgs=exp_avgs,
+                      exp_avg_sqs=exp_avg_sqs)
+    if len(steps) != len(params):
+        raise ValueError(f"{op}: params has {len(params)} tensors, steps has {len(steps)}")
+    if not params:
+        return
+    device = params[0].device
+    for i, (p, s) in enumerate(zip(params, steps)):
+        if p.device != device:
+            raise ValueError(f"{op}: params[{i}] is on {p.device}, params[0] on {device}")
+        if s.numel() != 1 or s.dtype not in (torch.float32, torch.float64) or s.device != device:
+            raise ValueError(
+                f"{op}: steps[{i}] must be a 1-element float32/float64 tensor on {device}, got "
+                f"{s.dtype} of shape {tuple(s.shape)} on {s.device}"
+            )
+    _check_device_scalar("grad_scale", grad_scale, device)
+    _check_device_scalar("found_inf", found_inf, device)
+    lr_tensor, lr_float = _lr_args(lr, device)
+    hyper = (float(beta1), float(beta2), float(eps), float(weight_decay),
+             bool(decoupled_weight_decay), bool(maximize))
+    lists = [params, grads, exp_avgs, exp_avg_sqs] + ([model_params] if model_params else [])
+    if _use_step_ext(params, "fused_adam_step_") and _kernel_layout_ok(*lists) and len(
+        {s.dtype for s in steps}
+    ) == 1:
+        _ext.fused_adam_step_(
+            params, exp_avgs, exp_avg_sqs, steps, model_params or [], grads, grad_scale,
+            found_inf, lr_tensor, lr_float, *hyper,
+        )
+        return
+    _adam_step_torch(params, grads, exp_avgs, exp_avg_sqs, steps, model_params, grad_scale,
+                     found_inf, lr_tensor, lr_float, *hyper)
+
+
+def _adam_step_torch(params, grads, exp_avgs, exp_avg_sqs, steps, model_params, grad_scale,
+                     found_inf, lr_tensor, lr, beta1, beta2, eps, weight_decay, decoupled,
+                     maximize):
+    """The reference: csrc/kernels/optimizer_step.h written with tensor ops (float32, scalars
+    from the step count in float64), sync-free: a set found_inf selects the old values."""
+    device = params[0].device
+    keep_old = None if found_inf is None else found_inf.reshape(()) != 0
+    sign = -1.0 if maximize else 1.0
+    mult = None if grad_scale is None else grad_scale.reshape(()) * sign
+    lr_t = lr_tensor.reshape(()).double() if lr_tensor is not None else None
+    lr_val = lr_t if lr_t is not None else lr
+    w = torch.tensor(1.0 - beta1, dtype=torch.float32).item()  # the float32 lerp weight
+    for i, p in enumerate(params):
+        step = steps[i].reshape(()).double() + 1.0
+        g = grads[i].float()
+        g = g * mult if mult is not None else (g * sign if maximize else g.clone())
+        new_p = p.clone()
+        if weight_decay != 0.0:
+            if decoupled:
+                decay = 1.0 - lr_val * weight_decay
+                new_p.mul_(decay.float() if isinstance(decay, Tensor) else decay)
+            else:
+                g = g + p * weight_decay
+        m = torch.lerp(exp_avgs[i], g, w)
+        v = torch.addcmul(exp_avg_sqs[i] * beta2, g, g, value=1.0 - beta2)
+        bias_correction1 = 1.0 - torch.pow(torch.tensor(beta1, dtype=torch.float64, device=device), step)
+        bias_correction2 = 1.0 - torch.pow(torch.tensor(beta2, dtype=torch.float64, device=device), step)
+        neg_step_size = (-(lr_val / bias_correction1)).float()
+        denom = v.sqrt() / bias_correction2.sqrt().float() + eps
+        new_p = new_p + neg_step_size * m / denom
+        new_step = step.to(steps[i].dtype).reshape(steps[i].shape)
+        outs = [(p, new_p), (exp_avgs[i], m), (exp_avg_sqs[i], v), (steps[i], new_step)]
+        if model_params is not None:
+            outs.append((model_params[i], new_p.to(model_params[i].dtype)))
+        for dst, new in outs:
+            dst.copy_(new if keep_old is None else torch.where(keep_old, dst, new))
+
+
+def fused_sgd_step_(
+    params: Sequence[Tensor],
+    grads: Sequence[Tensor],
+    momentum_buffers: Optional[Sequence[Tensor]],
+    *,
+    first_step: Optional[Sequence[bool]] = None,
+    model_params: Optional[Sequence[Tensor]] = None,
+    grad_scale: Optional[Tensor] = None,
+    found_inf: Optional[Tensor] = None,
+    lr,
+    momentum: float,
+    dampening: float,
+    weight_decay: float,
+    nesterov: bool,
+    maximize: bool = False,
+) -> None:
+    """One step of torch.optim.SGD over fp32 main params, reading the grads once and writing
+    the fp16/bf16 model params, in place.
+
+    For each i, with g = float32(grads[i]) * grad_scale (negated when maximize):
+    g += weight_decay * p; with momentum: buf = g on the buffer's first step (torch.optim: a
+    clone of the grad, no dampening), else buf = buf * momentum + (1 - dampening) * g, and
+    g = g + momentum * buf (nesterov) or buf; p += -lr * g; model_params[i] = cast(p).
+
+    Args:
+        params, grads, model_params, grad_scale, found_inf, lr: as in :func:`fused_adam_step_`.
+        momentum_buffers: float32 tensors of the params' shapes (torch.optim's
+            ``momentum_buffer``), or None when momentum == 0.
+        first_step: per param, True when its buffer holds no value yet (freshly allocated; its
+            contents are ignored and overwritten). Default all False.
+        momentum, dampening, weight_decay, nesterov, maximize: the param group's options.
+
+    A set found_inf changes nothing (a buffer marked first_step keeps its contents).
+    """
+    params, grads = list(params), list(grads)
+    if model_params is not None:
+        model_params = list(model_params)
+    op = "fused_sgd_step_"
+    has_momentum = float(momentum) != 0.0
+    if has_momentum:
+        if momentum_buffers is None:
+            raise ValueError(f"{op}: momentum={momentum} needs momentum_buffers")
+        bufs = list(momentum_buffers)
+        _check_step_lists(op, params, grads, model_params, momentum_buffers=bufs)
+    else:
+        bufs = []
+        _check_step_lists(op, params, grads, model_params)
+    first = [False] * len(params) if first_step is None else [bool(f) for f in first_step]
+    if len(first) != len(params):
+        raise ValueError(f"{op}: params has {len(params)} tensors, first_step has {len(first)}")
+    if not params:
+        return
+    device = params[0].device
+    for i, p in enumerate(params):
+        if p.device != device:
+            raise ValueError(f"{op}: params[{i}] is on {p.device}, params[0] on {device}")
+    _check_device_scalar("grad_scale", grad_scale, device)
+    _check_device_scalar("found_inf", found_inf, device)
+    lr_tensor, lr_float = _lr_args(lr, device)
+    hyper = (float(momentum), float(dampening), float(weight_decay), bool(nesterov), bool(maximize))
+    lists = [params, grads] + ([bufs] if has_momentum else []) + (
+        [model_params] if model_params else [])
+    if _use_step_ext(params, "fused_sgd_step_") and _kernel_layout_ok(*lists):
+        _ext.fused_sgd_step_(
+            params, bufs, model_params or [], grads, first, grad_scale, found_inf, lr_tensor,
+            lr_float, *hyper,
+        )
+        return
+    _sgd_step_torch(params, grads, bufs, first, model_params, grad_scale, found_inf, lr_tensor,
+                    lr_float, *hyper)
+
+
+def _sgd_step_torch(params, grads, bufs, first, model_params, grad_scale, found_inf, lr_tensor,
+                    lr, momentum, dampening, weight_decay, nesterov, maximize):
+    """The reference of the SGD kernel with tensor ops (ATen's ``a.add(b, alpha=x)`` is
+    a fused multiply-add; so is the kernel's)."""
+    keep_old = None if found_inf is None else found_inf.reshape(()) != 0
+    sign = -1.0 if maximize else 1.0
+    mult = None if grad_scale is None else grad_scale.reshape(()) * sign
+    neg_lr = -(lr_tensor.reshape(()).double()) if lr_tensor is not None else -lr
+    for i, p in enumerate(params):
+        g = grads[i].float()
+        g = g * mult if mult is not None else (g * sign if maximize else g.clone())
+        if weight_decay != 0.0:
+            g = torch.add(g, p, alpha=weight_decay)
+        outs = []
+        if momentum != 0.0:
+            if first[i]:
+                buf = g
+            else:
+                buf = torch.add(bufs[i] * momentum, g, alpha=1.0 - dampening)
+            outs.append((bufs[i], buf))
+            g = torch.add(g, buf, alpha=momentum) if nesterov else buf
+        if isinstance(neg_lr, Tensor):
+            new_p = p + neg_lr.float() * g
+        else:
+            new_p = torch.add(p, g, alpha=neg_lr)
+        outs.append((p, new_p))
+        if model_params is not None:
+            outs.append((model_params[i], new_p.to(model_params[i].dtype)))
+        for dst, new in outs:
+            dst.copy_(new if keep_old is None else torch.where(keep_old, dst, new))

@@ -24,6 +24,7 @@ from typing import Dict, List, NamedTuple, Optional
 
 import torch
 import torch.distributed as dist
+import torch.optim.optimizer as _torch_optimizer
 
 from tpamp import ops
 from tpamp.grad_scaler import MegatronGradScaler
@@ -117,6 +118,17 @@ class MixedPrecisionOptimizer(OptimizerWrapper):
             StepResult holds device tensors (update_successful: bool 0-dim, grad_norm: float32
             0-dim, num_zeros_in_grad: int64 0-dim or None). The min-scale stall is then not
             checked in step (read ``grad_scaler._overflow_at_min_scale()`` when convenient).
+        fused_step: for a torch.optim.Adam, AdamW or SGD whose options the one-pass kernel
+            supports (no amsgrad/capturable/differentiable, float betas, no step hooks; lr a
+            float or a tensor) and a scaler that never drops below 1, steps 1, 6 (clip) and 8
+            run as ONE pass per param (``tpamp.ops.fused_adam_step_``/``fused_sgd_step_``):
+            read the model grad (or fp32 main_grad), multiply by 1/loss scale x clip
+            coefficient, update the fp32 main param and torch.optim's state (same keys and
+            format), write the fp16/bf16 model param. No fp32 main grads are made or kept
+            (``main.grad`` stays None); the statistics pass before it only reads the grads.
+            Results equal the inner optimizer's to float32 rounding. False: always the
+            generic path (inner ``optimizer.step()``). Other optimizers, subclasses and
+            options take the generic path whatever this flag says.
 
     Raises:
         TypeError: optimizer is not a torch.optim.Optimizer, or a param has a dtype other than
@@ -137,6 +149,7 @@ class MixedPrecisionOptimizer(OptimizerWrapper):
         tensor_parallel_group=None,
         skip_nonfinite: bool = True,
         sync_free: bool = False,
+        fused_step: bool = True,
     ):
         if not isinstance(optimizer, torch.optim.Optimizer):
             raise TypeError(
@@ -172,6 +185,8 @@ class MixedPrecisionOptimizer(OptimizerWrapper):
                 "_step_supports_amp_scaling"
             )
         self._tp_rank = _tp_rank(tensor_parallel_group)
+        self.fused_step = bool(fused_step)
+        self._fused_kind = _FUSED_KINDS.get(type(optimizer)) if self.fused_step else None
 
         # (model param, main param) for each fp16/bf16 param, per group; fp32 params per group
         self._half_pairs: List[List[tuple]] = []
@@ -269,6 +284,8 @@ class MixedPrecisionOptimizer(OptimizerWrapper):
         """One optimizer step (class docstring); returns :class:`StepResult`."""
         if closure is not None:
             raise ValueError("closure is not supported: compute the loss before step()")
+        if self._fused_step_usable():
+            return self._step_fused()
         srcs, outs, mask, all_main = self._collect_grads()
         scale = self.grad_scaler.inv_scale if self.grad_scaler is not None else None
         finite_p = self.norm_type != math.inf
@@ -402,6 +419,207 @@ class MixedPrecisionOptimizer(OptimizerWrapper):
             dist.all_reduce(num_zeros, op=dist.ReduceOp.SUM, group=group)
         return buf[0:1], buf[1:2], num_zeros
 
+    # -- one-pass (fused) step ------------------------------------------------------------
+
+    def _fused_step_usable(self) -> bool:
+        """The fused path applies this step: a supported inner optimizer and options (checked
+        per step: param groups and hooks may change), and a scaler whose 1/scale is <= 1 (so
+        the statistics of the raw grads, scaled afterwards, equal those of the unscaled ones)."""
+        kind = self._fused_kind
+        if kind is None:
+            return False
+        if self.grad_scaler is not None and not self.grad_scaler.never_below_one:
+            return False
+        inner = self.optimizer
+        if (
+            inner._optimizer_step_pre_hooks
+            or inner._optimizer_step_post_hooks
+            or _torch_optimizer._global_optimizer_pre_hooks
+            or _torch_optimizer._global_optimizer_post_hooks
+        ):
+            return False  # hooks expect the inner optimizer's step() to run
+        return all(_fused_group_supported(kind, group) for group in inner.param_groups)
+
+    def _step_fused(self) -> StepResult:
+        """step() on the fused path: the read-only statistics pass over the model grads, the
+        one collective, the scaler update, then one pass per param group that unscales, clips,
+        updates the main params and state and writes the model params."""
+        entries = self._fused_collect()
+        grads = [g for group in entries for _, _, g, _ in group]
+        mask = [m for group in entries for _, _, _, m in group]
+        finite_p = self.norm_type != math.inf
+        stats = ops.grad_stats(
+            grads,
+            norm_mask=mask,
+            norm_type=self.norm_type,
+            count_zeros=self.log_num_zeros_in_grad,
+            device=self._device,
+        )
+        stats = self._unscaled_stats(stats, finite_p)
+        found_inf, norm_stat, num_zeros = self._reduce(stats, finite_p)
+        at_min = None
+        if self.grad_scaler is not None:
+            self.grad_scaler.update(found_inf)
+            at_min = self.grad_scaler._overflow_at_min_scale()
+        norm = self._root(norm_stat, finite_p)
+        if self.sync_free:
+            skip = found_inf.reshape(1).float()
+            if self.grad_scaler is None and not self.skip_nonfinite:
+                skip = torch.zeros_like(skip)
+            clip = self.clip_grad > 0.0 and bool(grads)
+            self._fused_update(entries, self._grad_multiplier(norm, clip), skip)
+            self._release_model_grads()
+            zeros = num_zeros.reshape(()).to(torch.int64) if num_zeros is not None else None
+            return StepResult(skip.reshape(()) == 0, norm.reshape(()), zeros)
+        # The one host read of the step: found_inf, norm and zeros together.
+        parts = [found_inf.reshape(1).double(), norm.reshape(1).double()]
+        if num_zeros is not None:
+            parts.append(num_zeros.reshape(1).double())
+        if at_min is not None:
+            parts.append(at_min.reshape(1).to(device=found_inf.device, dtype=torch.float64))
+        host = torch.cat(parts).tolist()
+        found = host[0] > 0
+        if found and at_min is not None and host[-1] > 0:
+            self.grad_scaler._report_overflow_at_min_scale()
+        if found and (self.grad_scaler is not None or self.skip_nonfinite):
+            self._release_model_grads()
+            return StepResult(False, None, None)
+        grad_norm = host[1]
+        clip = (
+            self.clip_grad > 0.0
+            and bool(grads)
+            and math.isfinite(grad_norm)
+            and self.clip_grad / (grad_norm + 1.0e-6) < 1.0  # Megatron: clip only when < 1
+        )
+        self._fused_update(entries, self._grad_multiplier(norm, clip), None)
+        self._release_model_grads()
+        zeros = int(round(host[2])) if num_zeros is not None else None
+        return StepResult(True, float(grad_norm), zeros)
+
+    def _fused_collect(self):
+        """Per param group, (main param, model param or None for an fp32 param, local grad,
+        counts toward the norm) for every param with a gradient; nothing is copied."""
+        entries = []
+        for pairs, fp32s in zip(self._half_pairs, self._fp32_params):
+            group = []
+            for model, main in pairs:
+                main.grad = None
+                grad = getattr(model, "main_grad", None)
+                if grad is None:
+                    grad = model.grad
+                if grad is None:
+                    continue
+                grad = local_tensor(_placed_like(grad, model))
+                mask = counts_toward_norm(main, self._tp_rank, self.tensor_parallel_group)
+                group.append((main, model, grad, mask))
+            for p in fp32s:
+                grad = getattr(p, "main_grad", None)
+                if grad is None:
+                    grad = p.grad
+                if grad is None:
+                    continue
+                grad = local_tensor(_placed_like(grad, p))
+                if grad.dtype != torch.float32:
+                    raise TypeError(f"an fp32 param has a {grad.dtype} gradient; expected float32")
+                mask = counts_toward_norm(p, self._tp_rank, self.tensor_parallel_group)
+                group.append((p, None, grad, mask))
+            entries.append(group)
+        return entries
+
+    def _unscaled_stats(self, stats: ops.GradStats, finite_p: bool) -> ops.GradStats:
+        """Statistics of the raw (loss-scaled) grads -> those of grads x 1/scale: the norm
+        statistic times (1/scale)^p (max |g| times 1/scale); found_inf and zeros are the same
+        because 1/scale <= 1 is finite (checked in _fused_step_usable)."""
+        if self.grad_scaler is None or stats.norm_stat is None:
+            return stats
+        inv = self.grad_scaler.inv_scale.reshape(()).double()
+        if finite_p:
+            norm_stat = stats.norm_stat.double() * inv.pow(self.norm_type)
+        else:
+            norm_stat = (stats.norm_stat.double() * inv).float()
+        return stats._replace(norm_stat=norm_stat)
+
+    def _grad_multiplier(self, norm: Tensor, clip: bool) -> Optional[Tensor]:
+        """1/loss scale x clip coefficient as float32 [1] on the device (None: 1)."""
+        mult = self.grad_scaler.inv_scale.reshape(1) if self.grad_scaler is not None else None
+        if clip:
+            coeff = clip_coefficient(self.clip_grad, norm)
+            mult = coeff if mult is None else mult * coeff
+        return mult
+
+    def _fused_update(self, entries, grad_scale: Optional[Tensor], found_inf: Optional[Tensor]):
+        """The one-pass step of every param group (model params and fp32 params apart)."""
+        inner = self.optimizer
+        for group, group_entries in zip(inner.param_groups, entries):
+            half = [e for e in group_entries if e[1] is not None]
+            full = [e for e in group_entries if e[1] is None]
+            for part in (half, full):
+                if part:
+                    if self._fused_kind == "adam":
+                        self._fused_adam(group, part, grad_scale, found_inf)
+                    else:
+                        self._fused_sgd(group, part, grad_scale, found_inf)
+        if hasattr(inner.step, "_wrapped_by_lr_sched"):
+            inner._opt_called = True  # what an lr scheduler's step() checks for
+
+    def _fused_adam(self, group, part, grad_scale, found_inf):
+        inner = self.optimizer
+        mains, exp_avgs, exp_avg_sqs, steps = [], [], [], []
+        for main, _, _, _ in part:
+            state = inner.state[main]
+            local = local_tensor(main)
+            if len(state) == 0:  # torch.optim.Adam's _init_group, with the step on the device
+                state["step"] = torch.zeros((), dtype=_scalar_dtype(), device=local.device)
+                state["exp_avg"] = torch.zeros_like(main, memory_format=torch.preserve_format)
+                state["exp_avg_sq"] = torch.zeros_like(main, memory_format=torch.preserve_format)
+            elif state["step"].device != local.device:
+                state["step"] = state["step"].to(local.device)  # once, after a CPU load
+            mains.append(local)
+            exp_avgs.append(local_tensor(state["exp_avg"]))
+            exp_avg_sqs.append(local_tensor(state["exp_avg_sq"]))
+            steps.append(state["step"])
+        models = [local_tensor(e[1]) for e in part] if part[0][1] is not None else None
+        beta1, beta2 = group["betas"]
+        ops.fused_adam_step_(
+            mains, [e[2] for e in part], exp_avgs, exp_avg_sqs, steps,
+            model_params=models, grad_scale=grad_scale, found_inf=found_inf,
+            lr=group["lr"], beta1=beta1, beta2=beta2, eps=group["eps"],
+            weight_decay=group["weight_decay"],
+            decoupled_weight_decay=group.get("decoupled_weight_decay", False)
+            or isinstance(inner, torch.optim.AdamW),
+            maximize=group["maximize"],
+        )
+
+    def _fused_sgd(self, group, part, grad_scale, found_inf):
+        inner = self.optimizer
+        mains = [local_tensor(e[0]) for e in part]
+        bufs, first = None, None
+        if group["momentum"] != 0:
+            bufs, first = [], []
+            for main, _, _, _ in part:
+                buf = inner.state[main].get("momentum_buffer")
+                first.append(buf is None)
+                bufs.append(buf if buf is not None else torch.empty_like(main))
+            if any(first) and found_inf is not None and bool(found_inf.item()):
+                return  # a skipped first step must not leave buffers behind (one host read)
+        models = [local_tensor(e[1]) for e in part] if part[0][1] is not None else None
+        ops.fused_sgd_step_(
+            mains, [e[2] for e in part], [local_tensor(b) for b in bufs] if bufs else None,
+            first_step=first, model_params=models, grad_scale=grad_scale, found_inf=found_inf,
+            lr=group["lr"], momentum=group["momentum"], dampening=group["dampening"],
+            weight_decay=group["weight_decay"], nesterov=group["nesterov"],
+            maximize=group["maximize"],
+        )
+        if bufs is not None:
+            for (main, _, _, _), buf in zip(part, bufs):
+                inner.state[main]["momentum_buffer"] = buf
+
+    def _release_model_grads(self) -> None:
+        """Step 1's release of the model grads (main_grad buffers belong to their owner)."""
+        for pairs in self._half_pairs:
+            for model, _ in pairs:
+                model.grad = None
+
     # -- checkpointing --------------------------------------------------------------------
 
     def state_dict(self) -> Dict:
@@ -507,3 +725,34 @@ def _state_to_fp32(state: dict) -> dict:
         k: v.float() if isinstance(v, Tensor) and v.dtype in _HALF_DTYPES else v
         for k, v in state.items()
     }
+
+
+# The inner optimizers the one-pass step implements (exact types: a subclass may change step()).
+_FUSED_KINDS = {torch.optim.Adam: "adam", torch.optim.AdamW: "adam", torch.optim.SGD: "sgd"}
+
+
+def _is_number(x) -> bool:
+    return isinstance(x, numbers.Real) and not isinstance(x, bool)
+
+
+def _fused_group_supported(kind: str, group: dict) -> bool:
+    """The options of one param group that the one-pass kernels implement."""
+    lr = group.get("lr")
+    lr_ok = _is_number(lr) or (isinstance(lr, Tensor) and lr.numel() == 1 and not lr.requires_grad)
+    if not lr_ok or group.get("differentiable", False) or not _is_number(group.get("weight_decay")):
+        return False
+    if kind == "adam":
+        betas = group.get("betas", ())
+        return (
+            not group.get("amsgrad", False)
+            and not group.get("capturable", False)
+            and len(betas) == 2
+            and all(_is_number(b) for b in betas)
+            and _is_number(group.get("eps"))
+        )
+    return _is_number(group.get("momentum")) and _is_number(group.get("dampening"))
+
+
+def _scalar_dtype() -> torch.dtype:
+    """torch.optim's dtype for the step count (float32; float64 under a float64 default)."""
+    return torch.float64 if torch.get_default_dtype() == torch.float64 else torch.float32
