@@ -445,6 +445,8 @@ class MixedPrecisionOptimizer(OptimizerWrapper):
         one collective, the scaler update, then one pass per param group that unscales, clips,
         updates the main params and state and writes the model params."""
         entries = self._fused_collect()
+        # this step's 1/loss scale, taken before grad_scaler.update changes the scale
+        inv_scale = self.grad_scaler.inv_scale.reshape(1) if self.grad_scaler is not None else None
         grads = [g for group in entries for _, _, g, _ in group]
         mask = [m for group in entries for _, _, _, m in group]
         finite_p = self.norm_type != math.inf
@@ -455,7 +457,7 @@ class MixedPrecisionOptimizer(OptimizerWrapper):
             count_zeros=self.log_num_zeros_in_grad,
             device=self._device,
         )
-        stats = self._unscaled_stats(stats, finite_p)
+        stats = self._unscaled_stats(stats, inv_scale, finite_p)
         found_inf, norm_stat, num_zeros = self._reduce(stats, finite_p)
         at_min = None
         if self.grad_scaler is not None:
@@ -467,7 +469,7 @@ class MixedPrecisionOptimizer(OptimizerWrapper):
             if self.grad_scaler is None and not self.skip_nonfinite:
                 skip = torch.zeros_like(skip)
             clip = self.clip_grad > 0.0 and bool(grads)
-            self._fused_update(entries, self._grad_multiplier(norm, clip), skip)
+            self._fused_update(entries, self._grad_multiplier(inv_scale, norm, clip), skip)
             self._release_model_grads()
             zeros = num_zeros.reshape(()).to(torch.int64) if num_zeros is not None else None
             return StepResult(skip.reshape(()) == 0, norm.reshape(()), zeros)
@@ -491,7 +493,7 @@ class MixedPrecisionOptimizer(OptimizerWrapper):
             and math.isfinite(grad_norm)
             and self.clip_grad / (grad_norm + 1.0e-6) < 1.0  # Megatron: clip only when < 1
         )
-        self._fused_update(entries, self._grad_multiplier(norm, clip), None)
+        self._fused_update(entries, self._grad_multiplier(inv_scale, norm, clip), None)
         self._release_model_grads()
         zeros = int(round(host[2])) if num_zeros is not None else None
         return StepResult(True, float(grad_norm), zeros)
@@ -526,22 +528,26 @@ class MixedPrecisionOptimizer(OptimizerWrapper):
             entries.append(group)
         return entries
 
-    def _unscaled_stats(self, stats: ops.GradStats, finite_p: bool) -> ops.GradStats:
+    def _unscaled_stats(
+        self, stats: ops.GradStats, inv_scale: Optional[Tensor], finite_p: bool
+    ) -> ops.GradStats:
         """Statistics of the raw (loss-scaled) grads -> those of grads x 1/scale: the norm
         statistic times (1/scale)^p (max |g| times 1/scale); found_inf and zeros are the same
         because 1/scale <= 1 is finite (checked in _fused_step_usable)."""
-        if self.grad_scaler is None or stats.norm_stat is None:
+        if inv_scale is None or stats.norm_stat is None:
             return stats
-        inv = self.grad_scaler.inv_scale.reshape(()).double()
+        inv = inv_scale.reshape(()).double()
         if finite_p:
             norm_stat = stats.norm_stat.double() * inv.pow(self.norm_type)
         else:
             norm_stat = (stats.norm_stat.double() * inv).float()
         return stats._replace(norm_stat=norm_stat)
 
-    def _grad_multiplier(self, norm: Tensor, clip: bool) -> Optional[Tensor]:
+    def _grad_multiplier(
+        self, inv_scale: Optional[Tensor], norm: Tensor, clip: bool
+    ) -> Optional[Tensor]:
         """1/loss scale x clip coefficient as float32 [1] on the device (None: 1)."""
-        mult = self.grad_scaler.inv_scale.reshape(1) if self.grad_scaler is not None else None
+        mult = inv_scale
         if clip:
             coeff = clip_coefficient(self.clip_grad, norm)
             mult = coeff if mult is None else mult * coeff
