@@ -1,20 +1,34 @@
-"""Build and install tpamp, with the CUDA extension tpamp._C when it can be built.
+"""Build and install tpamp with its kernels: the extension modules tpamp._C*.
 
-The extension (csrc/, the fused multi-tensor kernels registered as torch.ops.tpamp.*) is built
-when torch is importable at build time, torch is a CUDA build and nvcc is found; a GPU is not
-needed. Otherwise tpamp installs without it and uses its PyTorch code paths. Environment:
+Kernel sources are csrc/ (csrc/README.md): one math (csrc/kernels/), two launchers.
 
-    TPAMP_BUILD_CUDA=1      build the extension or fail with the reason; =0 never build it
+* tpamp._C: the op schemas (csrc/tpamp_ops.cpp) plus, when torch is a CUDA build and nvcc is
+  found, the CUDA kernels (every csrc/cuda/*.cu and csrc/cuda/*.cpp); a GPU is not needed.
+* tpamp._C_cpu_<capability>: the CPU kernels (every csrc/cpu/*.cpp), compiled once per CPU
+  capability of at::vec (x86-64: default, avx2, avx512; elsewhere: default), each with its own
+  CPU_CAPABILITY macro and -m flags; tpamp/_ext.py loads the one torch reports for this CPU
+  (torch.backends.cpu.get_cpu_capability()), so a build runs correctly on any machine.
+
+They are built on any machine with a C++ compiler where torch is importable at build time.
+When that is impossible tpamp installs without them, says why, and uses its PyTorch code paths.
+Environment:
+
+    TPAMP_BUILD_EXT=1       build the kernels or fail with the reason; =0 never build them
+    TPAMP_BUILD_CUDA=1      build the CUDA kernels or fail with the reason; =0 CPU kernels only
+    TPAMP_CPU_CAPABILITIES  comma list of CPU capabilities to build (default: all for the arch)
     CUDA_HOME               the CUDA toolkit (default /usr/local/cuda when it exists)
-    TORCH_CUDA_ARCH_LIST    GPU architectures (default "8.0;9.0")
-    MAX_JOBS                parallel compile jobs (each takes up to ~2 GB of memory)
+    TORCH_CUDA_ARCH_LIST    GPU architectures (default "8.0;9.0+PTX", plus 10.0 and 12.0 with
+                            CUDA >= 12.8)
+    MAX_JOBS                parallel compile jobs (a .cu takes up to ~2 GB of memory)
 
 torch must be importable by setup.py, so install with the build environment that has it:
 
     pip install --no-build-isolation -e .
 """
 
+import glob
 import os
+import platform
 import re
 import shutil
 import subprocess
@@ -24,14 +38,14 @@ from setuptools import find_packages, setup
 
 ROOT = os.path.dirname(os.path.abspath(__file__))
 CSRC = "csrc"
-SOURCES = [
-    "csrc/tpamp_ops.cpp",
-    "csrc/grad_stats.cu",
-    "csrc/scale_and_copy.cu",
-    "csrc/dynamic_scaler.cu",
-]
 DEFAULT_CUDA_HOME = "/usr/local/cuda"
-DEFAULT_ARCH_LIST = "8.0;9.0"
+
+# at::vec capabilities: the macros of ATen's DispatchStub builds and the ISA flags for them.
+CPU_CAPABILITY_FLAGS = {
+    "default": [],
+    "avx2": ["-mavx2", "-mfma", "-mf16c"],
+    "avx512": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx2", "-mfma", "-mf16c"],
+}
 
 
 def _say(msg):
@@ -46,7 +60,20 @@ def _version():
     return m.group(1)
 
 
-def _nvcc_major(nvcc):
+def _sources(pattern):
+    """Repository-relative paths matching a glob under csrc/, sorted (a new kernel file needs no
+    edit here)."""
+    return sorted(os.path.relpath(p, ROOT) for p in glob.glob(os.path.join(ROOT, CSRC, pattern)))
+
+
+def _flag(name):
+    value = os.environ.get(name, "").strip()
+    if value not in ("", "0", "1"):
+        raise SystemExit(f"tpamp setup: {name} must be 0 or 1, got {value!r}")
+    return value
+
+
+def _nvcc_version(nvcc):
     try:
         out = subprocess.run([nvcc, "--version"], capture_output=True, text=True, check=True).stdout
     except (OSError, subprocess.CalledProcessError) as e:
@@ -54,11 +81,11 @@ def _nvcc_major(nvcc):
     m = re.search(r"release (\d+)\.(\d+)", out)
     if m is None:
         return None, f"cannot read the CUDA version from `{nvcc} --version`"
-    return int(m.group(1)), f"{m.group(1)}.{m.group(2)}"
+    return (int(m.group(1)), int(m.group(2))), f"{m.group(1)}.{m.group(2)}"
 
 
-def _cuda_build_problem():
-    """None when the extension can be built here, else why not (a sentence)."""
+def _ext_build_problem():
+    """None when the extension modules can be built here, else why not (a sentence)."""
     try:
         import torch
     except ImportError as e:
@@ -66,8 +93,19 @@ def _cuda_build_problem():
             f"torch is not importable at build time ({e}); install torch first and use "
             "`pip install --no-build-isolation`"
         )
+    cxx = os.environ.get("CXX", "c++")
+    if shutil.which(cxx) is None:
+        return f"no C++ compiler ({cxx!r} not found on PATH; set CXX)"
+    del torch
+    return None
+
+
+def _cuda_build_problem():
+    """(None, nvcc version) when the CUDA kernels can be built here, else (why not, None)."""
+    import torch
+
     if not torch.version.cuda:
-        return f"torch {torch.__version__} is not a CUDA build"
+        return f"torch {torch.__version__} is not a CUDA build", None
     if "CUDA_HOME" not in os.environ and "CUDA_PATH" not in os.environ:
         if os.path.isdir(DEFAULT_CUDA_HOME):
             os.environ["CUDA_HOME"] = DEFAULT_CUDA_HOME
@@ -75,56 +113,131 @@ def _cuda_build_problem():
     nvcc = os.path.join(cuda_home, "bin", "nvcc") if cuda_home else shutil.which("nvcc")
     if not nvcc or not os.path.exists(nvcc):
         where = f"no {nvcc}" if cuda_home else "CUDA_HOME unset and no nvcc on PATH"
-        return f"nvcc not found ({where}); set CUDA_HOME to a CUDA {torch.version.cuda} toolkit"
-    major, version = _nvcc_major(nvcc)
-    if major is None:
-        return version
+        return f"nvcc not found ({where}); set CUDA_HOME to a CUDA {torch.version.cuda} toolkit", None
+    version, text = _nvcc_version(nvcc)
+    if version is None:
+        return text, None
     torch_major = int(torch.version.cuda.split(".")[0])
-    if major != torch_major:
+    if version[0] != torch_major:
         return (
-            f"nvcc {nvcc} is CUDA {version} but torch {torch.__version__} was built with CUDA "
+            f"nvcc {nvcc} is CUDA {text} but torch {torch.__version__} was built with CUDA "
             f"{torch.version.cuda}; the major versions must match"
-        )
+        ), None
     os.environ.setdefault("CUDA_HOME", os.path.dirname(os.path.dirname(nvcc)))
-    return None
+    return None, version
+
+
+def _default_arch_list(nvcc_version):
+    """Ampere and Hopper SASS, plus Blackwell where nvcc knows it, and PTX of the newest, so a
+    newer GPU JIT-compiles it instead of finding no kernel image."""
+    archs = ["8.0", "9.0"]
+    if nvcc_version >= (12, 8):
+        archs += ["10.0", "12.0"]
+    return ";".join(archs) + "+PTX"
+
+
+def _cpu_capabilities():
+    machine = platform.machine().lower()
+    x86 = machine in ("x86_64", "amd64", "i686", "i386")
+    available = ["default", "avx2", "avx512"] if x86 else ["default"]
+    wanted = os.environ.get("TPAMP_CPU_CAPABILITIES", "").strip()
+    if not wanted:
+        return available
+    caps = [c.strip().lower() for c in wanted.split(",") if c.strip()]
+    bad = [c for c in caps if c not in available]
+    if bad:
+        raise SystemExit(
+            f"tpamp setup: TPAMP_CPU_CAPABILITIES has {bad}; on {machine} the choices are "
+            f"{available}"
+        )
+    return caps
 
 
 def _extension_and_cmdclass():
-    flag = os.environ.get("TPAMP_BUILD_CUDA", "").strip()
-    if flag not in ("", "0", "1"):
-        raise SystemExit(f"tpamp setup: TPAMP_BUILD_CUDA must be 0 or 1, got {flag!r}")
-    if flag == "0":
-        _say("TPAMP_BUILD_CUDA=0: installing without the CUDA extension tpamp._C "
-             "(PyTorch code paths only)")
+    build_ext_flag = _flag("TPAMP_BUILD_EXT")
+    cuda_flag = _flag("TPAMP_BUILD_CUDA")
+    if build_ext_flag == "0":
+        _say("TPAMP_BUILD_EXT=0: installing without the kernels tpamp._C* (PyTorch code paths only)")
         return [], {}
-    problem = _cuda_build_problem()
+    problem = _ext_build_problem()
     if problem is not None:
-        if flag == "1":
-            raise SystemExit(f"tpamp setup: TPAMP_BUILD_CUDA=1 but the CUDA extension cannot be "
-                             f"built: {problem}")
-        _say(f"installing without the CUDA extension tpamp._C: {problem} "
-             "(PyTorch code paths only; TPAMP_BUILD_CUDA=1 makes this an error)")
+        if build_ext_flag == "1" or cuda_flag == "1":
+            raise SystemExit(f"tpamp setup: the kernels tpamp._C* cannot be built: {problem}")
+        _say(f"installing WITHOUT the kernels tpamp._C*: {problem}. tpamp will use its slower "
+             "PyTorch code paths (TPAMP_BUILD_EXT=1 makes this an error)")
         return [], {}
 
-    os.environ.setdefault("TORCH_CUDA_ARCH_LIST", DEFAULT_ARCH_LIST)
-    # Imported only now: torch.utils.cpp_extension reads CUDA_HOME when it is imported.
-    from torch.utils.cpp_extension import BuildExtension, CUDAExtension
+    with_cuda, cuda_problem, nvcc_version = False, None, None
+    if cuda_flag == "0":
+        cuda_problem = "TPAMP_BUILD_CUDA=0"
+    else:
+        cuda_problem, nvcc_version = _cuda_build_problem()
+        if cuda_problem is not None and cuda_flag == "1":
+            raise SystemExit(f"tpamp setup: TPAMP_BUILD_CUDA=1 but the CUDA kernels cannot be "
+                             f"built: {cuda_problem}")
+        with_cuda = cuda_problem is None
+    if with_cuda:
+        os.environ.setdefault("TORCH_CUDA_ARCH_LIST", _default_arch_list(nvcc_version))
 
-    _say(
-        f"building the CUDA extension tpamp._C (CUDA_HOME={os.environ['CUDA_HOME']}, "
-        f"TORCH_CUDA_ARCH_LIST={os.environ['TORCH_CUDA_ARCH_LIST']!r})"
-    )
-    ext = CUDAExtension(
-        name="tpamp._C",
-        sources=SOURCES,
-        include_dirs=[os.path.join(ROOT, CSRC)],
-        extra_compile_args={
-            "cxx": ["-O3"],
-            # No fast math: found_inf and the NaN-propagating max need IEEE comparisons.
-            "nvcc": ["-O3", "-lineinfo"],
-        },
-    )
-    return [ext], {"build_ext": BuildExtension}
+    # Imported only now: torch.utils.cpp_extension reads CUDA_HOME when it is imported.
+    from torch.utils.cpp_extension import BuildExtension, CppExtension, CUDAExtension
+
+    include_dirs = [os.path.join(ROOT, CSRC)]
+    # No fast math anywhere: found_inf and the NaN-propagating max need IEEE comparisons.
+    cxx_flags = ["-O3", "-g0", "-fvisibility=hidden"]
+    if with_cuda:
+        _say(
+            f"building tpamp._C with the CUDA kernels (CUDA_HOME={os.environ['CUDA_HOME']}, "
+            f"TORCH_CUDA_ARCH_LIST={os.environ['TORCH_CUDA_ARCH_LIST']!r})"
+        )
+        frontend = CUDAExtension(
+            name="tpamp._C",
+            sources=_sources("tpamp_ops.cpp") + _sources("cuda/*.cpp") + _sources("cuda/*.cu"),
+            include_dirs=include_dirs,
+            define_macros=[("TPAMP_WITH_CUDA", None)],
+            extra_compile_args={"cxx": cxx_flags, "nvcc": ["-O3", "-lineinfo"]},
+        )
+    else:
+        _say(f"building tpamp._C without CUDA kernels ({cuda_problem})")
+        frontend = CppExtension(
+            name="tpamp._C",
+            sources=_sources("tpamp_ops.cpp"),
+            include_dirs=include_dirs,
+            extra_compile_args={"cxx": cxx_flags},
+        )
+    exts = [frontend]
+    cpu_sources = _sources("cpu/*.cpp")
+    caps = _cpu_capabilities()
+    _say(f"building the CPU kernels for the CPU capabilities {caps}")
+    for cap in caps:
+        module = f"_C_cpu_{cap}"
+        exts.append(
+            CppExtension(
+                name=f"tpamp.{module}",
+                sources=cpu_sources,
+                include_dirs=include_dirs,
+                define_macros=[
+                    ("CPU_CAPABILITY", cap.upper()),
+                    (f"CPU_CAPABILITY_{cap.upper()}", None),
+                    ("TPAMP_CPU_MODULE", module),
+                ],
+                extra_compile_args={"cxx": cxx_flags + CPU_CAPABILITY_FLAGS[cap]},
+            )
+        )
+
+    class BuildEachInOwnDir(BuildExtension):
+        """Objects of each extension in their own build directory: the capability modules
+        compile the same csrc/cpu/*.cpp with different flags, so they must not share objects."""
+
+        def build_extension(self, ext):
+            base = self.build_temp
+            self.build_temp = os.path.join(base, ext.name)
+            try:
+                super().build_extension(ext)
+            finally:
+                self.build_temp = base
+
+    return exts, {"build_ext": BuildEachInOwnDir}
 
 
 ext_modules, cmdclass = _extension_and_cmdclass()

@@ -1,7 +1,15 @@
-// Frontend of the extension tpamp._C: registers the fused CUDA ops as torch.ops.tpamp.*.
+// Frontend of the extension tpamp._C: the schemas of every op (torch.ops.tpamp.*) and the
+// registration of the CUDA launchers (csrc/cuda/, built when torch is a CUDA build and nvcc is
+// found: TPAMP_WITH_CUDA). The CPU launchers (csrc/cpu/) are registered by the capability module
+// tpamp._C_cpu_<capability> that tpamp/_ext.py loads next; the fake (meta) implementations that
+// torch.compile uses are registered in Python, in tpamp/_ext.py.
+//
 // Importing tpamp._C (a plain Python module with no functions) loads this library, whose static
 // initializers run the registrations below. tpamp/ops.py is the only caller; the contracts are
 // there and in SPEC.md section 4.
+//
+// Alias annotations say exactly what each op writes: `Tensor(a!)[]` is mutated, every other
+// tensor argument is only read, and no output aliases an input.
 
 #include <Python.h>
 
@@ -9,32 +17,43 @@
 
 #include "ops.h"
 
-extern "C" {
-// A module with no methods: the ops live in the torch.ops.tpamp namespace, not on the module.
-PyObject* PyInit__C(void) {
+extern "C" PyMODINIT_FUNC PyInit__C(void) {
+  // A module with no methods: the ops live in the torch.ops.tpamp namespace, not on the module.
   static struct PyModuleDef module_def = {
       PyModuleDef_HEAD_INIT,
       "_C",
-      "Fused multi-tensor CUDA kernels of tpamp, registered as torch.ops.tpamp.*",
+      "Fused multi-tensor kernels of tpamp: op schemas and CUDA kernels, registered as "
+      "torch.ops.tpamp.*",
       -1,
       nullptr,
   };
-  return PyModule_Create(&module_def);
-}
+  PyObject* m = PyModule_Create(&module_def);
+#ifdef TPAMP_WITH_CUDA
+  if (m != nullptr) PyModule_AddIntConstant(m, "with_cuda", 1);
+#else
+  if (m != nullptr) PyModule_AddIntConstant(m, "with_cuda", 0);
+#endif
+  return m;
 }
 
 TORCH_LIBRARY(tpamp, m) {
-  // One pass over grads: optional multiply by scale (1-element float32), in place (out = [])
-  // or into float32 out, with found_inf over every tensor and, over the tensors whose mask
-  // entry is true, the sum of squares, max |g| and zero count of the values written; per_tensor
-  // adds each tensor's L2 norm (mask ignored). Returns (found_inf f32[1], sumsq f32[],
-  // amax f32[], zeros i64[], per_tensor_norms f32[n], or f32[0] when not asked for).
+  // One pass over grads: optional multiply by scale (1-element float32), with found_inf over every
+  // tensor and, over the tensors whose mask entry is true, the sum of squares, max |g| and zero
+  // count of the values written; per_tensor adds each tensor's L2 norm (mask ignored). Returns
+  // (found_inf f32[1], sumsq f64[], amax f32[], zeros i64[], per_tensor_norms f32[n], or f32[0]
+  // when not asked for). grad_stats_ writes the result into grads (in place); grad_stats_out
+  // writes float32(grads[i]) * scale into out[i], which must not overlap any grads[j].
   m.def(
-      "grad_stats(Tensor(a!)[] grads, Tensor(b!)[] out, Tensor? scale, bool[] mask, "
-      "bool count_zeros, bool per_tensor) -> (Tensor, Tensor, Tensor, Tensor, Tensor)");
-  // dsts[i] = cast(srcs[i] * scale) (scale None: cast-copy); srcs may be dsts (in place).
+      "grad_stats_(Tensor(a!)[] grads, Tensor? scale, bool[] mask, bool count_zeros, "
+      "bool per_tensor) -> (Tensor, Tensor, Tensor, Tensor, Tensor)");
+  m.def(
+      "grad_stats_out(Tensor[] grads, Tensor? scale, bool[] mask, bool count_zeros, "
+      "bool per_tensor, *, Tensor(a!)[] out) -> (Tensor, Tensor, Tensor, Tensor, Tensor)");
+  // tensors[i] *= scale in place (the clip); a scale of exactly 1 touches no memory.
+  m.def("scale_(Tensor(a!)[] tensors, Tensor scale) -> ()");
+  // dsts[i] = cast(srcs[i] * scale) (scale None: cast-copy); dsts disjoint from srcs.
   m.def("scale_and_copy(Tensor[] srcs, Tensor(a!)[] dsts, Tensor? scale) -> ()");
-  // Megatron's DynamicGradScaler.update on the device; max_scale = inf means no maximum.
+  // Megatron's DynamicGradScaler.update on the tensors' device; max_scale = inf means no maximum.
   m.def(
       "dynamic_scaler_update_(Tensor(a!) scale, Tensor(b!) growth_tracker, "
       "Tensor(c!) hysteresis_tracker, Tensor found_inf, float growth_factor, "
@@ -42,8 +61,12 @@ TORCH_LIBRARY(tpamp, m) {
       "float max_scale, bool consecutive) -> ()");
 }
 
+#ifdef TPAMP_WITH_CUDA
 TORCH_LIBRARY_IMPL(tpamp, CUDA, m) {
-  m.impl("grad_stats", &tpamp::grad_stats_cuda);
-  m.impl("scale_and_copy", &tpamp::scale_and_copy_cuda);
-  m.impl("dynamic_scaler_update_", &tpamp::dynamic_scaler_update_cuda);
+  m.impl("grad_stats_", &tpamp::cuda::grad_stats_);
+  m.impl("grad_stats_out", &tpamp::cuda::grad_stats_out);
+  m.impl("scale_", &tpamp::cuda::scale_);
+  m.impl("scale_and_copy", &tpamp::cuda::scale_and_copy);
+  m.impl("dynamic_scaler_update_", &tpamp::cuda::dynamic_scaler_update_);
 }
+#endif

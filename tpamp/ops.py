@@ -1,9 +1,15 @@
 """Kernel dispatch: the only caller of multi-tensor ops in tpamp.
 
 Each op here has a pure-PyTorch implementation (``torch._foreach_*`` and the amp ops) that runs
-on any device; on CUDA tensors the fused kernels of the extension ``tpamp._C`` (csrc/, registered
-as ``torch.ops.tpamp.*``) are used instead when it is built. Both paths give the same results:
-norms to fp32 rounding, flags and counts exactly. Contracts: SPEC.md section 4.
+on any device; on CPU and CUDA tensors the fused one-pass kernels of ``tpamp._C*`` (csrc/,
+registered as ``torch.ops.tpamp.*``, loaded by tpamp/_ext.py) are used instead when they are
+built. Both paths give the same results: norms to fp32 rounding, flags and counts exactly.
+Contracts: SPEC.md section 4.
+
+Dispatch: every tensor's device is checked (one device for the whole call, the scale included,
+else a ValueError). Tensors the kernels take -- float32/float16/bfloat16, non-overlapping and dense
+(any dimension order, e.g. channels_last), an output with its input's strides -- go to the
+kernels; only the others take the PyTorch path, and the results are combined.
 
 Every op takes plain (local) tensors: callers pass ``DTensor.to_local()`` views. Scalars that
 depend on device results (loss scale, clip coefficient) are 1-element float32 tensors on the
@@ -12,12 +18,13 @@ tensors' device, and no op reads a device value on the host.
 
 from __future__ import annotations
 
-import importlib.util
 import math
 import warnings
 from typing import List, NamedTuple, Optional, Sequence
 
 import torch
+
+from tpamp import _ext
 
 __all__ = [
     "GradStats",
@@ -32,61 +39,74 @@ __all__ = [
 Tensor = torch.Tensor
 _FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
-_ext = None
-_ext_error: Optional[str] = None
+_force_fallback = False  # tests and benchmarks: the PyTorch path everywhere
 
 
-def _load_extension():
-    """Import tpamp._C once; an extension that fails to load (built for another torch, say)
-    is ignored with a warning and the PyTorch path is used."""
-    global _ext, _ext_error
-    if _ext is not None or _ext_error is not None:
-        return _ext
-    if not torch.version.cuda:
-        # A CPU (or ROCm) torch cannot load a CUDA extension; a stale tpamp._C built in the
-        # same tree by a CUDA torch is not an error here, so no warning.
-        _ext_error = f"torch {torch.__version__} is not a CUDA build"
+def _kernels(device: torch.device):
+    """torch.ops.tpamp when the kernels run on ``device``, else None (tpamp._ext warns once)."""
+    if _force_fallback:
         return None
-    if importlib.util.find_spec("tpamp._C") is None:
-        _ext_error = "tpamp._C is not built"  # installed without the extension: no warning
-        return None
-    try:
-        from tpamp import _C  # noqa: F401  (registers torch.ops.tpamp.*)
-
-        _ext = torch.ops.tpamp
-    except Exception as e:  # e.g. undefined symbols: built against a different torch
-        _ext_error = str(e)
-        warnings.warn(
-            f"tpamp._C could not be loaded ({_ext_error}); using the PyTorch fallback. "
-            "Rebuild tpamp against the installed torch to use the fused CUDA kernels.",
-            RuntimeWarning,
-            stacklevel=3,
-        )
-    return _ext
+    return _ext.ops_for(device)
 
 
-def extension_available() -> bool:
-    """True when the CUDA extension tpamp._C is built and loads with this torch."""
-    return _load_extension() is not None
+def extension_available(device: Optional[torch.device] = None) -> bool:
+    """True when the kernels of tpamp._C* load and run on ``device`` (default: CPU)."""
+    return _ext.ops_for(torch.device("cpu") if device is None else torch.device(device)) is not None
 
 
-_force_fallback = False
+def _common_device(what: str, tensors: Sequence[Tensor], scale: Optional[Tensor] = None):
+    """The one device of all ``tensors`` (and of ``scale``); ValueError naming the first tensor
+    elsewhere."""
+    device = tensors[0].device if tensors else (scale.device if scale is not None else None)
+    for name, ts in (what, tensors), ("scale", [scale] if scale is not None else []):
+        for i, t in enumerate(ts):
+            if t.device != device:
+                where = name if name == "scale" else f"{name}[{i}]"
+                raise ValueError(
+                    f"{where} is on {t.device}, expected {device} (all tensors of one call on "
+                    "one device)"
+                )
+    return device
 
 
-def _use_ext(tensors: Sequence[Tensor]) -> bool:
-    if _force_fallback or not tensors:
+def _check_on(name: str, tensors: Sequence[Tensor], device: torch.device) -> None:
+    for i, t in enumerate(tensors):
+        if t.device != device:
+            raise ValueError(
+                f"{name}[{i}] is on {t.device}, expected {device} (all tensors of one call on "
+                "one device)"
+            )
+
+
+def _dense(t: Tensor) -> bool:
+    """Non-overlapping and dense: the elements fill one block of memory in some dimension
+    order (contiguous, channels_last, a transpose...), as ATen's is_non_overlapping_and_dense."""
+    if t.numel() <= 1 or t.is_contiguous():
+        return True
+    expected = 1
+    for stride, size in sorted((st, sz) for sz, st in zip(t.shape, t.stride()) if sz != 1):
+        if stride != expected:
+            return False
+        expected *= size
+    return True
+
+
+def _kernel_ok(t: Tensor, like: Optional[Tensor] = None) -> bool:
+    """Whether the kernels take ``t`` and its output ``like`` (dense, the same strides)."""
+    if not _dense(t):
         return False
-    if not tensors[0].is_cuda:
+    if like is not None and t.numel() > 1 and (like.stride() != t.stride() or not _dense(like)):
         return False
-    return _load_extension() is not None and hasattr(_ext, "grad_stats")
+    return True
 
 
 class GradStats(NamedTuple):
     """Local (not yet reduced) statistics of one pass over a list of gradients.
 
     found_inf: float32, shape [1], 1.0 if any element of any tensor (masked or not) is inf/nan.
-    norm_stat: float32 0-dim, sum of |g|^p over the masked-in tensors for finite p, max |g| for
-        p = inf; None when no norm was asked for. Not rooted: the caller reduces over ranks and
+    norm_stat: 0-dim, sum of |g|^p over the masked-in tensors for finite p (float64: a sum of
+        squares that overflows float32 stays finite), max |g| for p = inf (float32); None when no
+        norm was asked for. Not rooted: the caller reduces over ranks and
         then takes the p-th root.
     num_zeros: int64 0-dim count of zero elements in the masked-in tensors, or None.
     per_tensor_norms: float32 [len(grads)] p-norm of each tensor (mask ignored), or None.
@@ -167,18 +187,24 @@ def grad_stats(
         norm_type = float(norm_type)
         if not (norm_type >= 1.0):
             raise ValueError(f"norm_type must be >= 1 or inf, got {norm_type}")
-    if grads:
-        device = grads[0].device
-    elif device is None:
-        device = torch.device("cpu")
     if scale is not None and (scale.numel() != 1 or scale.dtype != torch.float32):
         raise ValueError(
             f"scale must be a 1-element float32 tensor, got {scale.dtype} of shape "
             f"{tuple(scale.shape)}"
         )
+    if grads:
+        device = _common_device("grads", grads, scale)
+        if out is not None:
+            _check_on("out", out, device)
+    elif device is None:
+        device = torch.device("cpu") if scale is None else scale.device
 
-    if _use_ext(grads) and (norm_type in (None, 2.0, math.inf)):
-        return _grad_stats_ext(grads, out, scale, norm_mask, norm_type, count_zeros, per_tensor_norms)
+    kernels = _kernels(device) if grads and norm_type in (None, 2.0, math.inf) else None
+    if kernels is not None:
+        return _grad_stats_ext(
+            kernels, grads, out, scale, norm_mask, norm_type, count_zeros, per_tensor_norms,
+            check_finite, device, scale_at_most_one,
+        )
     return _grad_stats_torch(
         grads, out, scale, norm_mask, norm_type, count_zeros, per_tensor_norms, check_finite,
         device, scale_at_most_one,
@@ -218,11 +244,12 @@ def _grad_stats_torch(
     if norm_type is not None:
         norms = _norms(counted, norm_type)
         if norms is None:
-            norm_stat = torch.zeros((), dtype=torch.float32, device=device)
+            wide = torch.float32 if norm_type == math.inf else torch.float64
+            norm_stat = torch.zeros((), dtype=wide, device=device)
         elif norm_type == math.inf:
             norm_stat = norms.max()
         else:
-            norm_stat = (norms.double() ** norm_type).sum().float()
+            norm_stat = (norms.double() ** norm_type).sum()
     num_zeros = None
     if count_zeros:
         num_zeros = torch.zeros((), dtype=torch.int64, device=device)
@@ -254,29 +281,73 @@ def _per_tensor_norms(targets, p: float, device) -> Tensor:
     return torch.stack([next(norms) if t.numel() > 0 else zero for t in targets])
 
 
-def _grad_stats_ext(grads, out, scale, norm_mask, norm_type, count_zeros, per_tensor):
-    # Contract of torch.ops.tpamp.grad_stats (csrc/): see SPEC.md section 4. Returns
-    # (found_inf [1] f32, sumsq [] f32, amax [] f32, zeros [] i64, per_tensor [n] f32).
-    # The kernel walks contiguous memory only; other layouts (rare for grads) take the
-    # PyTorch path, which gives the same results.
-    if not all(t.is_contiguous() for t in grads) or (
-        out is not None and not all(o.is_contiguous() for o in out)
-    ):
-        return _grad_stats_torch(
-            grads, out, scale, norm_mask, norm_type, count_zeros, per_tensor, True, grads[0].device
+def _grad_stats_ext(
+    kernels, grads, out, scale, norm_mask, norm_type, count_zeros, per_tensor, check_finite,
+    device, scale_at_most_one,
+):
+    """grad_stats through torch.ops.tpamp.grad_stats_ (entries done in place: no out, or
+    out[i] is grads[i]) and grad_stats_out (the others), with the tensors the kernels cannot take
+    on the PyTorch path; the parts' statistics are combined."""
+    n = len(grads)
+    mask = [True] * n if norm_mask is None else norm_mask
+    in_place, copied, rest = [], [], []
+    for i, g in enumerate(grads):
+        o = None if out is None else out[i]
+        if o is None or o is g:
+            (in_place if _kernel_ok(g) else rest).append(i)
+        else:
+            (copied if _kernel_ok(g, o) else rest).append(i)
+    want_pt = per_tensor and norm_type != math.inf  # the kernels give per-tensor L2 norms
+    parts = []  # (indices, found_inf, norm_stat, num_zeros, per_tensor_norms)
+    for idx, op in ((in_place, "in_place"), (copied, "copied")):
+        if not idx:
+            continue
+        sub = [grads[i] for i in idx]
+        sub_mask = [mask[i] for i in idx]
+        if op == "in_place":
+            res = kernels.grad_stats_(sub, scale, sub_mask, bool(count_zeros), want_pt)
+        else:
+            res = kernels.grad_stats_out(
+                sub, scale, sub_mask, bool(count_zeros), want_pt, out=[out[i] for i in idx]
+            )
+        found_inf, sumsq, amax, zeros, pt = res
+        stat = None if norm_type is None else (amax if norm_type == math.inf else sumsq)
+        parts.append((idx, found_inf, stat, zeros if count_zeros else None, pt))
+    if rest:
+        st = _grad_stats_torch(
+            [grads[i] for i in rest], None if out is None else [out[i] for i in rest], scale,
+            [mask[i] for i in rest], norm_type, count_zeros, want_pt, check_finite, device,
+            scale_at_most_one,
         )
-    mask = [True] * len(grads) if norm_mask is None else norm_mask
-    found_inf, sumsq, amax, zeros, pt = _ext.grad_stats(
-        grads, out if out is not None else [], scale, mask, bool(count_zeros), bool(per_tensor)
-    )
-    norm_stat = None
-    if norm_type is not None:
-        norm_stat = amax if norm_type == math.inf else sumsq
+        parts.append((rest, st.found_inf, st.norm_stat, st.num_zeros, st.per_tensor_norms))
+
+    if len(parts) == 1:
+        _, found_inf, norm_stat, num_zeros, pt = parts[0]
+    else:
+        found_inf = parts[0][1]
+        norm_stat = parts[0][2]
+        num_zeros = parts[0][3]
+        for _, f, st, z, _pt in parts[1:]:
+            found_inf = torch.maximum(found_inf, f)
+            if norm_stat is not None:
+                if norm_type == math.inf:
+                    norm_stat = torch.maximum(norm_stat, st)  # NaN wins
+                else:
+                    norm_stat = norm_stat.double() + st.double()
+            if num_zeros is not None:
+                num_zeros = num_zeros + z
+        pt = None
+        if want_pt:
+            # back to the caller's order; built with stack (no index tensor made on the host)
+            slot = {}
+            for idx, _, _, _, part_pt in parts:
+                for k, i in enumerate(idx):
+                    slot[i] = part_pt[k]
+            pt = torch.stack([slot[i] for i in range(n)])
     if per_tensor and norm_type == math.inf:
-        # The kernel reports per-tensor L2 norms only; the inf case is rare enough to recompute.
-        # Built with stack (no index tensor made on the host, so no host-to-device copy).
-        pt = _per_tensor_norms(out if out is not None else grads, math.inf, found_inf.device)
-    return GradStats(found_inf, norm_stat, zeros if count_zeros else None, pt if per_tensor else None)
+        # The kernels report per-tensor L2 norms only; the inf case is rare enough to recompute.
+        pt = _per_tensor_norms(grads if out is None else out, math.inf, device)
+    return GradStats(found_inf, norm_stat, num_zeros, pt if per_tensor else None)
 
 
 def scale_and_copy(
@@ -295,13 +366,33 @@ def scale_and_copy(
         return
     _check_list("srcs", srcs)
     _check_list("dsts", dsts)
-    if (
-        _use_ext(srcs)
-        and hasattr(_ext, "scale_and_copy")
-        and all(s.is_contiguous() and d.is_contiguous() for s, d in zip(srcs, dsts))
-    ):
-        _ext.scale_and_copy(srcs, dsts, scale)
-        return
+    if scale is not None and (scale.numel() != 1 or scale.dtype != torch.float32):
+        raise ValueError(
+            f"scale must be a 1-element float32 tensor, got {scale.dtype} of shape "
+            f"{tuple(scale.shape)}"
+        )
+    for i, (s_, d) in enumerate(zip(srcs, dsts)):
+        if s_.shape != d.shape:
+            raise ValueError(
+                f"dsts[{i}] has shape {tuple(d.shape)}, srcs[{i}] has shape {tuple(s_.shape)}"
+            )
+    device = _common_device("srcs", srcs, scale)
+    _check_on("dsts", dsts, device)
+    kernels = _kernels(device)
+    if kernels is not None:
+        in_place = [s_ for s_, d in zip(srcs, dsts) if s_ is d and _kernel_ok(s_)]
+        copied = [(s_, d) for s_, d in zip(srcs, dsts) if s_ is not d and _kernel_ok(s_, d)]
+        if in_place and scale is not None:
+            kernels.scale_(in_place, scale)  # no memory traffic when scale == 1
+        if copied:
+            kernels.scale_and_copy([p[0] for p in copied], [p[1] for p in copied], scale)
+        rest = [
+            (s_, d) for s_, d in zip(srcs, dsts)
+            if not (_kernel_ok(s_) if s_ is d else _kernel_ok(s_, d))
+        ]
+        if not rest:
+            return
+        srcs, dsts = [p[0] for p in rest], [p[1] for p in rest]
     in_place = all(s is d for s, d in zip(srcs, dsts))
     if scale is None:
         if not in_place:
@@ -334,8 +425,11 @@ def dynamic_scaler_update_(
     scale: float32 [1]; growth_tracker, hysteresis_tracker: int32 [1]; found_inf: any float or
     bool tensor with one element (nonzero means overflow). All on one device; no host read.
     """
-    if scale.is_cuda and _load_extension() is not None and hasattr(_ext, "dynamic_scaler_update_") and not _force_fallback:
-        _ext.dynamic_scaler_update_(
+    kernels = None
+    if growth_tracker.device == scale.device and hysteresis_tracker.device == scale.device:
+        kernels = _kernels(scale.device)
+    if kernels is not None:
+        kernels.dynamic_scaler_update_(
             scale, growth_tracker, hysteresis_tracker,
             found_inf.reshape(1).to(device=scale.device, dtype=torch.float32),
             float(growth_factor), float(backoff_factor), int(growth_interval), int(hysteresis),

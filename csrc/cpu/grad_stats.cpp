@@ -1,0 +1,167 @@
+// CPU launcher of tpamp::grad_stats_ and tpamp::grad_stats_out (math: csrc/kernels/grad_stats.h;
+// CUDA twin: csrc/cuda/grad_stats.cu).
+//
+// One pass: each chunk (csrc/cpu/launcher.h) reads its gradients once, multiplies, stores (in
+// place or into the float32 out) and accumulates its ChunkStats; the chunks are then combined in
+// slot order on one thread (fp64), so results do not depend on the thread count.
+
+#include "../host/validate.h"
+#include "../kernels/grad_stats.h"
+#include "../ops.h"
+#include "launcher.h"
+#include "vec_lanes.h"
+
+#include <ATen/ops/empty.h>
+
+#include <algorithm>
+#include <cmath>
+#include <vector>
+
+namespace tpamp {
+namespace cpu {
+namespace {
+
+// Statistics of one chunk: in[0 .. n) -> out[0 .. n).
+//   kMul: multiply by s;  kStore: write out (false: in place without a multiply, nothing to write)
+//   kZeros: count zeros.  Statistics are taken on the values as stored.
+template <typename in_t, typename out_t, bool kMul, bool kStore, bool kZeros>
+ChunkStats grad_stats_chunk(const in_t* in, out_t* out, int64_t n, float s) {
+  // Round to out_t only when the stored value can differ from the float computed: a multiply
+  // into a 16-bit type. (A 16-bit in_t copied into float32 is exact.)
+  constexpr bool kRound = kMul && !std::is_same_v<out_t, float>;
+  ChunkStats c = chunk_stats_init();
+  const FVec sv(s);
+  for (int64_t b0 = 0; b0 < n; b0 += kSumBlock) {
+    const int64_t end = std::min(n, b0 + kSumBlock);
+    StatsLanes<FVec> acc = stats_init<FVec>();
+    int64_t i = b0;
+    for (; i + kVecStep <= end; i += kVecStep) {
+      FVec a, b;
+      VecIO<in_t>::load(in + i, a, b);
+      if (kMul) {
+        a = scale_value(a, sv);
+        b = scale_value(b, sv);
+      }
+      VecIO<out_t>::template store<kStore, kRound>(out + i, a, b);
+      stats_add<kZeros>(acc, a);
+      stats_add<kZeros>(acc, b);
+    }
+    StatsLanes<float> tail = stats_init<float>();
+    for (; i < end; ++i) {
+      float v = static_cast<float>(in[i]);
+      if (kMul) v = scale_value(v, s);
+      const out_t w = static_cast<out_t>(v);
+      if (kStore) out[i] = w;
+      stats_add<kZeros>(tail, static_cast<float>(w));
+    }
+    using L = Lanes<FVec>;
+    const float sq = L::sum(acc.sq) + tail.sq;
+    const float amax = max_propagate_nan(L::max_all(acc.amax), tail.amax);
+    const float zeros = L::sum(acc.zeros) + tail.zeros;
+    const float nonfinite = L::sum(acc.nonfinite) + tail.nonfinite;
+    if (!fold_block(c, sq, amax, zeros, nonfinite)) {
+      // The fp32 sum of squares overflowed with every value finite: sum the block in fp64,
+      // reading the values as stored.
+      for (int64_t j = b0; j < end; ++j) {
+        add_sq_fp64(c.sumsq, kStore ? static_cast<float>(out[j]) : static_cast<float>(in[j]));
+      }
+    }
+  }
+  return c;
+}
+
+template <typename F>
+void dispatch_float(at::ScalarType t, const F& f) {
+  switch (t) {
+    case at::kFloat: f(float{}); break;
+    case at::kHalf: f(at::Half{}); break;
+    case at::kBFloat16: f(at::BFloat16{}); break;
+    default: TORCH_CHECK(false, "tpamp: unexpected dtype ", t);  // validated before
+  }
+}
+
+template <typename in_t, typename out_t, bool kStore>
+ChunkStats run_chunk(const in_t* in, out_t* out, int64_t n, bool mul, float s, bool zeros) {
+  if (mul) {
+    return zeros ? grad_stats_chunk<in_t, out_t, true, true, true>(in, out, n, s)
+                 : grad_stats_chunk<in_t, out_t, true, true, false>(in, out, n, s);
+  }
+  return zeros ? grad_stats_chunk<in_t, out_t, false, kStore, true>(in, out, n, s)
+               : grad_stats_chunk<in_t, out_t, false, kStore, false>(in, out, n, s);
+}
+
+GradStatsResult grad_stats_impl(const char* op, at::TensorList grads, at::TensorList out,
+                                bool in_place, const std::optional<at::Tensor>& scale,
+                                const c10::List<bool>& mask, bool count_zeros, bool per_tensor) {
+  const GradStatsArgs args =
+      validate_grad_stats(op, grads, out, in_place, scale, mask, at::kCPU);
+  const int64_t n = static_cast<int64_t>(grads.size());
+  const float s = args.has_scale ? scale->item<float>() : 1.0f;
+
+  std::vector<int64_t> numels;
+  numels.reserve(n);
+  for (const auto& g : grads) numels.push_back(g.numel());
+  const ChunkPlan plan = plan_chunks(numels);
+  std::vector<ChunkStats> partials(plan.chunks.size());
+
+  for_each_chunk(plan, [&](int64_t slot, const Chunk& c) {
+    const at::Tensor& g = grads[c.entry];
+    dispatch_float(g.scalar_type(), [&](auto tag) {
+      using in_t = decltype(tag);
+      const in_t* src = static_cast<const in_t*>(g.const_data_ptr()) + c.offset;
+      if (in_place) {
+        in_t* dst = static_cast<in_t*>(g.data_ptr()) + c.offset;
+        partials[slot] =
+            run_chunk<in_t, in_t, false>(src, dst, c.n, args.has_scale, s, count_zeros);
+      } else {
+        float* dst = out[c.entry].data_ptr<float>() + c.offset;
+        partials[slot] =
+            run_chunk<in_t, float, true>(src, dst, c.n, args.has_scale, s, count_zeros);
+      }
+    });
+  });
+
+  TotalStats total = total_stats_init();
+  for (size_t slot = 0; slot < plan.chunks.size(); ++slot) {
+    combine(total, partials[slot], mask.get(plan.chunks[slot].entry));
+  }
+  const auto f32 = at::TensorOptions().dtype(at::kFloat).device(args.device);
+  at::Tensor found_inf = at::empty({1}, f32);
+  at::Tensor sumsq = at::empty({}, f32.dtype(at::kDouble));
+  at::Tensor amax = at::empty({}, f32);
+  at::Tensor zeros = at::empty({}, f32.dtype(at::kLong));
+  at::Tensor norms = at::empty({per_tensor ? n : 0}, f32);
+  found_inf.data_ptr<float>()[0] = total.found ? 1.0f : 0.0f;
+  sumsq.data_ptr<double>()[0] = total.sumsq;
+  amax.data_ptr<float>()[0] = total.amax;
+  zeros.data_ptr<int64_t>()[0] = total.zeros;
+  if (per_tensor) {
+    float* out_norms = norms.data_ptr<float>();
+    for (int64_t e = 0; e < n; ++e) {
+      double sq = 0.0;
+      for (int64_t slot = plan.first_slot[e]; slot < plan.first_slot[e + 1]; ++slot) {
+        sq += partials[slot].sumsq;
+      }
+      out_norms[e] = static_cast<float>(std::sqrt(sq));
+    }
+  }
+  return {found_inf, sumsq, amax, zeros, norms};
+}
+
+}  // namespace
+
+GradStatsResult grad_stats_(at::TensorList grads, const std::optional<at::Tensor>& scale,
+                            const c10::List<bool>& mask, bool count_zeros, bool per_tensor) {
+  return grad_stats_impl("tpamp::grad_stats_", grads, {}, true, scale, mask, count_zeros,
+                         per_tensor);
+}
+
+GradStatsResult grad_stats_out(at::TensorList grads, const std::optional<at::Tensor>& scale,
+                               const c10::List<bool>& mask, bool count_zeros, bool per_tensor,
+                               at::TensorList out) {
+  return grad_stats_impl("tpamp::grad_stats_out", grads, out, false, scale, mask, count_zeros,
+                         per_tensor);
+}
+
+}  // namespace cpu
+}  // namespace tpamp
