@@ -30,6 +30,21 @@ using GradStatsResult = std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tenso
                               double backoff_factor, int64_t growth_interval,                 \
                               int64_t hysteresis, double min_scale, double max_scale,         \
                               bool consecutive);                                              \
+  void fused_adam_step_(at::TensorList params, at::TensorList exp_avgs,                       \
+                        at::TensorList exp_avg_sqs, at::TensorList steps,                     \
+                        at::TensorList model_params, at::TensorList grads,                    \
+                        const std::optional<at::Tensor>& grad_scale,                          \
+                        const std::optional<at::Tensor>& found_inf,                           \
+                        const std::optional<at::Tensor>& lr_tensor, double lr, double beta1,  \
+                        double beta2, double eps, double weight_decay,                        \
+                        bool decoupled_weight_decay, bool maximize);                          \
+  void fused_sgd_step_(at::TensorList params, at::TensorList momentum_buffers,                \
+                       at::TensorList model_params, at::TensorList grads,                     \
+                       const c10::List<bool>& first_step,                                     \
+                       const std::optional<at::Tensor>& grad_scale,                           \
+                       const std::optional<at::Tensor>& found_inf,                            \
+                       const std::optional<at::Tensor>& lr_tensor, double lr, double momentum, \
+                       double dampening, double weight_decay, bool nesterov, bool maximize);  \
   }
 
 TPAMP_DECLARE_OPS(cpu)   // csrc/cpu/*.cpp

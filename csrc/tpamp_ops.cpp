@@ -59,6 +59,20 @@ TORCH_LIBRARY(tpamp, m) {
       "Tensor(c!) hysteresis_tracker, Tensor found_inf, float growth_factor, "
       "float backoff_factor, int growth_interval, int hysteresis, float min_scale, "
       "float max_scale, bool consecutive) -> ()");
+  // The one-pass optimizer step (csrc/kernels/optimizer_step.h): per param, read grads[i]
+  // (fp16/bf16/fp32) times grad_scale, update the fp32 params[i] and torch.optim's state, write
+  // model_params[i] (fp16/bf16; none: empty list); a nonzero found_inf changes nothing. lr_tensor,
+  // when given, replaces lr (read on the device). steps are torch.optim's step counts.
+  m.def(
+      "fused_adam_step_(Tensor(a!)[] params, Tensor(b!)[] exp_avgs, Tensor(c!)[] exp_avg_sqs, "
+      "Tensor(d!)[] steps, Tensor(e!)[] model_params, Tensor[] grads, Tensor? grad_scale, "
+      "Tensor? found_inf, Tensor? lr_tensor, float lr, float beta1, float beta2, float eps, "
+      "float weight_decay, bool decoupled_weight_decay, bool maximize) -> ()");
+  m.def(
+      "fused_sgd_step_(Tensor(a!)[] params, Tensor(b!)[] momentum_buffers, "
+      "Tensor(c!)[] model_params, Tensor[] grads, bool[] first_step, Tensor? grad_scale, "
+      "Tensor? found_inf, Tensor? lr_tensor, float lr, float momentum, float dampening, "
+      "float weight_decay, bool nesterov, bool maximize) -> ()");
 }
 
 #ifdef TPAMP_WITH_CUDA
@@ -68,5 +82,7 @@ TORCH_LIBRARY_IMPL(tpamp, CUDA, m) {
   m.impl("scale_", &tpamp::cuda::scale_);
   m.impl("scale_and_copy", &tpamp::cuda::scale_and_copy);
   m.impl("dynamic_scaler_update_", &tpamp::cuda::dynamic_scaler_update_);
+  m.impl("fused_adam_step_", &tpamp::cuda::fused_adam_step_);
+  m.impl("fused_sgd_step_", &tpamp::cuda::fused_sgd_step_);
 }
 #endif

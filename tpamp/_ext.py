@@ -190,3 +190,15 @@ def _register_fakes() -> None:
                                 growth_factor, backoff_factor, growth_interval, hysteresis,
                                 min_scale, max_scale, consecutive):
         return None
+
+    @lib.register_fake("tpamp::fused_adam_step_")
+    def _fused_adam_step_(params, exp_avgs, exp_avg_sqs, steps, model_params, grads, grad_scale,
+                          found_inf, lr_tensor, lr, beta1, beta2, eps, weight_decay,
+                          decoupled_weight_decay, maximize):
+        return None
+
+    @lib.register_fake("tpamp::fused_sgd_step_")
+    def _fused_sgd_step_(params, momentum_buffers, model_params, grads, first_step, grad_scale,
+                         found_inf, lr_tensor, lr, momentum, dampening, weight_decay, nesterov,
+                         maximize):
+        return None

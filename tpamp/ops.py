@@ -527,22 +527,15 @@ def _lr_args(lr, device):
 def _kernel_layout_ok(*tensor_lists) -> bool:
     """The kernels walk every tensor of one param in the same element order: all dense, with
     the same strides (contiguous, or e.g. all channels_last)."""
-    for group in zip(*tensor_lists):
-        first = group[0]
-        if not (first.is_contiguous() or first.is_non_overlapping_and_dense()):
-            return False
-        strides = first.stride()
-        for t in group[1:]:
-            if t is not None and t.stride() != strides and t.numel() > 1:
-                return False
-    return True
+    return all(
+        _kernel_ok(t, like) for group in zip(*tensor_lists) for t in group[:1] for like in group
+    )
 
 
-def _use_step_ext(params, name: str) -> bool:
-    if _force_fallback or not params:
-        return False
-    ext = _load_extension()
-    return ext is not None and hasattr(ext, name)
+def _step_kernels(device: torch.device, name: str):
+    """torch.ops.tpamp when it has the step op ``name`` for ``device``, else None."""
+    kernels = _kernels(device)
+    return kernels if kernels is not None and hasattr(kernels, name) else None
 
 
 def fused_adam_step_(
@@ -619,10 +612,9 @@ def fused_adam_step_(
     hyper = (float(beta1), float(beta2), float(eps), float(weight_decay),
              bool(decoupled_weight_decay), bool(maximize))
     lists = [params, grads, exp_avgs, exp_avg_sqs] + ([model_params] if model_params else [])
-    if _use_step_ext(params, "fused_adam_step_") and _kernel_layout_ok(*lists) and len(
-        {s.dtype for s in steps}
-    ) == 1:
-        _ext.fused_adam_step_(
+    kernels = _step_kernels(device, "fused_adam_step_")
+    if kernels is not None and _kernel_layout_ok(*lists):
+        kernels.fused_adam_step_(
             params, exp_avgs, exp_avg_sqs, steps, model_params or [], grads, grad_scale,
             found_inf, lr_tensor, lr_float, *hyper,
         )
@@ -731,8 +723,9 @@ def fused_sgd_step_(
     hyper = (float(momentum), float(dampening), float(weight_decay), bool(nesterov), bool(maximize))
     lists = [params, grads] + ([bufs] if has_momentum else []) + (
         [model_params] if model_params else [])
-    if _use_step_ext(params, "fused_sgd_step_") and _kernel_layout_ok(*lists):
-        _ext.fused_sgd_step_(
+    kernels = _step_kernels(device, "fused_sgd_step_")
+    if kernels is not None and _kernel_layout_ok(*lists):
+        kernels.fused_sgd_step_(
             params, bufs, model_params or [], grads, first, grad_scale, found_inf, lr_tensor,
             lr_float, *hyper,
         )

@@ -39,4 +39,6 @@ TORCH_LIBRARY_IMPL(tpamp, CPU, m) {
   m.impl("scale_", &tpamp::cpu::scale_);
   m.impl("scale_and_copy", &tpamp::cpu::scale_and_copy);
   m.impl("dynamic_scaler_update_", &tpamp::cpu::dynamic_scaler_update_);
+  m.impl("fused_adam_step_", &tpamp::cpu::fused_adam_step_);
+  m.impl("fused_sgd_step_", &tpamp::cpu::fused_sgd_step_);
 }

@@ -33,6 +33,7 @@ struct Lanes<FVec> {
   static inline FVec fmadd(const FVec& a, const FVec& b, const FVec& c) {
     return at::vec::fmadd(a, b, c);
   }
+  static inline FVec sqrt(const FVec& x) { return x.sqrt(); }
   // Horizontal reductions in a fixed lane order (deterministic).
   static inline float sum(const FVec& x) {
     float v[FVec::size()];

@@ -1,0 +1,245 @@
+// CPU launcher of tpamp::fused_adam_step_ and tpamp::fused_sgd_step_ (math:
+// csrc/kernels/optimizer_step.h; CUDA twin: csrc/cuda/optimizer_step.cu).
+//
+// One pass per param: each chunk reads the grad (fp16/bf16/fp32), the fp32 main param and its
+// state, updates them and writes the fp16/bf16 model param. The step-dependent scalars are
+// computed per param on the host from the step count (CPU memory: no sync). A set found_inf
+// returns before anything is touched; the step counts are incremented after the pass.
+
+#include "../host/optimizer_step_checks.h"
+#include "../kernels/optimizer_step.h"
+#include "../ops.h"
+#include "launcher.h"
+#include "vec_lanes.h"
+
+#include <cstring>
+#include <type_traits>
+
+namespace tpamp {
+namespace cpu {
+namespace {
+
+struct NoModel {};
+
+// Copies the last n < kVecStep elements into zero-padded registers' worth of memory and back,
+// so a tail runs the same vector math as the body (one formula for every element).
+template <typename T>
+struct Tail {
+  T buf[kVecStep];
+  void in(const T* p, int64_t n) {
+    std::memset(static_cast<void*>(buf), 0, sizeof(buf));
+    std::memcpy(static_cast<void*>(buf), p, static_cast<size_t>(n) * sizeof(T));
+  }
+  void out(T* p, int64_t n) const {
+    std::memcpy(static_cast<void*>(p), buf, static_cast<size_t>(n) * sizeof(T));
+  }
+};
+
+template <typename G, typename M>
+void adam_chunk(const G* g, float* p, float* m, float* v, M* model, int64_t n,
+                const AdamScalars& s) {
+  constexpr bool kModel = !std::is_same_v<M, NoModel>;
+  auto step = [&](const G* gp, float* pp, float* mp, float* vp, M* modelp) {
+    FVec g0, g1, p0, p1, m0, m1, v0, v1;
+    VecIO<G>::load(gp, g0, g1);
+    VecIO<float>::load(pp, p0, p1);
+    VecIO<float>::load(mp, m0, m1);
+    VecIO<float>::load(vp, v0, v1);
+    adam_element<FVec>(p0, m0, v0, g0, s);
+    adam_element<FVec>(p1, m1, v1, g1, s);
+    VecIO<float>::template store<true, false>(pp, p0, p1);
+    VecIO<float>::template store<true, false>(mp, m0, m1);
+    VecIO<float>::template store<true, false>(vp, v0, v1);
+    if constexpr (kModel) VecIO<M>::template store<true, false>(modelp, p0, p1);
+  };
+  int64_t i = 0;
+  for (; i + kVecStep <= n; i += kVecStep) {
+    step(g + i, p + i, m + i, v + i, kModel ? model + i : nullptr);
+  }
+  if (i < n) {
+    const int64_t r = n - i;
+    Tail<G> tg;
+    Tail<float> tp, tm, tv;
+    tg.in(g + i, r);
+    tp.in(p + i, r);
+    tm.in(m + i, r);
+    tv.in(v + i, r);
+    if constexpr (kModel) {
+      Tail<M> tmodel;
+      step(tg.buf, tp.buf, tm.buf, tv.buf, tmodel.buf);
+      tmodel.out(model + i, r);
+    } else {
+      step(tg.buf, tp.buf, tm.buf, tv.buf, nullptr);
+    }
+    tp.out(p + i, r);
+    tm.out(m + i, r);
+    tv.out(v + i, r);
+  }
+}
+
+template <typename G, typename M, bool kMomentum>
+void sgd_chunk(const G* g, float* p, float* buf, M* model, int64_t n, bool first,
+               const SgdScalars& s) {
+  constexpr bool kModel = !std::is_same_v<M, NoModel>;
+  auto step = [&](const G* gp, float* pp, float* bp, M* modelp) {
+    FVec g0, g1, p0, p1, b0, b1;
+    VecIO<G>::load(gp, g0, g1);
+    VecIO<float>::load(pp, p0, p1);
+    if constexpr (kMomentum) {
+      if (!first) VecIO<float>::load(bp, b0, b1);  // a first step's buffer holds no value
+    }
+    sgd_element<FVec>(p0, b0, g0, first, s);
+    sgd_element<FVec>(p1, b1, g1, first, s);
+    VecIO<float>::template store<true, false>(pp, p0, p1);
+    if constexpr (kMomentum) VecIO<float>::template store<true, false>(bp, b0, b1);
+    if constexpr (kModel) VecIO<M>::template store<true, false>(modelp, p0, p1);
+  };
+  int64_t i = 0;
+  for (; i + kVecStep <= n; i += kVecStep) {
+    step(g + i, p + i, kMomentum ? buf + i : nullptr, kModel ? model + i : nullptr);
+  }
+  if (i < n) {
+    const int64_t r = n - i;
+    Tail<G> tg;
+    Tail<float> tp, tb;
+    tg.in(g + i, r);
+    tp.in(p + i, r);
+    if (kMomentum) tb.in(buf + i, r);
+    Tail<std::conditional_t<kModel, M, float>> tmodel;
+    step(tg.buf, tp.buf, kMomentum ? tb.buf : nullptr,
+         kModel ? reinterpret_cast<M*>(tmodel.buf) : nullptr);
+    tp.out(p + i, r);
+    if (kMomentum) tb.out(buf + i, r);
+    if constexpr (kModel) tmodel.out(model + i, r);
+  }
+}
+
+// f(G{}, M{}) with the C++ types of the grad and model dtypes (M = NoModel without a model).
+template <typename F>
+void dispatch_grad_model(at::ScalarType gt, bool has_model, at::ScalarType mt, const F& f) {
+  auto with_model = [&](auto g_tag) {
+    if (!has_model) return f(g_tag, NoModel{});
+    switch (mt) {
+      case at::kHalf: return f(g_tag, at::Half{});
+      case at::kBFloat16: return f(g_tag, at::BFloat16{});
+      default: TORCH_CHECK(false, "tpamp: unexpected model dtype ", mt);  // validated before
+    }
+  };
+  switch (gt) {
+    case at::kFloat: return with_model(float{});
+    case at::kHalf: return with_model(at::Half{});
+    case at::kBFloat16: return with_model(at::BFloat16{});
+    default: TORCH_CHECK(false, "tpamp: unexpected grad dtype ", gt);  // validated before
+  }
+}
+
+double read_step(const at::Tensor& t) {
+  return t.scalar_type() == at::kDouble ? *t.const_data_ptr<double>()
+                                        : static_cast<double>(*t.const_data_ptr<float>());
+}
+
+void increment_step(const at::Tensor& t) {
+  if (t.scalar_type() == at::kDouble) {
+    *t.data_ptr<double>() += 1.0;
+  } else {
+    *t.data_ptr<float>() += 1.0f;
+  }
+}
+
+std::vector<int64_t> numels_of(at::TensorList ts) {
+  std::vector<int64_t> n;
+  n.reserve(ts.size());
+  for (const auto& t : ts) n.push_back(t.numel());
+  return n;
+}
+
+}  // namespace
+
+void fused_adam_step_(at::TensorList params, at::TensorList exp_avgs, at::TensorList exp_avg_sqs,
+                      at::TensorList steps, at::TensorList model_params, at::TensorList grads,
+                      const std::optional<at::Tensor>& grad_scale,
+                      const std::optional<at::Tensor>& found_inf,
+                      const std::optional<at::Tensor>& lr_tensor, double lr, double beta1,
+                      double beta2, double eps, double weight_decay, bool decoupled_weight_decay,
+                      bool maximize) {
+  const char* op = "tpamp::fused_adam_step_";
+  const at::Device device(at::kCPU);
+  const StepArgs a = validate_adam_step(op, params, exp_avgs, exp_avg_sqs, steps, model_params,
+                                        grads, grad_scale, found_inf, lr_tensor, device);
+  if (params.empty()) return;
+  // host memory: reading the device scalars is no sync
+  if (a.has_found_inf && found_inf->item<float>() != 0.0f) return;
+  const float scale = a.has_grad_scale ? grad_scale->item<float>() : 1.0f;
+  if (a.has_lr_tensor) lr = static_cast<double>(lr_tensor->item<float>());
+  const AdamHyper h{lr, beta1, beta2, eps, weight_decay, decoupled_weight_decay};
+  std::vector<AdamScalars> scalars;
+  scalars.reserve(params.size());
+  for (const auto& st : steps) scalars.push_back(adam_scalars(h, read_step(st) + 1.0, scale, maximize));
+  const bool has_model = !model_params.empty();
+  const ChunkPlan plan = plan_chunks(numels_of(params));
+  for_each_chunk(plan, [&](int64_t, const Chunk& c) {
+    const int64_t e = c.entry;
+    dispatch_grad_model(
+        grads[e].scalar_type(), has_model, has_model ? model_params[e].scalar_type() : at::kFloat,
+        [&](auto g_tag, auto m_tag) {
+          using G = decltype(g_tag);
+          using M = decltype(m_tag);
+          M* model = nullptr;
+          if constexpr (!std::is_same_v<M, NoModel>) {
+            model = static_cast<M*>(model_params[e].data_ptr()) + c.offset;
+          }
+          adam_chunk<G, M>(static_cast<const G*>(grads[e].const_data_ptr()) + c.offset,
+                           params[e].data_ptr<float>() + c.offset,
+                           exp_avgs[e].data_ptr<float>() + c.offset,
+                           exp_avg_sqs[e].data_ptr<float>() + c.offset, model, c.n, scalars[e]);
+        });
+  });
+  for (const auto& st : steps) increment_step(st);
+}
+
+void fused_sgd_step_(at::TensorList params, at::TensorList momentum_buffers,
+                     at::TensorList model_params, at::TensorList grads,
+                     const c10::List<bool>& first_step,
+                     const std::optional<at::Tensor>& grad_scale,
+                     const std::optional<at::Tensor>& found_inf,
+                     const std::optional<at::Tensor>& lr_tensor, double lr, double momentum,
+                     double dampening, double weight_decay, bool nesterov, bool maximize) {
+  const char* op = "tpamp::fused_sgd_step_";
+  const at::Device device(at::kCPU);
+  const StepArgs a = validate_sgd_step(op, params, momentum_buffers, model_params, grads,
+                                       first_step, grad_scale, found_inf, lr_tensor, momentum,
+                                       device);
+  if (params.empty()) return;
+  if (a.has_found_inf && found_inf->item<float>() != 0.0f) return;
+  const float scale = a.has_grad_scale ? grad_scale->item<float>() : 1.0f;
+  if (a.has_lr_tensor) lr = static_cast<double>(lr_tensor->item<float>());
+  const SgdScalars s = sgd_scalars(SgdHyper{lr, momentum, dampening, weight_decay, nesterov},
+                                   scale, maximize);
+  const bool has_model = !model_params.empty();
+  const bool has_momentum = momentum != 0.0;
+  const ChunkPlan plan = plan_chunks(numels_of(params));
+  for_each_chunk(plan, [&](int64_t, const Chunk& c) {
+    const int64_t e = c.entry;
+    dispatch_grad_model(
+        grads[e].scalar_type(), has_model, has_model ? model_params[e].scalar_type() : at::kFloat,
+        [&](auto g_tag, auto m_tag) {
+          using G = decltype(g_tag);
+          using M = decltype(m_tag);
+          M* model = nullptr;
+          if constexpr (!std::is_same_v<M, NoModel>) {
+            model = static_cast<M*>(model_params[e].data_ptr()) + c.offset;
+          }
+          const G* g = static_cast<const G*>(grads[e].const_data_ptr()) + c.offset;
+          float* p = params[e].data_ptr<float>() + c.offset;
+          if (has_momentum) {
+            sgd_chunk<G, M, true>(g, p, momentum_buffers[e].data_ptr<float>() + c.offset, model,
+                                  c.n, first_step.get(e), s);
+          } else {
+            sgd_chunk<G, M, false>(g, p, nullptr, model, c.n, false, s);
+          }
+        });
+  });
+}
+
+}  // namespace cpu
+}  // namespace tpamp

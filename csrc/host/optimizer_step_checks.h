@@ -1,0 +1,130 @@
+// Argument validation of fused_adam_step_ and fused_sgd_step_, shared by the CPU and CUDA
+// launchers so both accept and reject exactly the same calls (host code, header-only).
+
+#pragma once
+
+#include "checks.h"
+
+#include <ATen/core/List.h>
+
+namespace tpamp {
+
+struct StepArgs {
+  at::Device device;
+  bool has_grad_scale;
+  bool has_found_inf;
+  bool has_lr_tensor;
+};
+
+// A 1-element float32 tensor on `device`, or absent. Returns whether present.
+inline bool check_device_scalar(const char* op, const char* name,
+                                const std::optional<at::Tensor>& t, const at::Device& device) {
+  if (!t.has_value() || !t->defined()) return false;
+  TORCH_CHECK(t->device() == device, op, ": ", name, " is on ", t->device(), ", expected ",
+              device, " (the params' device)");
+  TORCH_CHECK(t->scalar_type() == at::kFloat && t->numel() == 1, op, ": ", name,
+              " must be a 1-element float32 tensor, got ", t->scalar_type(), " of shape ",
+              t->sizes());
+  return true;
+}
+
+inline void check_fp32_list(const char* op, const char* name, at::TensorList ts) {
+  for (size_t i = 0; i < ts.size(); ++i) {
+    TORCH_CHECK(ts[i].scalar_type() == at::kFloat, op, ": ", name, "[", i, "] has dtype ",
+                ts[i].scalar_type(), "; expected float32");
+  }
+}
+
+inline void check_model_list(const char* op, at::TensorList params, at::TensorList models,
+                             const at::Device& device) {
+  if (models.empty()) return;
+  check_float_list(op, "model_params", models, device);
+  check_same_layout(op, "params", params, "model_params", models);
+  for (size_t i = 0; i < models.size(); ++i) {
+    const auto t = models[i].scalar_type();
+    TORCH_CHECK(t == at::kHalf || t == at::kBFloat16, op, ": model_params[", i, "] has dtype ",
+                t, "; expected float16 or bfloat16 (fp32 params are their own model params)");
+  }
+}
+
+// The lists every step op shares: params (fp32), grads (any float dtype), model_params (empty or
+// fp16/bf16), all of one layout per entry; the device scalars.
+inline StepArgs check_step_common(const char* op, at::TensorList params, at::TensorList grads,
+                                  at::TensorList model_params,
+                                  const std::optional<at::Tensor>& grad_scale,
+                                  const std::optional<at::Tensor>& found_inf,
+                                  const std::optional<at::Tensor>& lr_tensor,
+                                  at::DeviceType expect) {
+  const at::Device device = params.empty() ? at::Device(expect) : params[0].device();
+  TORCH_CHECK(device.type() == expect, op, ": expected tensors on ", expect, ", got ", device);
+  check_float_list(op, "params", params, device);
+  check_fp32_list(op, "params", params);
+  check_float_list(op, "grads", grads, device);
+  check_same_layout(op, "params", params, "grads", grads);
+  TORCH_CHECK(model_params.empty() || model_params.size() == params.size(), op,
+              ": model_params has ", model_params.size(), " tensors, params has ", params.size(),
+              " (pass none, or one per param)");
+  check_model_list(op, params, model_params, device);
+  const bool gs = check_device_scalar(op, "grad_scale", grad_scale, device);
+  const bool fi = check_device_scalar(op, "found_inf", found_inf, device);
+  const bool lt = check_device_scalar(op, "lr_tensor", lr_tensor, device);
+  return {device, gs, fi, lt};
+}
+
+inline StepArgs validate_adam_step(const char* op, at::TensorList params,
+                                   at::TensorList exp_avgs, at::TensorList exp_avg_sqs,
+                                   at::TensorList steps, at::TensorList model_params,
+                                   at::TensorList grads,
+                                   const std::optional<at::Tensor>& grad_scale,
+                                   const std::optional<at::Tensor>& found_inf,
+                                   const std::optional<at::Tensor>& lr_tensor,
+                                   const at::Device& launcher) {
+  const StepArgs a = check_step_common(op, params, grads, model_params, grad_scale, found_inf,
+                                       lr_tensor, launcher.type());
+  for (const auto& [name, list] : {std::pair<const char*, at::TensorList>{"exp_avgs", exp_avgs},
+                                   {"exp_avg_sqs", exp_avg_sqs}}) {
+    check_float_list(op, name, list, a.device);
+    check_fp32_list(op, name, list);
+    check_same_layout(op, "params", params, name, list);
+  }
+  TORCH_CHECK(steps.size() == params.size(), op, ": steps has ", steps.size(),
+              " tensors, params has ", params.size());
+  for (size_t i = 0; i < steps.size(); ++i) {
+    const at::Tensor& s = steps[i];
+    TORCH_CHECK(s.defined() && s.numel() == 1 && s.device() == a.device &&
+                    (s.scalar_type() == at::kFloat || s.scalar_type() == at::kDouble),
+                op, ": steps[", i, "] must be a 1-element float32/float64 tensor on ", a.device,
+                ", got ", s.defined() ? s.toString() : "undefined");
+  }
+  check_no_overlap(op, {params, exp_avgs, exp_avg_sqs, model_params, grads, steps},
+                   {"params", "exp_avgs", "exp_avg_sqs", "model_params", "grads", "steps"},
+                   {true, true, true, true, false, true}, false);
+  return a;
+}
+
+inline StepArgs validate_sgd_step(const char* op, at::TensorList params,
+                                  at::TensorList momentum_buffers, at::TensorList model_params,
+                                  at::TensorList grads, const c10::List<bool>& first_step,
+                                  const std::optional<at::Tensor>& grad_scale,
+                                  const std::optional<at::Tensor>& found_inf,
+                                  const std::optional<at::Tensor>& lr_tensor, double momentum,
+                                  const at::Device& launcher) {
+  const StepArgs a = check_step_common(op, params, grads, model_params, grad_scale, found_inf,
+                                       lr_tensor, launcher.type());
+  if (momentum != 0.0) {
+    check_float_list(op, "momentum_buffers", momentum_buffers, a.device);
+    check_fp32_list(op, "momentum_buffers", momentum_buffers);
+    check_same_layout(op, "params", params, "momentum_buffers", momentum_buffers);
+  } else {
+    TORCH_CHECK(momentum_buffers.empty(), op, ": momentum is 0 but ", momentum_buffers.size(),
+                " momentum_buffers were given");
+  }
+  TORCH_CHECK(first_step.size() == params.size(), op, ": first_step has ", first_step.size(),
+              " entries, params has ", params.size());
+  check_no_overlap(op, {params, momentum_buffers, model_params, grads},
+                   {"params", "momentum_buffers", "model_params", "grads"},
+                   {true, true, true, false}, false);
+  return a;
+}
+
+}  // namespace tpamp
