@@ -13,6 +13,8 @@
 
 #include <Python.h>
 
+#include <ATen/core/dispatch/Dispatcher.h>
+#include <torch/csrc/autograd/VariableTypeUtils.h>
 #include <torch/library.h>
 
 #include "ops.h"
@@ -74,6 +76,72 @@ TORCH_LIBRARY(tpamp, m) {
       "Tensor? found_inf, Tensor? lr_tensor, float lr, float momentum, float dampening, "
       "float weight_decay, bool nesterov, bool maximize) -> ()");
 }
+
+// Every op, for the device-independent keys below.
+#define TPAMP_FOR_EACH_OP(X) \
+  X(grad_stats_)             \
+  X(grad_stats_out)          \
+  X(scale_)                  \
+  X(scale_and_copy)          \
+  X(dynamic_scaler_update_)
+
+namespace {
+
+// The tensors an op's schema marks mutated (Tensor(a!) and Tensor(a!)[]), from its arguments on
+// the stack.
+std::vector<at::Tensor> mutated_tensors(const c10::OperatorHandle& op,
+                                        const torch::jit::Stack* stack) {
+  const auto& args = op.schema().arguments();
+  std::vector<at::Tensor> mutated;
+  const auto inputs = torch::jit::last(*stack, args.size());
+  for (size_t i = 0; i < args.size(); ++i) {
+    const c10::AliasInfo* alias = args[i].alias_info();
+    if (alias == nullptr || !alias->isWrite()) continue;
+    const c10::IValue& v = inputs[i];
+    if (v.isTensor()) {
+      mutated.push_back(v.toTensor());
+    } else if (v.isTensorList()) {
+      for (const at::Tensor& t : v.toTensorList()) mutated.push_back(t);
+    }
+  }
+  return mutated;
+}
+
+// Autograd: these ops have no derivative (their results are statistics that need none), so a
+// tensor they mutate must not require grad while grad mode is on: that would silently drop the
+// change from the graph (under torch.no_grad(), as in an optimizer step, it is allowed).
+// Then pass below autograd, as torch's generated autograd kernels do, to ADInplaceOrView and the
+// device kernel.
+void below_autograd(const c10::OperatorHandle& op, c10::DispatchKeySet ks,
+                    torch::jit::Stack* stack) {
+  for (const at::Tensor& t : mutated_tensors(op, stack)) {
+    TORCH_CHECK(!(at::GradMode::is_enabled() && t.requires_grad()), op.schema().name(),
+                " writes a tensor that requires grad; it has no derivative (call it on .grad "
+                "tensors or under torch.no_grad() on detached ones)");
+  }
+  at::AutoDispatchBelowAutograd guard;
+  op.redispatchBoxed(ks & c10::after_autograd_keyset, stack);
+}
+
+// ADInplaceOrView: run the op, then bump the version counter of every tensor it mutates, as
+// torch's own in-place ops do, so autograd and other version checks see the in-place change.
+void bump_mutated_versions(const c10::OperatorHandle& op, c10::DispatchKeySet ks,
+                           torch::jit::Stack* stack) {
+  const std::vector<at::Tensor> mutated = mutated_tensors(op, stack);
+  {
+    at::AutoDispatchBelowADInplaceOrView guard;
+    op.redispatchBoxed(ks & c10::after_ADInplaceOrView_keyset, stack);
+  }
+  for (const at::Tensor& t : mutated) torch::autograd::increment_version(t);
+}
+
+}  // namespace
+
+#define TPAMP_IMPL_BOXED(op, fn) m.impl(#op, torch::CppFunction::makeFromBoxedFunction<&fn>());
+#define TPAMP_IMPL_AUTOGRAD(op) TPAMP_IMPL_BOXED(op, below_autograd)
+#define TPAMP_IMPL_INPLACE_OR_VIEW(op) TPAMP_IMPL_BOXED(op, bump_mutated_versions)
+TORCH_LIBRARY_IMPL(tpamp, Autograd, m) { TPAMP_FOR_EACH_OP(TPAMP_IMPL_AUTOGRAD) }
+TORCH_LIBRARY_IMPL(tpamp, ADInplaceOrView, m) { TPAMP_FOR_EACH_OP(TPAMP_IMPL_INPLACE_OR_VIEW) }
 
 #ifdef TPAMP_WITH_CUDA
 TORCH_LIBRARY_IMPL(tpamp, CUDA, m) {
