@@ -83,7 +83,9 @@ TORCH_LIBRARY(tpamp, m) {
   X(grad_stats_out)          \
   X(scale_)                  \
   X(scale_and_copy)          \
-  X(dynamic_scaler_update_)
+  X(dynamic_scaler_update_)  \
+  X(fused_adam_step_)        \
+  X(fused_sgd_step_)
 
 namespace {
 

@@ -1,20 +1,32 @@
-"""Benchmark one optimizer step: tpamp.MixedPrecisionOptimizer vs torch.amp vs a bare AdamW.
+"""Benchmark one optimizer step: tpamp.MixedPrecisionOptimizer vs megatron-core vs torch.amp vs
+a bare AdamW.
 
-A benchmark, not a test. Three approaches step the same synthetic transformer-shaped model
+A benchmark, not a test. The approaches step the same synthetic transformer-shaped model
 (default about 100M elements in about 200 tensors) with the same gradients, interleaved
-round-robin over repetitions (A, B, C, A, B, C, ...) so that machine noise hits all three alike:
+round-robin over repetitions (A, B, C, A, B, C, ...) so that machine noise hits all alike.
+Every AdamW names its implementation (torch 2.13's default on CPU is the for-loop, not foreach):
 
-  tpamp     fp16 model params, fp16 grads; tpamp.MixedPrecisionOptimizer(AdamW) with a
-            DynamicGradScaler: grad copy fp16 -> fp32 main grads, unscale + found_inf, the
-            all-reduce over the grad-stats group (a one-rank process group, so the collective
-            path runs), scaler update, grad norm, clip, zero count (--log-num-zeros), inner
-            AdamW step, copy main params -> fp16 model params.
-  torch.amp fp32 params, fp32 grads (as torch.amp users have them): torch.amp.GradScaler on the
-            device + scaler.unscale_ + torch.nn.utils.clip_grad_norm_ + scaler.step(AdamW) +
-            scaler.update(). No zero count, no collective (single process).
-  bare      fp32 params, fp32 grads, AdamW.step() alone (the floor).
+  tpamp-fused       fp16 model params, fp16 grads; tpamp.MixedPrecisionOptimizer(AdamW for-loop)
+                    with a DynamicGradScaler, on its default one-pass path: a read-only pass over
+                    the fp16 grads (found_inf, norm, zeros), the all-reduce over the grad-stats
+                    group (a one-rank process group, so the collective path runs), scaler update,
+                    then tpamp.ops.fused_adam_step_: grad x 1/scale x clip coefficient, AdamW on
+                    the fp32 main params and state, fp16 model params written, in one pass.
+  tpamp-fused-in-fused  the same wrapping AdamW(fused=True) (the inner step() is not called on
+                    the one-pass path; this checks that the inner implementation does not matter).
+  tpamp-generic     the same wrapper with fused_step=False around AdamW(fused=True): fp32 main
+                    grads, clip pass, the inner optimizer's step, copy to the model params.
+  megatron          megatron-core's Float16OptimizerWithFloat16Params around AdamW(fused=True),
+                    its DynamicGradScaler, clip and zero count, on CPU tensors via
+                    scripts/megatron_cpu.py (a TorchFunctionMode maps device "cuda" to cpu; its
+                    PyTorch fallbacks of multi_tensor_applier run). Needs megatron-core
+                    installed (a separate venv); skipped with a note otherwise.
+  torch.amp         fp32 params, fp32 grads (as torch.amp users have them): torch.amp.GradScaler
+                    + scaler.unscale_ + clip_grad_norm_ + scaler.step(AdamW(fused=True)) +
+                    scaler.update(). No zero count, no collective (single process).
+  bare              fp32 params, fp32 grads, AdamW(fused=True).step() alone (the floor).
 
-All AdamW instances use the default (foreach) implementation. Only the step itself is timed
+Only the step itself is timed
 (with a device synchronize around it on CUDA); restoring the gradients the step consumed
 (tpamp: re-attach the pre-made fp16 grads, no copy needed; torch.amp: copy them back into the
 fp32 .grad buffers, which unscale_/clip modify in place) happens outside the timed region.
@@ -27,7 +39,8 @@ Run::
 
 Prints the machine (CPU model, threads, torch version, load average before and after), a table
 (median, min, mean, max wall time of the timed reps per approach, median process CPU time), the
-ratios tpamp/torch.amp and tpamp/bare-AdamW and the analytic persistent memory per approach.
+ratios of each tpamp approach to bare, megatron and torch.amp, and the analytic memory per
+approach (bytes per param held at the step).
 Ratios are given four ways: of the medians, of the minima, the median over rounds of the
 per-round ratio ("paired": the approaches of one round run seconds apart, so slow swings of the
 machine's load cancel), and of the median CPU times. On a shared machine the minima and the
@@ -114,12 +127,16 @@ def make_params(shapes, dtype, device, seed=1):
 
 
 class TpampBench:
-    name = "tpamp"
+    """tpamp.MixedPrecisionOptimizer around AdamW; ``fused_inner``: AdamW(fused=True), else the
+    for-loop; ``fused_step``: the wrapper's one-pass path (default) or the generic one."""
 
-    def __init__(self, shapes, fp16_grads, device, args, group):
+    def __init__(self, name, shapes, fp16_grads, device, args, group, *, fused_inner, fused_step):
+        self.name = name
+        self.fused_step = fused_step
         self.params = make_params(shapes, torch.float16, device)
         self.fp16_grads = fp16_grads
-        inner = torch.optim.AdamW(self.params, lr=1e-4, weight_decay=0.01)
+        impl = dict(fused=True) if fused_inner else dict(foreach=False)
+        inner = torch.optim.AdamW(self.params, lr=1e-4, weight_decay=0.01, **impl)
         self.opt = tpamp.MixedPrecisionOptimizer(
             inner,
             grad_scaler=tpamp.DynamicGradScaler(
@@ -128,25 +145,59 @@ class TpampBench:
             clip_grad=args.clip_grad,
             log_num_zeros_in_grad=args.log_num_zeros,
             grad_stats_group=group,
+            fused_step=fused_step,
         )
         self.last = None
 
     def prepare(self):
         self.opt.zero_grad()
-        # step() only reads the model grads (copies them into fresh fp32 main grads), so the
-        # pre-made tensors can be re-attached as they are.
+        # step() only reads the model grads, so the pre-made tensors are re-attached as they are.
         for p, g in zip(self.params, self.fp16_grads):
             p.grad = g
 
     def step(self):
         self.last = self.opt.step()
         if not self.last.update_successful:
-            raise RuntimeError("tpamp skipped the step (inf/nan in the synthetic grads?)")
+            raise RuntimeError(f"{self.name} skipped the step (inf/nan in the synthetic grads?)")
 
-    def persistent_bytes(self, n):
-        # fp16 params + fp16 grads (freed during the step) + fp32 main params + fp32 main grads
-        # + AdamW exp_avg, exp_avg_sq
-        return {"params": 2 * n + 4 * n, "grads": 2 * n + 4 * n, "optimizer_state": 8 * n}
+    def bytes_per_param(self):
+        # fp16 params 2 + fp16 grads 2 (released by the step) + fp32 main params 4 + AdamW
+        # exp_avg, exp_avg_sq 8; the generic path adds fp32 main grads 4 (kept until zero_grad)
+        return {"params": 2 + 4, "grads": 2 + (0 if self.fused_step else 4), "optimizer_state": 8}
+
+
+class MegatronBench:
+    """megatron-core's Float16OptimizerWithFloat16Params around AdamW(fused=True), on CPU."""
+
+    name = "megatron"
+
+    def __init__(self, shapes, fp16_grads, device, args, group):
+        from megatron_cpu import CudaAsCpu, make_megatron_fp16_optimizer
+
+        self.mode = CudaAsCpu()
+        self.params = make_params(shapes, torch.float16, device)
+        self.fp16_grads = fp16_grads
+        with self.mode:
+            self.opt = make_megatron_fp16_optimizer(
+                torch.optim.AdamW(self.params, lr=1e-4, weight_decay=0.01, fused=True), group,
+                clip_grad=args.clip_grad, log_num_zeros_in_grad=args.log_num_zeros,
+                initial_scale=LOSS_SCALE, growth_interval=10**6,
+            )
+
+    def prepare(self):
+        self.opt.zero_grad()
+        for p, g in zip(self.params, self.fp16_grads):
+            p.grad = g  # megatron copies .grad.float() into fp32 main grads, then drops .grad
+
+    def step(self):
+        with self.mode:
+            ok, _, _ = self.opt.step()
+        if not ok:
+            raise RuntimeError("megatron skipped the step")
+
+    def bytes_per_param(self):
+        # fp16 params 2 + fp16 grads 2 + fp32 main params 4 + fp32 main grads 4 + AdamW state 8
+        return {"params": 2 + 4, "grads": 2 + 4, "optimizer_state": 8}
 
 
 class TorchAmpBench:
@@ -157,7 +208,7 @@ class TorchAmpBench:
         self.fp16_grads = fp16_grads
         for p in self.params:
             p.grad = torch.empty_like(p)
-        self.opt = torch.optim.AdamW(self.params, lr=1e-4, weight_decay=0.01)
+        self.opt = torch.optim.AdamW(self.params, lr=1e-4, weight_decay=0.01, fused=True)
         self.scaler = torch.amp.GradScaler(device.type, init_scale=LOSS_SCALE, growth_interval=10**6)
         # GradScaler creates its scale lazily in scale(); do it once here as a loss would.
         self.scaler.scale(torch.ones((), device=device))
@@ -175,18 +226,18 @@ class TorchAmpBench:
         self.scaler.step(self.opt)
         self.scaler.update()
 
-    def persistent_bytes(self, n):
-        return {"params": 4 * n, "grads": 4 * n, "optimizer_state": 8 * n}
+    def bytes_per_param(self):
+        return {"params": 4, "grads": 4, "optimizer_state": 8}
 
 
 class BareAdamWBench:
-    name = "bare AdamW"
+    name = "bare"
 
     def __init__(self, shapes, fp16_grads, device, args):
         self.params = make_params(shapes, torch.float32, device)
         for p, g in zip(self.params, fp16_grads):
             p.grad = g.float().mul_(1.0 / LOSS_SCALE)  # AdamW does not modify grads
-        self.opt = torch.optim.AdamW(self.params, lr=1e-4, weight_decay=0.01)
+        self.opt = torch.optim.AdamW(self.params, lr=1e-4, weight_decay=0.01, fused=True)
 
     def prepare(self):
         pass
@@ -194,8 +245,37 @@ class BareAdamWBench:
     def step(self):
         self.opt.step()
 
-    def persistent_bytes(self, n):
-        return {"params": 4 * n, "grads": 4 * n, "optimizer_state": 8 * n}
+    def bytes_per_param(self):
+        return {"params": 4, "grads": 4, "optimizer_state": 8}
+
+
+APPROACHES = "tpamp-fused,tpamp-fused-in-fused,tpamp-generic,megatron,torch.amp,bare"
+
+
+def make_bench(name, shapes, fp16_grads, device, args, group):
+    """The approach ``name`` (module docstring), or None with a note when it cannot run here."""
+    if name == "tpamp-fused":
+        return TpampBench(name, shapes, fp16_grads, device, args, group, fused_inner=False,
+                          fused_step=True)
+    if name == "tpamp-fused-in-fused":
+        return TpampBench(name, shapes, fp16_grads, device, args, group, fused_inner=True,
+                          fused_step=True)
+    if name == "tpamp-generic":
+        return TpampBench(name, shapes, fp16_grads, device, args, group, fused_inner=True,
+                          fused_step=False)
+    if name == "megatron":
+        try:
+            import megatron.core  # noqa: F401
+        except ImportError as e:
+            print(f"megatron: skipped ({e}; install megatron-core in a separate venv and run "
+                  "this script with its python)")
+            return None
+        return MegatronBench(shapes, fp16_grads, device, args, group)
+    if name == "torch.amp":
+        return TorchAmpBench(shapes, fp16_grads, device, args)
+    if name == "bare":
+        return BareAdamWBench(shapes, fp16_grads, device, args)
+    sys.exit(f"--only: unknown approach {name!r} (choose from {APPROACHES})")
 
 
 # -- machine ----------------------------------------------------------------------------------
@@ -230,6 +310,15 @@ def sync(device):
         torch.cuda.synchronize(device)
 
 
+def _megatron_version():
+    try:
+        from importlib.metadata import version
+
+        return version("megatron-core")
+    except Exception:
+        return None
+
+
 def fmt_bytes(b):
     return f"{b / 2**30:.2f} GiB" if b >= 2**30 else f"{b / 2**20:.1f} MiB"
 
@@ -249,8 +338,8 @@ def parse_args(argv=None):
                    help="tpamp counts zeros in the grads (default on)")
     p.add_argument("--warmup", type=int, default=5, help="untimed reps per approach (default 5)")
     p.add_argument("--reps", type=int, default=20, help="timed reps per approach (default 20)")
-    p.add_argument("--only", default="tpamp,torch.amp,bare",
-                   help="comma list of approaches to run (tpamp, torch.amp, bare)")
+    p.add_argument("--only", default=APPROACHES,
+                   help=f"comma list of approaches to run (default: all of {APPROACHES})")
     p.add_argument("--json", default=None, help="write the results to this JSON file")
     return p.parse_args(argv)
 
@@ -282,13 +371,13 @@ def main(argv=None):
             "torch": torch.__version__,
             "python": platform.python_version(),
             "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
-            # tpamp._C is a CUDA extension: only asked about on CUDA
-            "tpamp_extension": ops.extension_available() if device.type == "cuda" else None,
+            "tpamp_kernels": ops.extension_available(device),
+            "megatron_core": _megatron_version(),
         }
         print(f"machine: {machine['cpu']} ({machine['cpu_count']} logical CPUs), torch {machine['torch']}, "
-              f"{machine['torch_threads']} threads, device {machine['device']}"
-              + (f", tpamp._C {'loaded' if machine['tpamp_extension'] else 'not built'}"
-                 if device.type == "cuda" else ""))
+              f"{machine['torch_threads']} threads, device {machine['device']}, tpamp kernels "
+              f"{'loaded' if machine['tpamp_kernels'] else 'NOT built (PyTorch fallback)'}, "
+              f"megatron-core {machine['megatron_core']}")
         print(f"load average before: {load_before}")
         print(f"model: {n:,} elements in {len(shapes)} tensors (hidden {hidden}, {layers} layers, "
               f"vocab {vocab}); clip_grad {args.clip_grad}, log_num_zeros {args.log_num_zeros}, "
@@ -297,16 +386,8 @@ def main(argv=None):
 
         fp16_grads = make_fp16_grads(shapes, device)
         wanted = [w.strip() for w in args.only.split(",") if w.strip()]
-        benches = []
-        for w in wanted:
-            if w == "tpamp":
-                benches.append(TpampBench(shapes, fp16_grads, device, args, group))
-            elif w in ("torch.amp", "amp"):
-                benches.append(TorchAmpBench(shapes, fp16_grads, device, args))
-            elif w in ("bare", "adamw"):
-                benches.append(BareAdamWBench(shapes, fp16_grads, device, args))
-            else:
-                sys.exit(f"--only: unknown approach {w!r}")
+        benches = [b for b in (make_bench(w, shapes, fp16_grads, device, args, group)
+                               for w in wanted) if b is not None]
 
         times = {b.name: [] for b in benches}
         cpu_times = {b.name: [] for b in benches}
@@ -341,36 +422,39 @@ def main(argv=None):
                 # CPU time of the process (all threads) during the step
                 "cpu_median_ms": statistics.median(cpu_times[b.name]) * 1e3,
                 "cpu_times_ms": [t * 1e3 for t in cpu_times[b.name]],
-                "memory_bytes": b.persistent_bytes(n),
+                "bytes_per_param": b.bytes_per_param(),
             }
         print()
-        print(f"{'approach':<12} {'median ms':>10} {'min ms':>10} {'mean ms':>10} {'max ms':>10}"
-              f" {'CPU med ms':>11}  {'params+grads+state':>18}")
+        print(f"{'approach':<22} {'median ms':>10} {'min ms':>10} {'mean ms':>10} {'max ms':>10}"
+              f" {'CPU med ms':>11}  {'bytes/param':>11}")
         for name, r in rows.items():
-            mem = sum(r["memory_bytes"].values())
-            print(f"{name:<12} {r['median_ms']:>10.1f} {r['min_ms']:>10.1f} {r['mean_ms']:>10.1f} "
-                  f"{r['max_ms']:>10.1f} {r['cpu_median_ms']:>11.1f}  {fmt_bytes(mem):>18}")
-        print("(params+grads+state: analytic persistent bytes; CPU: process CPU time, all threads)")
+            mem = sum(r["bytes_per_param"].values())
+            print(f"{name:<22} {r['median_ms']:>10.1f} {r['min_ms']:>10.1f} {r['mean_ms']:>10.1f} "
+                  f"{r['max_ms']:>10.1f} {r['cpu_median_ms']:>11.1f}  {mem:>11}")
+        print("(bytes/param: params + grads + optimizer state held at the step, analytic; CPU: "
+              "process CPU time, all threads)")
         ratios = {}
-        if "tpamp" in rows:
-            for other in ("torch.amp", "bare AdamW"):
+        for mine in [name for name in rows if name.startswith("tpamp")]:
+            for other in ("bare", "megatron", "torch.amp"):
                 if other in rows:
-                    key = f"tpamp/{other}"
+                    key = f"{mine}/{other}"
                     # paired: the two approaches' times in the same round (seconds apart), so
                     # slow swings of the machine's load cancel; the median over rounds
-                    paired = [a / b for a, b in zip(times["tpamp"], times[other])]
+                    paired = [a / b for a, b in zip(times[mine], times[other])]
                     ratios[key] = {
-                        "median": rows["tpamp"]["median_ms"] / rows[other]["median_ms"],
-                        "min": rows["tpamp"]["min_ms"] / rows[other]["min_ms"],
+                        "median": rows[mine]["median_ms"] / rows[other]["median_ms"],
+                        "min": rows[mine]["min_ms"] / rows[other]["min_ms"],
                         "paired_median": statistics.median(paired),
-                        "cpu_median": rows["tpamp"]["cpu_median_ms"] / rows[other]["cpu_median_ms"],
+                        "cpu_median": rows[mine]["cpu_median_ms"] / rows[other]["cpu_median_ms"],
                     }
                     r = ratios[key]
-                    print(f"{key:<18} median {r['median']:.2f}x   min {r['min']:.2f}x   "
-                          f"paired median {r['paired_median']:.2f}x   CPU-time median {r['cpu_median']:.2f}x")
-        if "tpamp" in rows:
-            last = benches[[b.name for b in benches].index("tpamp")].last
-            print(f"tpamp last step: grad_norm {last.grad_norm:.4g}, num_zeros {last.num_zeros_in_grad}")
+                    print(f"{key:<34} paired median {r['paired_median']:.2f}x   median "
+                          f"{r['median']:.2f}x   min {r['min']:.2f}x   CPU-time median "
+                          f"{r['cpu_median']:.2f}x")
+        for b in benches:
+            if getattr(b, "last", None) is not None:
+                print(f"{b.name} last step: grad_norm {b.last.grad_norm:.4g}, num_zeros "
+                      f"{b.last.num_zeros_in_grad}")
         print(f"load average after: {load_after}")
 
         if args.json:
