@@ -524,6 +524,19 @@ def _lr_args(lr, device):
     return None, float(lr)
 
 
+def _check_lengths(op: str, params, **lists) -> None:
+    for name, lst in lists.items():
+        if lst is not None and len(lst) != len(params):
+            raise ValueError(f"{op}: params has {len(params)} tensors, {name} has {len(lst)}")
+
+
+def _kernel_layouts_ok(lists) -> bool:
+    """All contiguous (the usual case, checked fast), or each param's tensors dense alike."""
+    if all(t.is_contiguous() for lst in lists for t in lst):
+        return True
+    return _kernel_layout_ok(*lists)
+
+
 def _kernel_layout_ok(*tensor_lists) -> bool:
     """The kernels walk every tensor of one param in the same element order: all dense, with
     the same strides (contiguous, or e.g. all channels_last)."""
@@ -591,13 +604,25 @@ def fused_adam_step_(
     if model_params is not None:
         model_params = list(model_params)
     op = "fused_adam_step_"
-    _check_step_lists(op, params, grads, model_params, exp_avgs=exp_avgs,
-                      exp_avg_sqs=exp_avg_sqs)
-    if len(steps) != len(params):
-        raise ValueError(f"{op}: params has {len(params)} tensors, steps has {len(steps)}")
+    _check_lengths(op, params, grads=grads, exp_avgs=exp_avgs, exp_avg_sqs=exp_avg_sqs,
+                   steps=steps, model_params=model_params)
     if not params:
         return
     device = params[0].device
+    lr_tensor, lr_float = _lr_args(lr, device)
+    hyper = (float(beta1), float(beta2), float(eps), float(weight_decay),
+             bool(decoupled_weight_decay), bool(maximize))
+    lists = [params, grads, exp_avgs, exp_avg_sqs] + ([model_params] if model_params else [])
+    kernels = _step_kernels(device, "fused_adam_step_")
+    if kernels is not None and _kernel_layouts_ok(lists):
+        # the op checks every argument itself (csrc/host/optimizer_step_checks.h)
+        kernels.fused_adam_step_(
+            params, exp_avgs, exp_avg_sqs, steps, model_params or [], grads, grad_scale,
+            found_inf, lr_tensor, lr_float, *hyper,
+        )
+        return
+    _check_step_lists(op, params, grads, model_params, exp_avgs=exp_avgs,
+                      exp_avg_sqs=exp_avg_sqs)
     for i, (p, s) in enumerate(zip(params, steps)):
         if p.device != device:
             raise ValueError(f"{op}: params[{i}] is on {p.device}, params[0] on {device}")
@@ -608,17 +633,6 @@ def fused_adam_step_(
             )
     _check_device_scalar("grad_scale", grad_scale, device)
     _check_device_scalar("found_inf", found_inf, device)
-    lr_tensor, lr_float = _lr_args(lr, device)
-    hyper = (float(beta1), float(beta2), float(eps), float(weight_decay),
-             bool(decoupled_weight_decay), bool(maximize))
-    lists = [params, grads, exp_avgs, exp_avg_sqs] + ([model_params] if model_params else [])
-    kernels = _step_kernels(device, "fused_adam_step_")
-    if kernels is not None and _kernel_layout_ok(*lists):
-        kernels.fused_adam_step_(
-            params, exp_avgs, exp_avg_sqs, steps, model_params or [], grads, grad_scale,
-            found_inf, lr_tensor, lr_float, *hyper,
-        )
-        return
     _adam_step_torch(params, grads, exp_avgs, exp_avg_sqs, steps, model_params, grad_scale,
                      found_inf, lr_tensor, lr_float, *hyper)
 
@@ -700,36 +714,34 @@ def fused_sgd_step_(
         model_params = list(model_params)
     op = "fused_sgd_step_"
     has_momentum = float(momentum) != 0.0
-    if has_momentum:
-        if momentum_buffers is None:
-            raise ValueError(f"{op}: momentum={momentum} needs momentum_buffers")
-        bufs = list(momentum_buffers)
-        _check_step_lists(op, params, grads, model_params, momentum_buffers=bufs)
-    else:
-        bufs = []
-        _check_step_lists(op, params, grads, model_params)
+    if has_momentum and momentum_buffers is None:
+        raise ValueError(f"{op}: momentum={momentum} needs momentum_buffers")
+    bufs = list(momentum_buffers) if has_momentum else []
     first = [False] * len(params) if first_step is None else [bool(f) for f in first_step]
-    if len(first) != len(params):
-        raise ValueError(f"{op}: params has {len(params)} tensors, first_step has {len(first)}")
+    _check_lengths(op, params, grads=grads, model_params=model_params, first_step=first,
+                   momentum_buffers=bufs if has_momentum else None)
     if not params:
         return
     device = params[0].device
-    for i, p in enumerate(params):
-        if p.device != device:
-            raise ValueError(f"{op}: params[{i}] is on {p.device}, params[0] on {device}")
-    _check_device_scalar("grad_scale", grad_scale, device)
-    _check_device_scalar("found_inf", found_inf, device)
     lr_tensor, lr_float = _lr_args(lr, device)
     hyper = (float(momentum), float(dampening), float(weight_decay), bool(nesterov), bool(maximize))
     lists = [params, grads] + ([bufs] if has_momentum else []) + (
         [model_params] if model_params else [])
     kernels = _step_kernels(device, "fused_sgd_step_")
-    if kernels is not None and _kernel_layout_ok(*lists):
+    if kernels is not None and _kernel_layouts_ok(lists):
+        # the op checks every argument itself (csrc/host/optimizer_step_checks.h)
         kernels.fused_sgd_step_(
             params, bufs, model_params or [], grads, first, grad_scale, found_inf, lr_tensor,
             lr_float, *hyper,
         )
         return
+    _check_step_lists(op, params, grads, model_params,
+                      **({"momentum_buffers": bufs} if has_momentum else {}))
+    for i, p in enumerate(params):
+        if p.device != device:
+            raise ValueError(f"{op}: params[{i}] is on {p.device}, params[0] on {device}")
+    _check_device_scalar("grad_scale", grad_scale, device)
+    _check_device_scalar("found_inf", found_inf, device)
     _sgd_step_torch(params, grads, bufs, first, model_params, grad_scale, found_inf, lr_tensor,
                     lr_float, *hyper)
 
