@@ -488,10 +488,12 @@ def _megatron_vs_tpamp(rank, world_size, seq):
         for p, g in zip(tp_params, grads):
             p.grad = g.clone()
         tp_results.append(tuple(opt.step()))
-    mains_m = [m.detach() for g in mega.optimizer.param_groups for m in g["params"]]
-    mains_t = [m.detach() for g in opt.param_groups for m in g["params"]]
+    # numpy arrays travel by value (tensors would be shared through this exiting process's fds)
+    arrays = lambda ts: [t.detach().float().numpy().copy() for t in ts]  # noqa: E731
+    mains_m = arrays(m for g in mega.optimizer.param_groups for m in g["params"])
+    mains_t = arrays(m for g in opt.param_groups for m in g["params"])
     return (mega_results, tp_results, mega_scale, opt.get_loss_scale().item(), mains_m, mains_t,
-            [p.detach() for p in mega_params], [p.detach() for p in tp_params])
+            arrays(mega_params), arrays(tp_params))
 
 
 def test_fused_wrapper_matches_megatron_core_after_steps_with_skips_and_clipping(path):
@@ -506,6 +508,10 @@ def test_fused_wrapper_matches_megatron_core_after_steps_with_skips_and_clipping
         if m[0]:
             assert math.isclose(m[1], t[1], rel_tol=1e-6) and m[2] == t[2]
     assert mega_scale == tp_scale
+    mains_t, mains_m, model_t, model_m = (
+        [torch.from_numpy(a) for a in arrays] for arrays in (mains_t, mains_m, model_t, model_m)
+    )
     _assert_close_fp32(mains_t, mains_m, "main param vs megatron")
     for a, b in zip(model_t, model_m):
-        assert (a.float() - b.float()).abs().max() <= 2 * torch.finfo(torch.float16).eps * b.float().abs().max()
+        # fp16 copies of mains equal to fp32 rounding: at most one fp16 rounding step apart
+        assert (a - b).abs().max() <= torch.finfo(torch.float16).eps * b.abs().max()
