@@ -283,7 +283,7 @@ def main(argv=None):
             "python": platform.python_version(),
             "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
             # tpamp._C is a CUDA extension: only asked about on CUDA
-            "tpamp_extension": ops.extension_available() if device.type == "cuda" else None,
+            "tpamp_extension": ops.extension_available(device),
         }
         print(f"machine: {machine['cpu']} ({machine['cpu_count']} logical CPUs), torch {machine['torch']}, "
               f"{machine['torch_threads']} threads, device {machine['device']}"

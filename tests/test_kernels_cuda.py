@@ -32,7 +32,7 @@ from tpamp import ops
 
 
 def _kernels_available() -> bool:
-    return torch.cuda.is_available() and ops.extension_available()
+    return torch.cuda.is_available() and ops.extension_available("cuda")
 
 
 pytestmark = [
