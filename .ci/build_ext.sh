@@ -1,5 +1,7 @@
 #!/usr/bin/env bash
-# Build the CUDA extension tpamp._C in a virtual environment and check that its ops register.
+# Build the kernels with CUDA (tpamp._C) in a virtual environment and check that the ops register
+# for CUDA and CPU. Only the default CPU capability module is built here (TPAMP_CPU_CAPABILITIES):
+# CI's first half builds and tests all of them.
 # Needs no GPU: only nvcc of the same CUDA major version as the torch wheel.
 #
 # Usage: .ci/build_ext.sh [VENV_DIR]
@@ -9,7 +11,7 @@
 #   TPAMP_CI_TORCH         torch requirement (default torch==2.14.1, from the default index)
 #   TPAMP_CI_PIP_ARGS      extra pip arguments for that install (e.g. an --index-url)
 #   CUDA_HOME              CUDA toolkit (default /usr/local/cuda)
-#   TORCH_CUDA_ARCH_LIST   GPU architectures (default "8.0;9.0")
+#   TORCH_CUDA_ARCH_LIST   GPU architectures (default "8.0;9.0+PTX": quick; setup.py alone adds 10.0, 12.0)
 #   MAX_JOBS               parallel compile jobs (default 2; each needs up to ~2 GB of memory)
 # Exits non-zero on any failure, saying which step failed.
 
@@ -27,7 +29,7 @@ step() { echo "== build_ext: $*"; }
 fail() { echo "build_ext: FAILED: $*" >&2; exit 1; }
 
 export CUDA_HOME="${CUDA_HOME:-/usr/local/cuda}"
-export TORCH_CUDA_ARCH_LIST="${TORCH_CUDA_ARCH_LIST:-8.0;9.0}"
+export TORCH_CUDA_ARCH_LIST="${TORCH_CUDA_ARCH_LIST:-8.0;9.0+PTX}"
 export MAX_JOBS="${MAX_JOBS:-2}"
 [ -x "$CUDA_HOME/bin/nvcc" ] || fail "no nvcc at $CUDA_HOME/bin/nvcc (set CUDA_HOME)"
 
@@ -46,7 +48,7 @@ step "installing $TORCH_REQ numpy setuptools wheel ninja"
 
 step "building tpamp._C (CUDA_HOME=$CUDA_HOME, TORCH_CUDA_ARCH_LIST=$TORCH_CUDA_ARCH_LIST, MAX_JOBS=$MAX_JOBS)"
 start=$(date +%s)
-(cd "$ROOT" && TPAMP_BUILD_CUDA=1 "$PY" -m pip install -v --no-build-isolation --no-deps -e .) \
+(cd "$ROOT" && TPAMP_BUILD_CUDA=1 TPAMP_CPU_CAPABILITIES="${TPAMP_CPU_CAPABILITIES:-default}" "$PY" -m pip install -v --no-build-isolation --no-deps -e .) \
     || fail "building the extension (see the compiler output above)"
 step "built in $(( $(date +%s) - start )) s"
 
@@ -58,9 +60,15 @@ import tpamp
 import tpamp._C  # noqa: F401  (registers torch.ops.tpamp.*)
 from tpamp import ops
 
-for name in ("grad_stats", "scale_and_copy", "dynamic_scaler_update_"):
-    print(getattr(torch.ops.tpamp, name).default._schema)
-assert ops.extension_available(), ops._ext_error
+from tpamp import _ext
+
+for name in ("grad_stats_", "grad_stats_out", "scale_", "scale_and_copy", "dynamic_scaler_update_"):
+    op = getattr(torch.ops.tpamp, name).default
+    print(op._schema)
+    for key in ("CUDA", "CPU", "Autograd", "ADInplaceOrView"):
+        assert torch._C._dispatch_has_kernel_for_dispatch_key(op.name(), key), (name, key)
+assert tpamp._C.with_cuda == 1, "tpamp._C was built without the CUDA kernels"
+assert ops.extension_available(), _ext.status()
 print(f"tpamp {tpamp.__version__}: tpamp._C loads with torch {torch.__version__} "
       f"(CUDA {torch.version.cuda})")
 EOF

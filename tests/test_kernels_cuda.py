@@ -7,14 +7,14 @@ Every op is compared with a float64 model of what it must do, on fresh random da
 * statistics of the values written: found_inf over every tensor; sum of squares, max |g| and
   the zero count over the masked-in tensors; per-tensor L2 norms over all of them.
 
-Sums of squares are accumulated in float32 by the kernels (per thread, then per block), so they
-are compared with a relative tolerance of 2e-5 (a chunk is 128 terms per thread and a 9-level
-tree: the worst-case bound is about 137 float32 ulps); everything else is exact.
+Sums of squares are accumulated in float32 per thread (128 terms), then in float64 (block tree,
+slots in order), so they are compared with a relative tolerance of 2e-5; everything else is exact.
 
 Decided behaviour for a large scale (tested below): an element whose product overflows the
 destination dtype is written as inf and sets found_inf (so gradients reported clean are finite
-as stored); a sum of squares beyond the float32 range is inf while found_inf stays 0 when every
-value written is finite.
+as stored); a sum of squares beyond the float32 range stays finite (float64 partials, a chunk
+whose float32 sums overflow is summed again in float64) while found_inf stays 0 when every value
+written is finite.
 
 Skipped unless a CUDA GPU is present and tpamp._C is built.
 """
@@ -32,7 +32,7 @@ from tpamp import ops
 
 
 def _kernels_available() -> bool:
-    return torch.cuda.is_available() and ops.extension_available()
+    return torch.cuda.is_available() and ops.extension_available("cuda")
 
 
 pytestmark = [
@@ -117,25 +117,28 @@ def stats_ref(written, mask):
         if w.numel():
             amax = torch.maximum(amax, w.abs().max())  # propagates nan
     zeros = sum(int((w == 0).sum()) for w in counted)
-    # each tensor's sum of squares as the float32 the kernel holds (inf beyond the range)
-    per_tensor = torch.stack([(w * w).sum() for w in w64]).float().double().sqrt()
+    # each tensor's L2 norm, from its float64 sum of squares
+    per_tensor = torch.stack([(w * w).sum() for w in w64]).sqrt()
     return dict(found=1.0 if found else 0.0, sumsq=sumsq, amax=amax, zeros=zeros,
                 per_tensor=per_tensor)
 
 
 def raw_grad_stats(grads, out, scale, mask, count_zeros=True, per_tensor=True):
-    return torch.ops.tpamp.grad_stats(grads, out, scale, mask, count_zeros, per_tensor)
+    """The in-place op (out = []) or the out= op."""
+    if len(out) == 0:
+        return torch.ops.tpamp.grad_stats_(grads, scale, mask, count_zeros, per_tensor)
+    return torch.ops.tpamp.grad_stats_out(grads, scale, mask, count_zeros, per_tensor, out=out)
 
 
 def check_stats(result, ref, n):
     found_inf, sumsq, amax, zeros, per_tensor = result
     assert found_inf.shape == (1,) and found_inf.dtype == torch.float32
-    assert sumsq.shape == () and sumsq.dtype == torch.float32
+    assert sumsq.shape == () and sumsq.dtype == torch.float64
     assert amax.shape == () and amax.dtype == torch.float32
     assert zeros.shape == () and zeros.dtype == torch.int64
     assert per_tensor.shape == (n,) and per_tensor.dtype == torch.float32
     assert found_inf.item() == ref["found"]
-    torch.testing.assert_close(sumsq, ref["sumsq"].float(), equal_nan=True, **TOL)
+    torch.testing.assert_close(sumsq, ref["sumsq"], equal_nan=True, **TOL)
     torch.testing.assert_close(amax, ref["amax"].float(), rtol=0, atol=0, equal_nan=True)
     assert zeros.item() == ref["zeros"]
     torch.testing.assert_close(per_tensor, ref["per_tensor"].float(), equal_nan=True, **TOL)
@@ -274,7 +277,7 @@ def test_scale_zero_turns_inf_into_nan_and_flags_it(dtype):
 @pytest.mark.parametrize("to_fp32", [False, True], ids=["in_place", "to_fp32"])
 def test_huge_scale_overflow_is_inf_in_the_output_and_found_inf(dtype, to_fp32):
     """scale 1e30: fp16 values overflow (found_inf); fp32/bf16 values stay finite (found_inf 0)
-    but their sum of squares exceeds float32 and is inf."""
+    and their sum of squares, beyond float32, is the finite float64 one."""
     g = gen(8)
     grads = rand_list([4099, 65536], [dtype], g, zeros=0.0)
     originals = [x.clone() for x in grads]
@@ -289,7 +292,7 @@ def test_huge_scale_overflow_is_inf_in_the_output_and_found_inf(dtype, to_fp32):
     check_stats(result, ref, 2)
     overflow = out_dtype == torch.float16
     assert result[0].item() == (1.0 if overflow else 0.0)
-    assert result[1].item() == math.inf
+    assert (result[1].item() == math.inf) == overflow
 
 
 def test_grad_stats_of_all_empty_tensors_is_zero():
@@ -344,7 +347,7 @@ def test_tensor_of_more_than_2_pow_31_elements():
     assert found_inf.item() == 0.0
     assert sumsq.item() == 13.0 and amax.item() == 3.0 and zeros.item() == n - 2
     assert pt.item() == pytest.approx(math.sqrt(13.0), rel=1e-6)
-    torch.ops.tpamp.scale_and_copy([x], [x], scalar(0.5))
+    torch.ops.tpamp.scale_([x], scalar(0.5))
     assert x[2**31 + 3].item() == 1.5 and x[-1].item() == 1.0 and x[2**31].item() == 0.0
     x[-1] = math.inf
     assert raw_grad_stats([x], [], None, [True])[0].item() == 1.0
@@ -366,11 +369,124 @@ def test_grad_stats_rejects_bad_inputs_naming_them():
         raw_grad_stats([a], [], None, [True, False])
     with pytest.raises(RuntimeError, match=r"scale must be a 1-element float32"):
         raw_grad_stats([a], [], torch.ones(2, device=DEV), [True])
-    with pytest.raises(RuntimeError, match=r"grads\[0\] must be contiguous"):
-        raw_grad_stats([torch.ones(4, 4, device=DEV).t()], [], None, [True])
-    with pytest.raises(RuntimeError, match=r"partly overlaps"):
+    with pytest.raises(RuntimeError, match=r"grads\[0\] must be non-overlapping and dense"):
+        raw_grad_stats([torch.ones(4, 4, device=DEV)[:, ::2]], [], None, [True])
+    with pytest.raises(RuntimeError, match=r"overlap in memory"):
         buf = torch.ones(10, device=DEV)
         raw_grad_stats([buf[:8]], [buf[2:]], None, [True])
+
+
+def test_grad_stats_nan_and_inf_in_one_list_nan_wins():
+    g = gen(20)
+    grads = rand_list([70000, 33, 4097], DTYPES, g)
+    grads[0][5] = math.inf
+    grads[1][7] = math.nan
+    grads[2][-1] = -math.inf
+    want = [x.clone() for x in grads]
+    result = raw_grad_stats(grads, [], None, [True] * 3)
+    assert result[0].item() == 1.0 and math.isnan(result[2].item())
+    check_stats(result, stats_ref(want, [True] * 3), 3)
+
+
+def test_grad_stats_negative_zero_is_counted_as_zero():
+    x = torch.tensor([-0.0, 0.0, 1.0, -0.0] * 5000, device=DEV).half()
+    assert raw_grad_stats([x], [], None, [True])[3].item() == 15000
+    out = [torch.empty(x.shape, device=DEV)]
+    assert raw_grad_stats([x], out, scalar(3.0), [True])[3].item() == 15000
+
+
+def test_grad_stats_multi_chunk_tensors_around_a_launch_boundary():
+    """A launch's table holds 90 (input, output) tensors: multi-chunk tensors as the last entry
+    of the first launch and the first of the second."""
+    g = gen(21)
+    sizes = [5] * 89 + [3 * 65536 + 7, 2 * 65536 + 1, 11]
+    grads = rand_list(sizes, DTYPES, g, offsets=(0, 1, 8))
+    mask = [i % 4 != 3 for i in range(len(grads))]
+    scale = scalar(0.25)
+    out = [torch.empty(x.shape, device=DEV) for x in grads]
+    want = [written_ref(x, scale, torch.float32) for x in grads]
+    result = raw_grad_stats(grads, out, scale, mask)
+    for got, w in zip(out, want):
+        assert_bitwise_equal(got, w)
+    check_stats(result, stats_ref(want, mask), len(grads))
+
+
+def test_tensor_beyond_2_pow_31_after_other_tensors_misaligned_with_fp32_out():
+    free, _ = torch.cuda.mem_get_info()
+    n = 2**31 + 2**16 + 3
+    if free < n * (2 + 4) + 2**30:
+        pytest.skip(f"needs {(n * 6 + 2**30) / 2**30:.1f} GiB of free GPU memory")
+    buf = torch.zeros(n + 1, dtype=torch.float16, device=DEV)
+    big = buf[1:]  # misaligned view
+    big[2**31 + 5] = 3.0
+    big[-1] = -2.0
+    big[7] = 1.0
+    small = [torch.tensor([1.0, 2.0], device=DEV).half(), torch.tensor([4.0], device=DEV)]
+    grads = small + [big]
+    outs = [torch.empty(x.shape, device=DEV) for x in grads]
+    found_inf, sumsq, amax, zeros, pt = raw_grad_stats(grads, outs, scalar(2.0), [True] * 3)
+    assert found_inf.item() == 0.0
+    assert sumsq.item() == (4.0 + 16.0 + 64.0) + (36.0 + 16.0 + 4.0)
+    assert amax.item() == 8.0 and zeros.item() == n - 3
+    assert outs[2][2**31 + 5].item() == 6.0 and outs[2][-1].item() == -4.0
+    assert outs[2][2**31 + 4].item() == 0.0
+    del buf, big, grads, outs
+    torch.cuda.empty_cache()
+
+
+def test_grad_stats_waits_for_a_delayed_side_stream():
+    """The fill is queued after ~50 ms of GPU sleep on a side stream; the kernel, on the same
+    (current) stream, must see the filled values."""
+    g = gen(22)
+    x = torch.randn(1 << 22, generator=g, device=DEV)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        torch.cuda._sleep(100_000_000)  # cycles: tens of milliseconds
+        x.fill_(2.0)
+        found_inf, sumsq, amax, zeros, _ = raw_grad_stats([x], [], None, [True])
+    torch.cuda.synchronize()
+    assert sumsq.item() == 4.0 * x.numel() and amax.item() == 2.0
+
+
+def test_duplicate_and_overlapping_entries_are_rejected():
+    a = torch.ones(100, device=DEV)
+    with pytest.raises(RuntimeError, match=r"grads\[0\] and grads\[1\] overlap"):
+        raw_grad_stats([a, a], [], scalar(0.5), [True, True])
+    g = [torch.ones(10, device=DEV).half(), torch.ones(10, device=DEV).half()]
+    buf = torch.zeros(15, device=DEV)
+    with pytest.raises(RuntimeError, match="overlap"):
+        raw_grad_stats(g, [buf[:10], buf[5:]], None, [True, True])
+    with pytest.raises(RuntimeError, match="overlap"):
+        torch.ops.tpamp.scale_([a, a[10:20]], scalar(0.5))
+    assert a.sum().item() == 100.0  # rejected before any kernel ran
+
+
+def test_scale_of_exactly_one_in_place_leaves_values_and_nan_payloads():
+    x = torch.tensor([1.0, math.nan, -0.0, math.inf] * 1000, device=DEV)
+    bits = x.view(torch.int32).clone()
+    bits[1] = 0x7FC00123
+    x = bits.view(torch.float32)
+    torch.ops.tpamp.scale_([x], scalar(1.0))
+    assert torch.equal(x.view(torch.int32), bits)
+
+
+def test_scaler_update_matches_megatron_line_by_line():
+    from test_kernels_cpu import _MegatronScaler
+
+    rng = torch.Generator().manual_seed(23)
+    flags = (torch.rand(200, generator=rng) < 0.4).tolist()
+    oracle = _MegatronScaler(2.0**16, 2.0, 0.5, 3, 2, 1.0)
+    scale = torch.tensor([2.0**16], device=DEV)
+    growth = torch.zeros(1, dtype=torch.int32, device=DEV)
+    hyst = torch.full((1,), 2, dtype=torch.int32, device=DEV)
+    for step, inf in enumerate(flags):
+        oracle.update(inf)
+        torch.ops.tpamp.dynamic_scaler_update_(scale, growth, hyst, scalar(float(inf)), 2.0, 0.5,
+                                               3, 2, 1.0, math.inf, False)
+        assert scale.item() == oracle._scale.item(), step
+        assert growth.item() == oracle._growth_tracker
+        assert hyst.item() == oracle._hysteresis_tracker
 
 
 # --------------------------------------------------------------------------------------------
@@ -404,11 +520,13 @@ def test_ops_grad_stats_matches_the_pytorch_path(norm_type, with_out):
                                **TOL)
 
 
-def test_ops_grad_stats_takes_non_contiguous_grads_through_the_pytorch_path():
+def test_ops_grad_stats_takes_dense_layouts_and_sends_strided_grads_to_the_pytorch_path():
     g = gen(12)
-    x = torch.randn(64, 48, generator=g, device=DEV).t()
-    stats = ops.grad_stats([x], norm_type=2.0, count_zeros=True)
-    torch.testing.assert_close(stats.norm_stat, (x.double() ** 2).sum().float(), **TOL)
+    x = torch.randn(64, 48, generator=g, device=DEV).t()  # dense, not contiguous: the kernel
+    y = torch.randn(64, 48, generator=g, device=DEV)[:, ::3]  # not dense: the PyTorch path
+    stats = ops.grad_stats([x, y], norm_type=2.0, count_zeros=True)
+    ref = (x.double() ** 2).sum() + (y.double() ** 2).sum()
+    torch.testing.assert_close(stats.norm_stat, ref, **TOL)
 
 
 # --------------------------------------------------------------------------------------------
@@ -443,7 +561,7 @@ def test_scale_and_copy_in_place(dtype, scale_value):
     xs[3][0] = math.nan
     scale = None if scale_value is None else scalar(scale_value)
     want = [written_ref(x, scale, dtype) for x in xs]
-    torch.ops.tpamp.scale_and_copy(xs, xs, scale)
+    ops.scale_and_copy(xs, xs, scale)  # scale_ in place; None: nothing to do
     for x, w in zip(xs, want):
         assert_bitwise_equal(x, w)
 
@@ -479,14 +597,16 @@ def test_scale_and_copy_many_mixed_tensors_matches_the_pytorch_path():
 
 def test_scale_and_copy_rejects_bad_inputs_naming_them():
     a = torch.ones(4, device=DEV)
-    with pytest.raises(RuntimeError, match=r"srcs has 1 tensors, dsts has 2"):
+    with pytest.raises(RuntimeError, match=r"dsts has 2 tensors, srcs has 1"):
         torch.ops.tpamp.scale_and_copy([a], [a, a], None)
     with pytest.raises(RuntimeError, match=r"dsts\[0\] has shape \[3\]"):
         torch.ops.tpamp.scale_and_copy([a], [torch.ones(3, device=DEV)], None)
     with pytest.raises(RuntimeError, match=r"dsts\[0\] has dtype Double"):
         torch.ops.tpamp.scale_and_copy([a], [a.double()], None)
     with pytest.raises(RuntimeError, match=r"scale is on cpu"):
-        torch.ops.tpamp.scale_and_copy([a], [a], torch.ones(1))
+        torch.ops.tpamp.scale_and_copy([a], [torch.ones(4, device=DEV)], torch.ones(1))
+    with pytest.raises(RuntimeError, match=r"srcs\[0\] and dsts\[0\] overlap|dsts\[0\] and srcs\[0\] overlap"):
+        torch.ops.tpamp.scale_and_copy([a], [a], None)
 
 
 # --------------------------------------------------------------------------------------------
@@ -570,7 +690,7 @@ def test_ops_make_no_host_sync():
         ops.grad_stats(outs, norm_type=math.inf, **kw)
         ops.grad_stats(outs, scale=scaler.inv_scale, norm_type=None)
         scaler.update(stats.found_inf)
-        ops.scale_and_copy(outs, outs, stats.norm_stat.reshape(1))
+        ops.scale_and_copy(outs, outs, stats.norm_stat.reshape(1).float())
         ops.scale_and_copy(mains, models)
         ops.scale_and_copy(mains, models, scaler.scale)
     torch.cuda.synchronize()

@@ -130,6 +130,8 @@ def ops_for(device: torch.device):
                 "nvcc was not found at install time). Using the PyTorch fallback on CUDA.",
             )
             return None
+        if not torch.cuda.is_available():
+            return None
         index = device.index if device.index is not None else torch.cuda.current_device()
         if index not in _cuda_ok:
             _cuda_ok[index] = _probe_cuda(index)

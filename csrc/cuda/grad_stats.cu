@@ -1,32 +1,33 @@
-// tpamp::grad_stats: one pass over a list of gradients that multiplies by an optional device
-// scalar (the unscale), writes the result in place or to float32 outputs (the fp16/bf16 -> fp32
-// main-grad copy), and takes found_inf, sum of squares, max |g|, the zero count and per-tensor
-// L2 norms of the values written.
+// CUDA launcher of tpamp::grad_stats_ and tpamp::grad_stats_out (math: csrc/kernels/grad_stats.h;
+// CPU twin: csrc/cpu/grad_stats.cpp).
 //
-// Two stages, so results do not depend on block scheduling: each block (one chunk) writes its
-// partial results to its slot of a workspace; a finalize kernel reduces the slots in a fixed
-// order (double accumulation), a second one the slots of each tensor for per-tensor norms.
+// One pass over a list of gradients that multiplies by an optional device scalar (the unscale),
+// writes the result in place or to float32 outputs (the fp16/bf16 -> fp32 main-grad copy), and
+// takes found_inf, sum of squares, max |g|, the zero count and per-tensor L2 norms of the values
+// written. Two stages, so results do not depend on block scheduling: each block (one chunk)
+// writes its partial results to its slot of a workspace; a finalize kernel reduces the slots in a
+// fixed order (fp64), a second one the slots of each tensor for per-tensor norms.
 
+#include "../host/validate.h"
+#include "../kernels/grad_stats.h"
+#include "../ops.h"
 #include "multi_tensor_apply.cuh"
-#include "ops.h"
 
-#include <ATen/MemoryOverlap.h>
-
-#include <cfloat>
+#include <ATen/ops/empty.h>
 
 namespace tpamp {
+namespace cuda {
 namespace {
 
-// Per-slot partials, laid out in one int32 workspace of kFields * num_slots words.
+// Per-slot partials, carved from one byte workspace (fp64 fields first, for alignment).
 struct Partials {
-  float* sumsq;          // sum of squares; 0 for tensors outside the mask
+  double* sumsq;         // sum of squares; 0 for tensors outside the mask
+  double* sumsq_all;     // sum of squares whatever the mask (per-tensor norms only, else null)
   float* amax;           // max |g| (nan if any); 0 outside the mask
   int32_t* zeros;        // zero elements; 0 outside the mask (or when not counted)
   int32_t* found;        // 1 if any element written is inf/nan; every tensor
-  float* sumsq_all;      // sum of squares whatever the mask (per-tensor norms only, else null)
   int32_t* slot_tensor;  // the slot's tensor index (per-tensor norms only, else null)
 };
-constexpr int kFields = 6;
 
 template <typename in_t, typename out_t>
 struct GradStatsFunctor {
@@ -40,32 +41,40 @@ struct GradStatsFunctor {
     const bool mul = scale != nullptr;
     const float s = mul ? *scale : 1.0f;
     const bool zeros = count_zeros;
-    float sq = 0.0f;
-    float mx = 0.0f;
-    int nz = 0;
-    bool bad = false;
+    // Per thread: the math of kernels/grad_stats.h on float lanes, over the values as stored.
+    StatsLanes<float> acc = stats_init<float>();
     transform_chunk(in, out, c.n, c.aligned, c.write, [&](in_t x) -> out_t {
       float v = static_cast<float>(x);
-      if (mul) v *= s;
+      if (mul) v = scale_value(v, s);
       const out_t w = static_cast<out_t>(v);
-      // Statistics of the value as stored: an overflow in the multiply or in the cast to
-      // fp16/bf16 counts as found_inf, so gradients flagged clean are finite as written.
       const float r = static_cast<float>(w);
-      bad |= !(fabsf(r) <= FLT_MAX);
-      sq += r * r;
-      mx = max_propagate_nan(mx, fabsf(r));
-      if (zeros) nz += (r == 0.0f);
+      if (zeros) {
+        stats_add<true>(acc, r);
+      } else {
+        stats_add<false>(acc, r);
+      }
       return w;
     });
+    ChunkStats cs = chunk_stats_init();
+    const bool ok = fold_block(cs, acc.sq, acc.amax, acc.zeros, acc.nonfinite);
+    // A thread's fp32 sum of squares overflowed with every value finite: the block sums the
+    // chunk again in fp64 from the values as stored (the barrier makes the writes visible).
+    if (__syncthreads_or(ok ? 0 : 1)) {
+      cs.sumsq = 0.0;
+      for (int i = threadIdx.x; i < c.n; i += kBlockSize) {
+        add_sq_fp64(cs.sumsq, c.write ? static_cast<float>(out[i]) : static_cast<float>(in[i]));
+      }
+    }
 
+    __shared__ double shared_d[32];
     __shared__ float shared_f[32];
     __shared__ int shared_i[32];
-    const int any_bad = __syncthreads_or(bad ? 1 : 0);
-    sq = block_reduce(sq, SumOp{}, 0.0f, shared_f);
-    mx = block_reduce(mx, MaxNanOp{}, 0.0f, shared_f);
-    nz = block_reduce(nz, SumOp{}, 0, shared_i);
+    const int any_bad = __syncthreads_or(cs.found);
+    const double sq = block_reduce(cs.sumsq, SumOp{}, 0.0, shared_d);
+    const float mx = block_reduce(cs.amax, MaxNanOp{}, 0.0f, shared_f);
+    const int nz = block_reduce(static_cast<int>(cs.zeros), SumOp{}, 0, shared_i);
     if (threadIdx.x == 0) {
-      p.sumsq[c.slot] = c.masked ? sq : 0.0f;
+      p.sumsq[c.slot] = c.masked ? sq : 0.0;
       p.amax[c.slot] = c.masked ? mx : 0.0f;
       p.zeros[c.slot] = c.masked ? nz : 0;
       p.found[c.slot] = any_bad ? 1 : 0;
@@ -79,14 +88,14 @@ struct GradStatsFunctor {
 
 // One block reduces all slots in a fixed order and writes the four totals.
 __global__ void __launch_bounds__(kBlockSize)
-    grad_stats_finalize_kernel(Partials p, int64_t num_slots, float* found_inf, float* sumsq,
+    grad_stats_finalize_kernel(Partials p, int64_t num_slots, float* found_inf, double* sumsq,
                                float* amax, int64_t* zeros) {
   double sq = 0.0;
   float mx = 0.0f;
   long long nz = 0;
   int bad = 0;
   for (int64_t s = threadIdx.x; s < num_slots; s += kBlockSize) {
-    sq += static_cast<double>(p.sumsq[s]);
+    sq += p.sumsq[s];
     mx = max_propagate_nan(mx, p.amax[s]);
     nz += p.zeros[s];
     bad |= p.found[s];
@@ -100,7 +109,7 @@ __global__ void __launch_bounds__(kBlockSize)
   nz = block_reduce(nz, SumOp{}, 0LL, shared_l);
   if (threadIdx.x == 0) {
     found_inf[0] = bad ? 1.0f : 0.0f;
-    sumsq[0] = static_cast<float>(sq);
+    sumsq[0] = sq;  // fp64: no rounding through fp32 before the caller's root
     amax[0] = mx;
     zeros[0] = static_cast<int64_t>(nz);
   }
@@ -132,70 +141,26 @@ __global__ void __launch_bounds__(kBlockSize)
   const int32_t begin = lower_bound_slot(p.slot_tensor, num_slots, t);
   const int32_t end = lower_bound_slot(p.slot_tensor, num_slots, t + 1);
   double sq = 0.0;
-  for (int32_t s = begin + lane; s < end; s += 32) sq += static_cast<double>(p.sumsq_all[s]);
+  for (int32_t s = begin + lane; s < end; s += 32) sq += p.sumsq_all[s];
   sq = warp_reduce(sq, SumOp{});
   if (lane == 0) norms[t] = static_cast<float>(sqrt(sq));
 }
 
-void check_grad_list(at::TensorList ts, const char* name, const at::Device& device) {
-  for (size_t i = 0; i < ts.size(); ++i) {
-    const at::Tensor& t = ts[i];
-    TORCH_CHECK(t.defined(), "tpamp::grad_stats: ", name, "[", i, "] is undefined");
-    TORCH_CHECK(t.device() == device, "tpamp::grad_stats: ", name, "[", i, "] is on ", t.device(),
-                ", expected ", device, " (all tensors on one CUDA device)");
-    TORCH_CHECK(is_float_type(t.scalar_type()), "tpamp::grad_stats: ", name, "[", i,
-                "] has dtype ", t.scalar_type(), "; expected float32, float16 or bfloat16");
-    TORCH_CHECK(t.is_contiguous(), "tpamp::grad_stats: ", name, "[", i,
-                "] must be contiguous, got sizes ", t.sizes(), " and strides ", t.strides());
-  }
-}
-
-}  // namespace
-
-std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> grad_stats_cuda(
-    at::TensorList grads, at::TensorList out, const std::optional<at::Tensor>& scale,
-    const c10::List<bool>& mask, bool count_zeros, bool per_tensor) {
+GradStatsResult grad_stats_impl(const char* op, at::TensorList grads, at::TensorList out,
+                                bool in_place, const std::optional<at::Tensor>& scale,
+                                const c10::List<bool>& mask, bool count_zeros, bool per_tensor) {
+  const GradStatsArgs args =
+      validate_grad_stats(op, grads, out, in_place, scale, mask, at::kCUDA);
   const int64_t n = static_cast<int64_t>(grads.size());
-  const bool in_place = out.empty();
-  TORCH_CHECK(in_place || static_cast<int64_t>(out.size()) == n, "tpamp::grad_stats: out has ",
-              out.size(), " tensors, grads has ", n, " (pass an empty list to work in place)");
-  TORCH_CHECK(static_cast<int64_t>(mask.size()) == n, "tpamp::grad_stats: mask has ", mask.size(),
-              " entries, grads has ", n);
-  TORCH_CHECK(n <= INT32_MAX, "tpamp::grad_stats: too many tensors (", n, ")");
-  const bool has_scale = scale.has_value() && scale->defined();
-  TORCH_CHECK(n > 0 || has_scale,
-              "tpamp::grad_stats: grads is empty and no scale gives the device for the results");
-  const at::Device device = n > 0 ? grads[0].device() : scale->device();
-  TORCH_CHECK(device.is_cuda(), "tpamp::grad_stats: tensors must be on a CUDA device, got ",
-              device);
-  check_grad_list(grads, "grads", device);
-  if (!in_place) {
-    check_grad_list(out, "out", device);
-    for (int64_t i = 0; i < n; ++i) {
-      TORCH_CHECK(out[i].scalar_type() == at::kFloat, "tpamp::grad_stats: out[", i,
-                  "] has dtype ", out[i].scalar_type(), "; expected float32");
-      TORCH_CHECK(out[i].sizes() == grads[i].sizes(), "tpamp::grad_stats: out[", i,
-                  "] has shape ", out[i].sizes(), ", grads[", i, "] has shape ", grads[i].sizes());
-      const auto overlap = at::get_overlap_status(out[i], grads[i]);
-      TORCH_CHECK(overlap != at::MemOverlapStatus::Partial &&
-                      overlap != at::MemOverlapStatus::TooHard,
-                  "tpamp::grad_stats: out[", i, "] partly overlaps grads[", i,
-                  "]; pass the same tensor or disjoint memory");
-    }
-  }
-  if (has_scale) {
-    TORCH_CHECK(scale->device() == device, "tpamp::grad_stats: scale is on ", scale->device(),
-                ", expected ", device);
-    TORCH_CHECK(scale->scalar_type() == at::kFloat && scale->numel() == 1,
-                "tpamp::grad_stats: scale must be a 1-element float32 tensor, got ",
-                scale->scalar_type(), " of shape ", scale->sizes());
-  }
+  TORCH_CHECK(n <= INT32_MAX, op, ": too many tensors (", n, ")");
+  const at::Device device = args.device;
+  const bool has_scale = args.has_scale;
 
   c10::cuda::CUDAGuard guard(device);
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
 
-  // Slots in the caller's order; entries grouped by (grad dtype, out dtype) since each launch
-  // is compiled for one pair. Type index: 0 float32, 1 float16, 2 bfloat16.
+  // Slots in the caller's order; entries grouped by grad dtype since each launch is compiled for
+  // one (in, out) pair. Type index: 0 float32, 1 float16, 2 bfloat16.
   auto type_index = [](at::ScalarType t) { return t == at::kFloat ? 0 : (t == at::kHalf ? 1 : 2); };
   std::vector<TensorEntry<2>> groups[3];
   int64_t num_slots = 0;
@@ -213,16 +178,15 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> grad_stat
     // Nothing to store when the pass reads and writes the same memory without a multiply.
     e.flags = static_cast<uint8_t>((is_aligned16(src) && is_aligned16(dst) ? kAligned : 0) |
                                    (mask.get(i) ? kMasked : 0) |
-                                   (has_scale || src != dst ? kWrite : 0));
+                                   (has_scale || !in_place ? kWrite : 0));
     groups[type_index(g.scalar_type())].push_back(e);
     num_slots += num_chunks(numel);
-    TORCH_CHECK(num_slots <= INT32_MAX, "tpamp::grad_stats: ", num_slots,
-                " chunks exceed the int32 slot index");
+    TORCH_CHECK(num_slots <= INT32_MAX, op, ": ", num_slots, " chunks exceed the int32 slot index");
   }
 
   const auto f32 = at::TensorOptions().dtype(at::kFloat).device(device);
   at::Tensor found_inf = at::empty({1}, f32);
-  at::Tensor sumsq = at::empty({}, f32);
+  at::Tensor sumsq = at::empty({}, f32.dtype(at::kDouble));
   at::Tensor amax = at::empty({}, f32);
   at::Tensor zeros = at::empty({}, f32.dtype(at::kLong));
   at::Tensor norms = at::empty({per_tensor ? n : 0}, f32);
@@ -230,15 +194,16 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> grad_stat
   at::Tensor workspace;
   Partials p{};
   if (num_slots > 0) {
-    workspace = at::empty({kFields * num_slots}, f32.dtype(at::kInt));
-    int32_t* w = workspace.data_ptr<int32_t>();
-    p.sumsq = reinterpret_cast<float*>(w);
-    p.amax = reinterpret_cast<float*>(w + num_slots);
-    p.zeros = w + 2 * num_slots;
-    p.found = w + 3 * num_slots;
+    // 2 fp64 + 4 32-bit fields per slot.
+    workspace = at::empty({num_slots * (2 * 8 + 4 * 4)}, f32.dtype(at::kByte));
+    char* w = static_cast<char*>(workspace.data_ptr());
+    p.sumsq = reinterpret_cast<double*>(w);
+    p.amax = reinterpret_cast<float*>(w + 16 * num_slots);
+    p.zeros = reinterpret_cast<int32_t*>(w + 20 * num_slots);
+    p.found = reinterpret_cast<int32_t*>(w + 24 * num_slots);
     if (per_tensor) {
-      p.sumsq_all = reinterpret_cast<float*>(w + 4 * num_slots);
-      p.slot_tensor = w + 5 * num_slots;
+      p.sumsq_all = reinterpret_cast<double*>(w + 8 * num_slots);
+      p.slot_tensor = reinterpret_cast<int32_t*>(w + 28 * num_slots);
     }
   }
 
@@ -249,18 +214,16 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> grad_stat
     dispatch_float_type(in_type, "grads", [&](auto in_tag) {
       using in_t = decltype(in_tag);
       if (in_place) {
-        multi_tensor_apply<2>(groups[k],
-                              GradStatsFunctor<in_t, in_t>{scale_ptr, p, count_zeros});
+        multi_tensor_apply<2>(groups[k], GradStatsFunctor<in_t, in_t>{scale_ptr, p, count_zeros});
       } else {
-        multi_tensor_apply<2>(groups[k],
-                              GradStatsFunctor<in_t, float>{scale_ptr, p, count_zeros});
+        multi_tensor_apply<2>(groups[k], GradStatsFunctor<in_t, float>{scale_ptr, p, count_zeros});
       }
     });
   }
 
   grad_stats_finalize_kernel<<<1, kBlockSize, 0, stream>>>(
-      p, num_slots, found_inf.data_ptr<float>(), sumsq.data_ptr<float>(), amax.data_ptr<float>(),
-      zeros.data_ptr<int64_t>());
+      p, num_slots, found_inf.data_ptr<float>(), sumsq.data_ptr<double>(),
+      amax.data_ptr<float>(), zeros.data_ptr<int64_t>());
   C10_CUDA_KERNEL_LAUNCH_CHECK();
   if (per_tensor && n > 0) {
     constexpr int kWarps = kBlockSize / 32;
@@ -272,4 +235,20 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> grad_stat
   return {found_inf, sumsq, amax, zeros, norms};
 }
 
+}  // namespace
+
+GradStatsResult grad_stats_(at::TensorList grads, const std::optional<at::Tensor>& scale,
+                            const c10::List<bool>& mask, bool count_zeros, bool per_tensor) {
+  return grad_stats_impl("tpamp::grad_stats_", grads, {}, true, scale, mask, count_zeros,
+                         per_tensor);
+}
+
+GradStatsResult grad_stats_out(at::TensorList grads, const std::optional<at::Tensor>& scale,
+                               const c10::List<bool>& mask, bool count_zeros, bool per_tensor,
+                               at::TensorList out) {
+  return grad_stats_impl("tpamp::grad_stats_out", grads, out, false, scale, mask, count_zeros,
+                         per_tensor);
+}
+
+}  // namespace cuda
 }  // namespace tpamp

@@ -16,11 +16,17 @@
 // * 16-byte vector loads/stores are used only when every pointer of a tensor is 16-byte aligned
 //   (data_ptr includes the storage offset); other tensors take a scalar path.
 //
+// This is the CUDA launcher of "one math, two launchers" (csrc/README.md): the functors in
+// csrc/cuda/*.cu call the math of csrc/kernels/*.h on float lanes; csrc/cpu/launcher.h is the CPU
+// twin (same kChunkSize, same slot numbering).
+//
 // Header-only; each kernel file (one functor per .cu) includes it.
 
 #pragma once
 
-#include <ATen/ATen.h>
+#include "../kernels/common.h"
+
+#include <ATen/core/Tensor.h>
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
@@ -34,13 +40,10 @@
 
 namespace tpamp {
 
-constexpr int kBlockSize = 512;        // threads per block
-constexpr int64_t kChunkSize = 65536;  // elements per block (one chunk)
+constexpr int kBlockSize = 512;        // threads per block; one block per chunk (kChunkSize)
 constexpr int kUnroll = 4;             // vector loads in flight per thread
 constexpr int kMaxKernelParamBytes = 4096;  // the portable kernel-parameter limit
 static_assert(kChunkSize % (kBlockSize * 8) == 0, "a chunk must split evenly into 16-byte packs");
-
-inline int64_t num_chunks(int64_t numel) { return (numel + kChunkSize - 1) / kChunkSize; }
 
 // How many tensors one launch's table holds: the table (37 bytes a tensor at depth 2) plus the
 // functor must fit the 4 KB of kernel parameters.
@@ -220,10 +223,6 @@ __device__ __forceinline__ void transform_chunk(const in_t* in, out_t* out, int 
   }
 }
 
-__device__ __forceinline__ float max_propagate_nan(float a, float b) {
-  return (a != a) ? a : ((b != b) ? b : fmaxf(a, b));
-}
-
 struct SumOp {
   template <typename T>
   __device__ __forceinline__ T operator()(T a, T b) const { return a + b; }
@@ -276,10 +275,6 @@ void dispatch_float_type(at::ScalarType t, const char* what, F&& f) {
     default:
       TORCH_CHECK(false, what, " has dtype ", t, "; expected float32, float16 or bfloat16");
   }
-}
-
-inline bool is_float_type(at::ScalarType t) {
-  return t == at::kFloat || t == at::kHalf || t == at::kBFloat16;
 }
 
 }  // namespace tpamp
