@@ -498,7 +498,14 @@ def test_dispatch_checks_every_tensors_device():
             ops.scale_and_copy([torch.ones(3)], [meta])
 
 
-def test_optimizer_step_on_cpu_runs_the_kernels():
+@pytest.mark.parametrize(
+    "fused_step, expected",
+    [
+        (False, ("tpamp::grad_stats_out", "tpamp::scale_and_copy", "tpamp::dynamic_scaler_update_")),
+        (True, ("tpamp::grad_stats_", "tpamp::fused_sgd_step_", "tpamp::dynamic_scaler_update_")),
+    ],
+)
+def test_optimizer_step_on_cpu_runs_the_kernels(fused_step, expected):
     from torch.profiler import ProfilerActivity, profile
 
     from tpamp.grad_scaler import DynamicGradScaler
@@ -508,13 +515,14 @@ def test_optimizer_step_on_cpu_runs_the_kernels():
     model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 2)).half()
     inner = torch.optim.SGD(model.parameters(), lr=0.1)
     opt = MixedPrecisionOptimizer(inner, grad_scaler=DynamicGradScaler(initial_scale=2.0**8),
-                                  clip_grad=1.0, log_num_zeros_in_grad=True)
+                                  clip_grad=1.0, log_num_zeros_in_grad=True,
+                                  fused_step=fused_step)
     loss = model(torch.randn(4, 8).half()).float().pow(2).sum()
     (loss * 2.0**8).backward()
     with profile(activities=[ProfilerActivity.CPU]) as prof:
         opt.step()
     names = {e.name for e in prof.events()}
-    for op in ("tpamp::grad_stats_out", "tpamp::scale_and_copy", "tpamp::dynamic_scaler_update_"):
+    for op in expected:
         assert op in names, (op, sorted(n for n in names if "tpamp" in n))
 
 

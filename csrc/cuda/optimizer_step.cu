@@ -11,7 +11,7 @@
 #include "../ops.h"
 #include "multi_tensor_apply.cuh"
 
-#include <ATen/ops/_foreach_add.h>
+#include <ATen/ATen.h>
 
 #include <type_traits>
 
