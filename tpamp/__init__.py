@@ -22,6 +22,8 @@ from tpamp.grad_stats import (
 from tpamp.optimizer import FP32Optimizer, MixedPrecisionOptimizer, StepResult
 from tpamp import parallel
 from tpamp.logger import TrainingLogger
+from tpamp.spikes import GradSpikeError, SpikeDecision, SpikeDetector
+from tpamp.param_norms import ParamGradNormTracker
 from tpamp.model import (
     NaiveAMPModel,
     TF32Flags,

@@ -117,6 +117,9 @@ class MixedPrecisionOptimizer(OptimizerWrapper):
             StepResult holds device tensors (update_successful: bool 0-dim, grad_norm: float32
             0-dim, num_zeros_in_grad: int64 0-dim or None). The min-scale stall is then not
             checked in step (read ``grad_scaler._overflow_at_min_scale()`` when convenient).
+        spike_detector: a :class:`tpamp.SpikeDetector` judging each step's reduced grad norm
+            and loss after step 5 (log, skip or raise; tpamp/spikes.py); its state is saved in
+            state_dict()["spike_detector"]. Not with sync_free (it decides on the host).
 
     Raises:
         TypeError: optimizer is not a torch.optim.Optimizer, or a param has a dtype other than
@@ -137,6 +140,7 @@ class MixedPrecisionOptimizer(OptimizerWrapper):
         tensor_parallel_group=None,
         skip_nonfinite: bool = True,
         sync_free: bool = False,
+        spike_detector=None,
     ):
         if not isinstance(optimizer, torch.optim.Optimizer):
             raise TypeError(
@@ -172,6 +176,8 @@ class MixedPrecisionOptimizer(OptimizerWrapper):
                 "_step_supports_amp_scaling"
             )
         self._tp_rank = _tp_rank(tensor_parallel_group)
+        self.spike_detector = _check_spike_detector(spike_detector, self.sync_free)
+        self.param_norm_tracker = None  # set by track_param_grad_norms
 
         # (model param, main param) for each fp16/bf16 param, per group; fp32 params per group
         self._half_pairs: List[List[tuple]] = []
@@ -264,11 +270,26 @@ class MixedPrecisionOptimizer(OptimizerWrapper):
                 mains.append(local_tensor(main.data if not _is_dtensor(main) else main))
         return mains, models
 
+    def track_param_grad_norms(self, named_params):
+        """Name this rank's params for per-parameter grad norms; returns the
+        :class:`tpamp.param_norms.ParamGradNormTracker` (``.norms`` after a step with
+        ``param_grad_norms=True``). named_params: (name, model param) pairs, names unique in the
+        whole model. A collective over the grad-stats group (every rank calls it once)."""
+        from tpamp.param_norms import ParamGradNormTracker
+
+        self.param_norm_tracker = ParamGradNormTracker(self, named_params)
+        return self.param_norm_tracker
+
     @torch.no_grad()
-    def step(self, closure=None) -> StepResult:
-        """One optimizer step (class docstring); returns :class:`StepResult`."""
+    def step(self, closure=None, *, param_grad_norms: bool = False) -> StepResult:
+        """One optimizer step (class docstring); returns :class:`StepResult`.
+
+        param_grad_norms: also compute the per-parameter grad norms from the same pass (one
+        extra all-reduce; needs :meth:`track_param_grad_norms`; the same value on every rank)."""
         if closure is not None:
             raise ValueError("closure is not supported: compute the loss before step()")
+        if param_grad_norms and self.param_norm_tracker is None:
+            raise ValueError("step(param_grad_norms=True) needs track_param_grad_norms() first")
         srcs, outs, mask, all_main = self._collect_grads()
         scale = self.grad_scaler.inv_scale if self.grad_scaler is not None else None
         finite_p = self.norm_type != math.inf
@@ -280,9 +301,14 @@ class MixedPrecisionOptimizer(OptimizerWrapper):
             norm_type=self.norm_type,
             count_zeros=self.log_num_zeros_in_grad,
             scale_at_most_one=self.grad_scaler is not None and self.grad_scaler.never_below_one,
+            per_tensor_norms=param_grad_norms,
             device=self._device,
         )
         found_inf, norm_stat, num_zeros = self._reduce(stats, finite_p)
+        if param_grad_norms:
+            self.param_norm_tracker.reduce(stats.per_tensor_norms, outs, mask)
+        spikes = self.spike_detector
+        scaler_before = spikes._scaler_snapshot(self.grad_scaler) if spikes is not None else None
         at_min = None
         if self.grad_scaler is not None:
             self.grad_scaler.update(found_inf)
@@ -300,6 +326,11 @@ class MixedPrecisionOptimizer(OptimizerWrapper):
         found = host[0] > 0
         if found and at_min is not None and host[-1] > 0:
             self.grad_scaler._report_overflow_at_min_scale()
+        if spikes is not None:  # a spike skip: as an overflow skip, but the scaler is restored
+            loss = spikes.reduce_loss(self.grad_stats_group, self._device)
+            if spikes.decide(host[1], loss, overflow=found).skipped:
+                spikes._scaler_restore(self.grad_scaler, scaler_before)
+                return StepResult(False, None, None)
         if found and (self.grad_scaler is not None or self.skip_nonfinite):
             return StepResult(False, None, None)
 
@@ -407,13 +438,16 @@ class MixedPrecisionOptimizer(OptimizerWrapper):
     def state_dict(self) -> Dict:
         """{'optimizer': inner state dict, 'grad_scaler': scaler state (None without one),
         'fp32_from_fp16_params': per param group, the list of main params (tensors)}."""
-        return {
+        state = {
             "optimizer": self.optimizer.state_dict(),
             "grad_scaler": self.grad_scaler.state_dict() if self.grad_scaler is not None else None,
             "fp32_from_fp16_params": [
                 [main.detach().clone() for _, main in pairs] for pairs in self._half_pairs
             ],
         }
+        if self.spike_detector is not None:  # tpamp's own key beside Megatron's three
+            state["spike_detector"] = self.spike_detector.state_dict()
+        return state
 
     def load_state_dict(self, state_dict: Dict) -> None:
         """Restore the inner optimizer, the scaler and the main params, then copy the main
@@ -453,6 +487,8 @@ class MixedPrecisionOptimizer(OptimizerWrapper):
                 )
             else:
                 self.grad_scaler.load_state_dict(scaler_state)
+        if self.spike_detector is not None and "spike_detector" in state_dict:
+            self.spike_detector.load_state_dict(state_dict["spike_detector"])
         with torch.no_grad():
             for saved_group, pairs in zip(saved, self._half_pairs):
                 for s, (_, main) in zip(saved_group, pairs):
@@ -476,6 +512,16 @@ class FP32Optimizer(MixedPrecisionOptimizer):
                         "expected float32 (use MixedPrecisionOptimizer for fp16/bf16 params)"
                     )
         super().__init__(optimizer, **kwargs)
+
+
+def _check_spike_detector(detector, sync_free: bool):
+    from tpamp.spikes import SpikeDetector
+
+    if detector is not None and not isinstance(detector, SpikeDetector):
+        raise TypeError(f"spike_detector must be a tpamp.SpikeDetector, got {type(detector).__name__}")
+    if detector is not None and sync_free:
+        raise ValueError("spike_detector decides on the host: it cannot be used with sync_free=True")
+    return detector
 
 
 def _placed_like(grad: Tensor, param: Tensor) -> Tensor:
