@@ -31,7 +31,7 @@ import torch.distributed as dist
 
 from tpamp.grad_stats import counts_toward_norm, local_tensor
 
-__all__ = ["ParamGradNormTracker", "root_sum_square"]
+__all__ = ["ParamGradNormTracker", "root_sum_square", "top_k"]
 
 Tensor = torch.Tensor
 
@@ -43,6 +43,17 @@ def root_sum_square(norms: Iterable[float], norm_type: float = 2.0) -> float:
     if norm_type == math.inf:
         return max(norms, default=0.0)
     return math.fsum(n ** norm_type for n in norms) ** (1.0 / norm_type)
+
+
+def top_k(norms: Dict[str, float], k: Optional[int]) -> Dict[str, float]:
+    """The ``k`` largest of {name: norm} (None: all), largest first; non-finite norms (a
+    param whose gradient overflowed) come first."""
+
+    def key(kv):
+        v = kv[1]
+        return (0, 0.0) if not math.isfinite(v) else (1, -v)
+
+    return dict(sorted(norms.items(), key=key)[: len(norms) if k is None else k])
 
 
 class ParamGradNormTracker:
@@ -142,13 +153,9 @@ class ParamGradNormTracker:
         self.norms = dict(zip(self.names, vec.tolist()))
         return self.norms
 
-    def top_k(self, k: int) -> Dict[str, float]:
-        """The ``k`` largest of :attr:`norms`, largest first (nan last); {} before any."""
-        if self.norms is None:
-            return {}
-        order = sorted(self.norms.items(), key=lambda kv: (math.isnan(kv[1]), -kv[1] if not math.isnan(kv[1]) else 0))
-        return dict(order[:k])
-
+    def top_k(self, k: Optional[int]) -> Dict[str, float]:
+        """The ``k`` largest of :attr:`norms` (:func:`top_k`); {} before any step."""
+        return top_k(self.norms or {}, k)
 
 def _gather_names(local_names: List[str], group, tp_group) -> List[str]:
     """Every rank's names, deduplicated, in rank order. TP peers hold the same names (their
