@@ -62,8 +62,8 @@ class ParamGradNormTracker:
     Built by :meth:`tpamp.MixedPrecisionOptimizer.track_param_grad_norms` (a collective over
     the grad-stats group: every rank calls it, once). Attributes after a step with
     ``param_grad_norms=True``: :attr:`norms` ({name: float}, gradient units, unscaled and
-    before clipping, in model order: the group's ranks in order, each rank's params in
-    optimizer order); inf or nan for a param whose gradient overflowed on that step (which
+    before clipping, in model order: the group's ranks in order, each rank's params in the
+    order of ``named_params``); inf or nan for a param whose gradient overflowed on that step (which
     shows where an overflow came from). ``names``: every name of the whole model.
 
     Raises ValueError when a (non-shared) param of the optimizer has no name, a name is given
@@ -77,12 +77,14 @@ class ParamGradNormTracker:
         group = optimizer.grad_stats_group
         # model param -> name; the optimizer holds main params (fp32 copies) for fp16/bf16 ones
         by_id: Dict[int, str] = {}
+        position: Dict[str, int] = {}  # the caller's (module) order
         for name, p in named_params:
             if not isinstance(name, str) or not name:
                 raise ValueError(f"param names must be non-empty strings, got {name!r}")
             if id(p) in by_id and by_id[id(p)] != name:
                 raise ValueError(f"one param is named both {by_id[id(p)]!r} and {name!r}")
             by_id[id(p)] = name
+            position.setdefault(name, len(position))
         model_of = {id(main): model for pairs in optimizer._half_pairs for model, main in pairs}
         self._name_of_main: Dict[int, str] = {}
         local_names: List[str] = []
@@ -105,6 +107,7 @@ class ParamGradNormTracker:
                 f"{unnamed} param(s) of the optimizer have no name in named_params; name every "
                 "param that is not a shared tied copy (their norms must add up to the grad norm)"
             )
+        local_names.sort(key=position.__getitem__)
         self.names = _gather_names(local_names, group, optimizer.tensor_parallel_group)
         self._slot = {name: i for i, name in enumerate(self.names)}
         self.norms: Optional[Dict[str, float]] = None
