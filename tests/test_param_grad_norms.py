@@ -14,8 +14,10 @@ from dist_utils import run_workers
 from model_fixture import FULL_MODEL, full_grads, round_to, shard_params
 
 
-def _step_with_param_norms(rank, world, tp, pp, style, dtype):
-    st = initialize_model_parallel(tp, pp)
+CASES = [("megatron", torch.float16), ("dtensor", torch.float32)]
+
+
+def _step_with_param_norms(st, style, dtype):
     grads = round_to(full_grads(seed=4), dtype)
     scale = 2.0**10 if dtype == torch.float16 else 1.0
     params = shard_params(st, grads, style=style, dtype=dtype, grad_scale=scale)
@@ -31,26 +33,7 @@ def _step_with_param_norms(rank, world, tp, pp, style, dtype):
     return tracker.names, tracker.norms, result.grad_norm, st.pp_rank
 
 
-@pytest.mark.parametrize(
-    "style,dtype", [("megatron", torch.float16), ("dtensor", torch.float32)]
-)
-def test_tp2_pp2_param_norms_equal_unsharded_fp64_and_add_up_to_the_grad_norm(style, dtype):
-    grads = round_to(full_grads(seed=4), dtype)
-    ref = {name: float(g.norm()) for name, g in grads.items()}  # fp64, the full tensors
-    ref_total = math.sqrt(math.fsum(v * v for v in ref.values()))
-    first = [n for n, (_, where, _) in FULL_MODEL.items() if where == "first"]
-    last = [n for n, (_, where, _) in FULL_MODEL.items() if where == "last"]
-    for names, norms, grad_norm, pp_rank in run_workers(_step_with_param_norms, 4, 2, 2, style, dtype):
-        # every param of the whole model once, the first stage's before the last stage's
-        assert names == first + last and list(norms) == names, (pp_rank, names)
-        for name, want in ref.items():
-            assert math.isclose(norms[name], want, rel_tol=1e-6), (name, norms[name], want)
-        assert math.isclose(grad_norm, ref_total, rel_tol=1e-6)
-        assert math.isclose(root_sum_square(norms.values()), grad_norm, rel_tol=1e-6)
-
-
-def _stage_local_names(rank, world):
-    st = initialize_model_parallel(2, 2)
+def _stage_local_names(st):
     p = torch.nn.Parameter(torch.ones(2))
     opt = tpamp.FP32Optimizer(
         torch.optim.SGD([p], lr=0.1),
@@ -64,8 +47,38 @@ def _stage_local_names(rank, world):
     return None
 
 
-def test_the_same_name_on_two_pipeline_stages_is_refused_on_every_rank():
-    for msg in run_workers(_stage_local_names, 4):
+def _tp2_pp2_worker(rank, world):
+    st = initialize_model_parallel(2, 2)
+    steps = [_step_with_param_norms(st, style, dtype) for style, dtype in CASES]
+    return steps, _stage_local_names(st)
+
+
+@pytest.fixture(scope="module")
+def tp2_pp2():
+    """One 4-rank TP2 x PP2 run of every case (forking ranks is the slow part)."""
+    return run_workers(_tp2_pp2_worker, 4)
+
+
+@pytest.mark.parametrize("case", range(len(CASES)), ids=[f"{s}-{d}" for s, d in CASES])
+def test_tp2_pp2_param_norms_equal_unsharded_fp64_and_add_up_to_the_grad_norm(tp2_pp2, case):
+    style, dtype = CASES[case]
+    grads = round_to(full_grads(seed=4), dtype)
+    ref = {name: float(g.norm()) for name, g in grads.items()}  # fp64, the full tensors
+    ref_total = math.sqrt(math.fsum(v * v for v in ref.values()))
+    first = [n for n, (_, where, _) in FULL_MODEL.items() if where == "first"]
+    last = [n for n, (_, where, _) in FULL_MODEL.items() if where == "last"]
+    for steps, _ in tp2_pp2:
+        names, norms, grad_norm, pp_rank = steps[case]
+        # every param of the whole model once, the first stage's before the last stage's
+        assert names == first + last and list(norms) == names, (pp_rank, names)
+        for name, want in ref.items():
+            assert math.isclose(norms[name], want, rel_tol=1e-6), (name, norms[name], want)
+        assert math.isclose(grad_norm, ref_total, rel_tol=1e-6)
+        assert math.isclose(root_sum_square(norms.values()), grad_norm, rel_tol=1e-6)
+
+
+def test_the_same_name_on_two_pipeline_stages_is_refused_on_every_rank(tp2_pp2):
+    for _, msg in tp2_pp2:
         assert msg is not None and "'layers.0.weight' comes from two TP groups" in msg, msg
 
 

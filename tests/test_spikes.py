@@ -91,11 +91,10 @@ def _grads_for_step(k: int, spike_steps, factor: float = 100.0) -> float:
     return (1.0 + 0.05 * ((k * 7) % 5)) * (factor if k in spike_steps else 1.0)
 
 
-def _train(rank, world, steps, grad_spikes, loss_spikes, policy):
+def _train(st, steps, grad_spikes, loss_spikes, policy):
     """TP2 x PP2 fixture model in fp16: the grads of step k are the fixture's times
     _grads_for_step(k); the last stage reports a loss of 2.0 + 0.01 k (times 50 on
     loss_spikes). Returns, per step, what every rank must agree on."""
-    st = initialize_model_parallel(2, 2)
     base = round_to(full_grads(seed=5), torch.float16)
     params = shard_params(st, base, style="megatron", dtype=torch.float16)
     refs = {name: p.grad.detach().float().clone() for name, p in params.items()}
@@ -130,9 +129,25 @@ def _train(rank, world, steps, grad_spikes, loss_spikes, policy):
     return out, detector.spike_skips
 
 
-def test_injected_spikes_are_skipped_on_all_four_ranks_and_leave_everything_unchanged():
-    steps, grad_spike, loss_spike = 10, 6, 8
-    results = run_workers(_train, 4, steps, (grad_spike,), (loss_spike,), "skip", timeout=60)
+GRAD_SPIKE, LOSS_SPIKE = 6, 8
+
+
+def _runs(rank, world):
+    st = initialize_model_parallel(2, 2)
+    injected = _train(st, 10, (GRAD_SPIKE,), (LOSS_SPIKE,), "skip")
+    normal = _train(st, 12, (), (), "skip")
+    return injected, normal
+
+
+@pytest.fixture(scope="module")
+def four_rank_runs():
+    """Per rank: (injected run, normal run) on TP2 x PP2, forked once for both."""
+    return run_workers(_runs, 4, timeout=60)
+
+
+def test_injected_spikes_are_skipped_on_all_four_ranks_and_leave_everything_unchanged(four_rank_runs):
+    grad_spike, loss_spike = GRAD_SPIKE, LOSS_SPIKE
+    results = [injected for injected, _ in four_rank_runs]
     first, skips = results[0]
     assert all(r == results[0] for r in results), "the ranks decided differently"
     assert skips == 2
@@ -149,9 +164,8 @@ def test_injected_spikes_are_skipped_on_all_four_ranks_and_leave_everything_unch
             assert rec["scale_after"] == 2 * rec["scale_before"], (k, rec)
 
 
-def test_a_normal_run_is_not_touched():
-    results = run_workers(_train, 4, 12, (), (), "skip", timeout=60)
-    for out, skips in results:
+def test_a_normal_run_is_not_touched(four_rank_runs):
+    for _, (out, skips) in four_rank_runs:
         assert skips == 0
         assert all(rec["ok"] and not rec["spike"] for rec in out)
 

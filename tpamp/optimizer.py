@@ -93,6 +93,8 @@ class MixedPrecisionOptimizer(OptimizerWrapper):
     4. ``grad_scaler.update(found_inf)`` on the device;
     5. if found_inf: skip (no inner step, params unchanged), return (False, None, None). Without
        a scaler (bf16/fp32) non-finite steps are skipped too, unless skip_nonfinite=False;
+       with a ``spike_detector`` whose policy is "skip", a spike is skipped the same way and
+       the scaler is put back as it was before step 4 (tpamp/spikes.py);
     6. grad_norm over the filtered grads (tpamp.grad_stats); clip when clip_grad > 0;
     7. num_zeros if log_num_zeros_in_grad;
     8. inner optimizer step; main params are cast-copied to the model params;
@@ -476,6 +478,8 @@ class MixedPrecisionOptimizer(OptimizerWrapper):
                         f"param group {gi}, main param {i}: saved shape {tuple(s.shape)} != "
                         f"{tuple(main.shape)}"
                     )
+        if self.spike_detector is not None and "spike_detector" in state_dict:
+            self.spike_detector.load_state_dict(state_dict["spike_detector"])  # checks first
         self.optimizer.load_state_dict(state_dict["optimizer"])
         scaler_state = state_dict.get("grad_scaler")
         if self.grad_scaler is not None:
@@ -487,8 +491,6 @@ class MixedPrecisionOptimizer(OptimizerWrapper):
                 )
             else:
                 self.grad_scaler.load_state_dict(scaler_state)
-        if self.spike_detector is not None and "spike_detector" in state_dict:
-            self.spike_detector.load_state_dict(state_dict["spike_detector"])
         with torch.no_grad():
             for saved_group, pairs in zip(saved, self._half_pairs):
                 for s, (_, main) in zip(saved_group, pairs):
