@@ -5,6 +5,7 @@ import io
 import json
 import math
 import os
+import sys
 
 import pytest
 
@@ -65,6 +66,22 @@ def test_spike_skips_are_counted_apart_from_overflow_skips(tmp_path):
     assert "number of spike skips:   0 |" in lines[1]
     s = log.summary()
     assert (s["skipped_iterations"], s["overflow_skips"], s["spike_skips"], s["spikes"]) == (2, 1, 1, 2)
+
+
+def test_gpt_stage_names_use_the_global_layer_index_under_any_pipeline_split():
+    sys.path.insert(0, os.path.join(ROOT, "scripts"))
+    import gpt_model
+
+    cfg = gpt_model.GPTConfig(seq_length=8, hidden_size=16, num_layers=4, num_attention_heads=2)
+    whole = [n for n, _ in gpt_model.GPTStage(cfg, 1, 0).global_named_parameters()]
+    stages = [
+        [n for n, p in gpt_model.GPTStage(cfg, 2, r).global_named_parameters()
+         if not getattr(p, "shared", False)]
+        for r in range(2)
+    ]
+    assert not set(stages[0]) & set(stages[1])
+    assert stages[0] + stages[1] == whole  # the same names, in the same order
+    assert "blocks.3.mlp.fc2.weight" in stages[1] and "blocks.2.ln_1.bias" in stages[1]
 
 
 # ----------------------------------------------------------------------------- the main job
