@@ -146,6 +146,8 @@ def plot_log(records: Sequence[Dict], path: str, *, max_params: int = 24, title:
             np.ma.masked_invalid(grid), aspect="auto", interpolation="nearest", cmap="viridis",
             extent=(xs[0] - step / 2, xs[-1] + step / 2, len(rows) - 0.5, -0.5),
         )
+        # imshow pins the shared x limits to the image: widen them to every iteration
+        ax_heat.set_xlim(min(np.nanmin(it), xs[0] - step / 2), max(np.nanmax(it), xs[-1] + step / 2))
         ax_heat.set_yticks(range(len(rows)))
         ax_heat.set_yticklabels(rows, fontsize=6)
         total = len({n for r in logged for n in r["param_grad_norms"]})
