@@ -156,3 +156,18 @@ def test_plot_refuses_a_log_that_is_not_json(tmp_path, capsys):
     bad.write_text('{"iteration": 1}\nnot json\n')
     assert plot_main([str(bad)]) == 2
     assert "log.jsonl:2: not a JSON record" in capsys.readouterr().err
+
+
+def test_tensorboard_gets_the_top_k_param_norms(tmp_path):
+    pytest.importorskip("tensorboard")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    log = tpamp.TrainingLogger(2, tensorboard_dir=str(tmp_path / "tb"), param_grad_norms_top_k=2,
+                               stream=io.StringIO())
+    log.record(1, 2.0, 1e-3, 8.0, tpamp.StepResult(True, 2.3, None), param_grad_norms=NORMS)
+    log.close()
+    acc = EventAccumulator(str(tmp_path / "tb"))
+    acc.Reload()
+    tags = {t for t in acc.Tags()["scalars"] if t.startswith("grad-norm/")}
+    assert tags == {"grad-norm/blocks.0.attn.qkv.weight", "grad-norm/blocks.1.mlp.fc1.bias"}
+    assert acc.Scalars("grad-norm/blocks.0.attn.qkv.weight")[0].value == 2.0

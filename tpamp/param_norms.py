@@ -29,7 +29,7 @@ from typing import Dict, Iterable, List, Optional, Sequence, Tuple
 import torch
 import torch.distributed as dist
 
-from tpamp.grad_stats import counts_toward_norm, local_tensor
+from tpamp.grad_stats import local_tensor
 
 __all__ = ["ParamGradNormTracker", "root_sum_square", "top_k"]
 
