@@ -733,9 +733,10 @@ def load_checkpoint(
         hooks.load_sharded_state_dict(state, model_params)
         if scaler is not None:
             scaler.load_state_dict({k: got[_SCALER + k] for k in scaler.state_dict()})
+    # objects were saved as 1-tuples; tensors as they are
     return {
-        k: got[_EXTRA + k] if isinstance(tmpl, Tensor) else got[_EXTRA + k][0]
-        for k, tmpl in (extra or {}).items()
+        k: got[_EXTRA + k][0] if isinstance(got[_EXTRA + k], tuple) else got[_EXTRA + k]
+        for k in (extra or {})
     }
 
 
