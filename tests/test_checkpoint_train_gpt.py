@@ -19,6 +19,7 @@ import time
 import traceback
 
 import pytest
+import torch._dynamo  # noqa: F401 -- DTensor imports it lazily: once here, not in every rank
 import torch.multiprocessing as mp
 
 from tests.dist_utils import free_port

@@ -177,11 +177,13 @@ def global_view(t: Tensor, tensor_parallel_group=None, *, name: str = "tensor"):
         return t.detach() if _is_dtensor(t) else t
     if not isinstance(t, Tensor):
         raise TypeError(f"{name}: expected a tensor, got {type(t).__name__}")
-    t = t.detach()
-    if not getattr(t, "tensor_model_parallel", False):
-        return t
+    # the Megatron attributes live on the Python object: read them before detaching
+    is_tp = getattr(t, "tensor_model_parallel", False)
     stride = getattr(t, "partition_stride", 1)
     dim = getattr(t, "partition_dim", None)
+    t = t.detach()
+    if not is_tp:
+        return t
     if stride != 1:
         raise ValueError(
             f"{name}: Megatron TP param with partition_stride={stride}; only 1 (one contiguous "
