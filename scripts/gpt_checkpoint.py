@@ -17,6 +17,8 @@ generators), so the torch RNG state is the same on every rank and is saved once.
 
 from __future__ import annotations
 
+import os
+
 import torch
 import torch.distributed as dist
 
@@ -98,22 +100,24 @@ def load_training_state(args, stage, optimizer, st, train_gen, logger, global_ba
         say(f" no checkpoint in {args.load} (no {ckpt._TRACKER}): training from scratch", flush=True)
         return 0
     path = ckpt.iteration_dir(args.load, it)
-    if args.ckpt_step is not None and not ckpt.os.path.isdir(path):
+    if args.ckpt_step is not None and not os.path.isdir(path):
         raise ValueError(f"--ckpt-step {it}: there is no {path}")
     if it >= args.train_iters:
         raise ValueError(
             f"the checkpoint is at iteration {it}, not before --train-iters {args.train_iters}: "
             "nothing to train"
         )
+    # the trainer's own check first, before anything is loaded
+    saved_batch = ckpt.load_checkpoint(path, {}, extra={"global_batch_size": None}, strict=False)
+    if saved_batch["global_batch_size"] != global_batch:
+        raise ValueError(
+            f"{path} was written with global batch size {saved_batch['global_batch_size']}, "
+            f"this run has {global_batch}: the data position would not match (pass "
+            f"--global-batch-size {saved_batch['global_batch_size']})"
+        )
     extra = ckpt.load_checkpoint(
         path, stage.global_named_parameters(), optimizer, extra={k: None for k in _EXTRA_KEYS}
     )
-    if extra["global_batch_size"] != global_batch:
-        raise ValueError(
-            f"{path} was written with global batch size {extra['global_batch_size']}, this run "
-            f"has {global_batch}: the data position would not match (pass --global-batch-size "
-            f"{extra['global_batch_size']})"
-        )
     if extra["iteration"] != it:
         raise ValueError(f"{path} holds iteration {extra['iteration']}, expected {it}")
     train_gen.set_state(extra["train_generator"])

@@ -273,6 +273,11 @@ def _four_rank_worker(rank, world, path):
     ]
     flat_st = sharded_tensor_from_chunks(pieces, (5, 3))
     save_checkpoint(path, params, opt, extra={"iteration": 2, "flat": flat_st})
+    # the same ranges read back on 4 ranks, into a new sharded tensor laid out like flat_st
+    back = load_checkpoint(path, params, opt, extra={"flat": flat_st})["flat"]
+    assert [s.metadata for s in back.local_shards()] == [s.metadata for s in flat_st.local_shards()]
+    assert all(torch.equal(a.tensor, b.tensor) for a, b in zip(back.local_shards(), flat_st.local_shards()))
+    assert back.local_shards()[0].tensor.data_ptr() != flat_st.local_shards()[0].tensor.data_ptr()
 
     def full_of(t, name):
         if hasattr(t, "full_tensor"):
