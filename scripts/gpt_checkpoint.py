@@ -24,6 +24,8 @@ import torch.distributed as dist
 
 from tpamp import checkpoint as ckpt
 
+# the logger's running counters (spike counts where the logger keeps them)
+_COUNTERS = ("skipped_iters", "nan_iters", "loss_scale_changes", "spike_skips", "spikes", "_last_scale")
 _EXTRA_KEYS = (
     "iteration", "global_batch_size", "train_generator", "torch_rng_state", "logger", "layout",
 )
@@ -61,12 +63,7 @@ def save_training_state(args, it, stage, optimizer, st, train_gen, logger, globa
     """Write iteration ``it``'s checkpoint (collective); returns its directory."""
     counters = [None]
     if dist.get_rank() == _logging_rank(st):  # the logger counts on the logging rank only
-        counters[0] = {
-            "skipped_iters": logger.skipped_iters,
-            "nan_iters": logger.nan_iters,
-            "loss_scale_changes": logger.loss_scale_changes,
-            "last_loss_scale": logger._last_scale,
-        }
+        counters[0] = {k: getattr(logger, k) for k in _COUNTERS if hasattr(logger, k)}
     dist.broadcast_object_list(counters, src=_logging_rank(st))
     path = ckpt.iteration_dir(args.save, it)
     ckpt.save_checkpoint(
@@ -123,10 +120,9 @@ def load_training_state(args, stage, optimizer, st, train_gen, logger, global_ba
     train_gen.set_state(extra["train_generator"])
     torch.set_rng_state(extra["torch_rng_state"])
     counters = extra["logger"]
-    logger.skipped_iters = counters["skipped_iters"]
-    logger.nan_iters = counters["nan_iters"]
-    logger.loss_scale_changes = counters["loss_scale_changes"]
-    logger._last_scale = counters["last_loss_scale"]
+    for k, v in counters.items():
+        if hasattr(logger, k):
+            setattr(logger, k, v)
     saved = extra["layout"]
     say(
         f" loaded checkpoint {path} (iteration {it}, written on TP {saved['tp']} x PP "

@@ -24,6 +24,8 @@ What a checkpoint holds (flat DCP keys; ``{name}`` is a global parameter name):
 ``optimizer.param_groups``         the hyperparameters of each param group (no ``params``)
 ``optimizer.grad_scaler.{key}``    the loss scaler's state_dict: scale (float32 [1]) and the
                                    growth/hysteresis trackers
+``optimizer.spike_detector``       the optimizer's ``spike_detector`` state_dict (windows and
+                                   spike counters), when it has one
 ``extra.{key}``                    the caller's values: iteration, data position, RNG state,
                                    skip counters ... (tensors, or objects stored as a 1-tuple
                                    ``(value,)``; the same on every rank, or keyed per rank)
@@ -114,6 +116,7 @@ _MAIN = "optimizer.main_params."
 _STATE = "optimizer.state."
 _GROUPS = "optimizer.param_groups"
 _SCALER = "optimizer.grad_scaler."
+_SPIKES = "optimizer.spike_detector"
 _EXTRA = "extra."
 _MAX_LISTED = 8  # faults named in one CheckpointError
 
@@ -501,6 +504,9 @@ def save_checkpoint(
         if scaler is not None:
             for k, v in scaler.state_dict().items():
                 sd[_SCALER + k] = v
+        detector = getattr(optimizer, "spike_detector", None)
+        if detector is not None:  # the same on every rank: it judges all-reduced numbers
+            sd[_SPIKES] = (detector.state_dict(),)
     for k, v in (extra or {}).items():
         # a non-tensor is wrapped in a 1-tuple, which DCP keeps whole (it would split a dict)
         sd[_EXTRA + k] = v if isinstance(v, Tensor) else (v,)
@@ -667,7 +673,7 @@ def load_checkpoint(
     views = {n: global_view(p, tp_group, name=n) for n, p in model_params.items()}
     for n, v in views.items():
         plan.tensor(_MODEL + n, v)
-    hooks = osd = scaler = None
+    hooks = osd = scaler = detector = None
     if optimizer is not None:
         hooks = _optimizer_hooks(optimizer, tp_group)
         osd = hooks.sharded_state_dict(model_params)
@@ -687,6 +693,17 @@ def load_checkpoint(
                 )
             for k in sorted(want & saved_keys):
                 plan.saved(_SCALER + k)
+        detector = getattr(optimizer, "spike_detector", None)
+        if detector is not None:
+            if _SPIKES in plan.md:
+                plan.saved(_SPIKES)
+            else:
+                warnings.warn(
+                    f"{checkpoint_dir!r} has no spike detector state; the detector starts afresh",
+                    RuntimeWarning,
+                    stacklevel=2,
+                )
+                detector = None
     for k, tmpl in (extra or {}).items():
         if isinstance(tmpl, Tensor):
             plan.tensor(_EXTRA + k, global_view(tmpl, tp_group, name=k))
@@ -715,7 +732,7 @@ def load_checkpoint(
         problems.append(f"reading failed: {type(e).__name__}: {e}")
     got = plan.targets
     if not problems:
-        problems = _check_loaded(got, views, osd, scaler, plan)
+        problems = _check_loaded(got, views, osd, scaler, detector)
     _agree(problems, process_group, f"refusing to load {checkpoint_dir!r}")
 
     # commit
@@ -735,6 +752,8 @@ def load_checkpoint(
         hooks.load_sharded_state_dict(state, model_params)
         if scaler is not None:
             scaler.load_state_dict({k: got[_SCALER + k] for k in scaler.state_dict()})
+        if detector is not None:
+            detector.load_state_dict(got[_SPIKES][0])
     # objects were saved as 1-tuples; tensors as they are
     return {
         k: got[_EXTRA + k][0] if isinstance(got[_EXTRA + k], tuple) else got[_EXTRA + k]
@@ -742,7 +761,7 @@ def load_checkpoint(
     }
 
 
-def _check_loaded(got, views, osd, scaler, plan) -> List[str]:
+def _check_loaded(got, views, osd, scaler, detector) -> List[str]:
     """Faults in the values read (nothing live has been touched yet)."""
     problems = []
     for n in views:
@@ -764,6 +783,11 @@ def _check_loaded(got, views, osd, scaler, plan) -> List[str]:
             trial.load_state_dict({k: got[_SCALER + k] for k in scaler.state_dict()})
         except Exception as e:  # noqa: BLE001 -- the scaler's own validation, reported
             problems.append(f"the loss scaler refuses the saved state: {type(e).__name__}: {e}")
+    if detector is not None:
+        try:
+            copy.deepcopy(detector).load_state_dict(got[_SPIKES][0])
+        except Exception as e:  # noqa: BLE001 -- the detector's own validation, reported
+            problems.append(f"the spike detector refuses the saved state: {type(e).__name__}: {e}")
     return problems
 
 
