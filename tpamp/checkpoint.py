@@ -18,7 +18,9 @@ What a checkpoint holds (flat DCP keys; ``{name}`` is a global parameter name):
 
 =================================  ==========================================================
 ``model.{name}``                   the model param (fp16/bf16/fp32) in its global shape
-``optimizer.main_params.{name}``   the fp32 main param of an fp16/bf16 param
+``optimizer.main_params.{name}``   the fp32 main param of every param the optimizer updates
+                                   (an fp16/bf16 param's fp32 copy, an fp32 param itself), so
+                                   the masters do not depend on the run's precision
 ``optimizer.state.{name}.{key}``   the inner optimizer's state of that param (AdamW: exp_avg,
                                    exp_avg_sq in the param's global shape; step, 0-dim)
 ``optimizer.param_groups``         the hyperparameters of each param group (no ``params``)
@@ -78,8 +80,10 @@ other optimizer plugs in by exposing two methods; this module then does everythi
         (a name with no entry had no state when saved). Copy into the live buffers; every
         shape and key has already been checked, and the values are finite.'''
 
-The loss scaler is taken from ``optimizer.grad_scaler`` (None: none) and saved and loaded
-here; the model params are saved and loaded here from ``model_params``.
+The loss scaler (``optimizer.grad_scaler``, None: none) and a spike detector
+(``optimizer.spike_detector``, if any) are saved and loaded here, and so are the model params
+from ``model_params`` (copied in before ``load_sharded_state_dict`` is called). Param-group
+hyperparameters are restored by group index; the group counts must match.
 
 Megatron-LM's iteration directories (``iter_0000100``) and ``latest_checkpointed_iteration.txt``
 tracker: :func:`iteration_dir`, :func:`read_latest_iteration`, :func:`write_latest_iteration`.
