@@ -127,9 +127,11 @@ def test_resume_on_another_layout_continues(saved_run, tmp_path, layout, world):
     assert [r["iteration"] for r in got] == list(range(K + 1, ITERS + 1))
     # the scaler state came back: the same scale, growing at the same iterations
     assert [r["loss_scale"] for r in got] == [r["loss_scale"] for r in ref[K:]]
-    fresh_loss = ref[0]["loss"]  # what a model that lost its weights would give
+    fp16_eps = 2.0**-10
     for a, b in zip(ref[K:], got):
         assert not b["skipped"] and math.isfinite(b["loss"]) and math.isfinite(b["grad_norm"])
-        assert b["loss"] == pytest.approx(a["loss"], rel=2e-3), (a, b)
-        assert b["grad_norm"] == pytest.approx(a["grad_norm"], rel=2e-2), (a, b)
-    assert abs(got[0]["loss"] - fresh_loss) > 50 * 2e-3 * fresh_loss, "the weights were not loaded"
+        assert b["loss"] == pytest.approx(a["loss"], rel=fp16_eps), (a, b)
+        assert b["grad_norm"] == pytest.approx(a["grad_norm"], rel=fp16_eps), (a, b)
+    # the tolerance is far below what training moved: an untrained model's loss is not in it
+    fresh_loss = ref[0]["loss"]
+    assert abs(got[0]["loss"] - fresh_loss) > 100 * fp16_eps * fresh_loss, "weights not loaded?"
