@@ -28,6 +28,7 @@ from tpamp import checkpoint as ckpt
 _COUNTERS = ("skipped_iters", "nan_iters", "loss_scale_changes", "spike_skips", "spikes", "_last_scale")
 _EXTRA_KEYS = (
     "iteration", "global_batch_size", "train_generator", "torch_rng_state", "logger", "layout",
+    "lr_scheduler",
 )
 
 
@@ -59,8 +60,12 @@ def _logging_rank(st) -> int:
     return st.dims.rank_of(st.dims.pp - 1, 0, 0)
 
 
-def save_training_state(args, it, stage, optimizer, st, train_gen, logger, global_batch, say) -> str:
-    """Write iteration ``it``'s checkpoint (collective); returns its directory."""
+def save_training_state(
+    args, it, stage, optimizer, st, train_gen, logger, global_batch, say, scheduler=None
+) -> str:
+    """Write iteration ``it``'s checkpoint (collective); returns its directory. ``scheduler``:
+    an LR scheduler whose state_dict is saved too (one that advances on successful steps only
+    is not a function of the iteration)."""
     counters = [None]
     if dist.get_rank() == _logging_rank(st):  # the logger counts on the logging rank only
         counters[0] = {k: getattr(logger, k) for k in _COUNTERS if hasattr(logger, k)}
@@ -77,6 +82,7 @@ def save_training_state(args, it, stage, optimizer, st, train_gen, logger, globa
             "torch_rng_state": torch.get_rng_state(),
             "logger": counters[0],
             "layout": {"tp": st.dims.tp, "pp": st.dims.pp, "dp": st.dims.dp},
+            "lr_scheduler": scheduler.state_dict() if scheduler is not None else None,
         },
     )
     if dist.get_rank() == 0:  # every rank's files and .metadata are written when save returns
@@ -85,7 +91,9 @@ def save_training_state(args, it, stage, optimizer, st, train_gen, logger, globa
     return path
 
 
-def load_training_state(args, stage, optimizer, st, train_gen, logger, global_batch, say) -> int:
+def load_training_state(
+    args, stage, optimizer, st, train_gen, logger, global_batch, say, scheduler=None
+) -> int:
     """Resume from ``--load`` (``--ckpt-step`` or the latest); returns the iteration to
     continue after (0: no checkpoint there yet, train from scratch, as Megatron-LM does).
 
@@ -119,6 +127,11 @@ def load_training_state(args, stage, optimizer, st, train_gen, logger, global_ba
         raise ValueError(f"{path} holds iteration {extra['iteration']}, expected {it}")
     train_gen.set_state(extra["train_generator"])
     torch.set_rng_state(extra["torch_rng_state"])
+    if scheduler is not None:
+        if extra["lr_scheduler"] is None:
+            say(" the checkpoint has no LR scheduler state: the schedule starts afresh", flush=True)
+        else:
+            scheduler.load_state_dict(extra["lr_scheduler"])
     counters = extra["logger"]
     for k, v in counters.items():
         if hasattr(logger, k):

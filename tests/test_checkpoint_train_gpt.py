@@ -102,6 +102,20 @@ def test_checkpoint_directories_follow_megatron(saved_run):
         assert (ckpt_dir / f"iter_{it:07d}" / ".metadata").is_file()
 
 
+def test_the_pp_stages_save_the_names_of_the_unsplit_model(saved_run):
+    """Block 1 lives on PP stage 1 and the tied head copy on the last stage; the checkpoint
+    names them as the one-stage model does (no head copy: it is wte.weight)."""
+    import gpt_model
+    import torch.distributed.checkpoint as dcp
+
+    ckpt_dir, _ = saved_run
+    keys = dcp.FileSystemReader(str(ckpt_dir / f"iter_{K:07d}")).read_metadata().state_dict_metadata
+    cfg = gpt_model.GPTConfig(seq_length=16, hidden_size=32, num_layers=2, num_attention_heads=4)
+    whole = {n for n, _ in gpt_model.GPTStage(cfg).named_parameters()}
+    assert {k[len("model."):] for k in keys if k.startswith("model.")} == whole
+    assert {k[len("optimizer.main_params."):] for k in keys if k.startswith("optimizer.main_params.")} == whole
+
+
 def test_resume_on_the_same_layout_is_bit_identical(saved_run, tmp_path):
     ckpt_dir, ref = saved_run
     got = train(tmp_path, "--load", str(ckpt_dir), "--ckpt-step", str(K))
