@@ -197,7 +197,9 @@ def global_view(t: Tensor, tensor_parallel_group=None, *, name: str = "tensor"):
             "shard per TP rank) can be saved by global name"
         )
     if not isinstance(dim, int) or not 0 <= dim < t.dim():
-        raise ValueError(f"{name}: Megatron TP param with partition_dim={dim!r} for shape {tuple(t.shape)}")
+        raise ValueError(
+            f"{name}: Megatron TP param with partition_dim={dim!r} for shape {tuple(t.shape)}"
+        )
     if tensor_parallel_group is None:
         if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
             raise ValueError(
@@ -264,7 +266,9 @@ def flat_range_chunks(shape: Sequence[int], start: int, end: int) -> List[Tuple[
     shape = tuple(int(s) for s in shape)
     numel = math.prod(shape)
     if not (isinstance(start, int) and isinstance(end, int) and 0 <= start <= end <= numel):
-        raise ValueError(f"flat range [{start}, {end}) is not inside a tensor of {numel} elements {shape}")
+        raise ValueError(
+            f"flat range [{start}, {end}) is not inside a tensor of {numel} elements {shape}"
+        )
     return _boxes(shape, start, end)
 
 
@@ -292,7 +296,11 @@ def _boxes(shape, start, end):
     return out + tail
 
 
-def sharded_tensor_from_chunks(pieces: Sequence[Tuple[Tensor, Sequence[int]]], global_shape: Sequence[int], process_group=None):
+def sharded_tensor_from_chunks(
+    pieces: Sequence[Tuple[Tensor, Sequence[int]]],
+    global_shape: Sequence[int],
+    process_group=None,
+):
     """A ShardedTensor of global shape ``global_shape`` whose local shards are ``pieces``:
     (tensor, offsets) pairs, each tensor a box of the global tensor at ``offsets`` (views into
     a flat buffer keep sharing its storage). Collective: every rank of ``process_group``
@@ -305,7 +313,8 @@ def sharded_tensor_from_chunks(pieces: Sequence[Tuple[Tensor, Sequence[int]]], g
 
     rank = dist.get_rank()  # placements name global ranks
     shards = [
-        Shard(t, ShardMetadata(list(off), list(t.shape), f"rank:{rank}/{t.device}")) for t, off in pieces
+        Shard(t, ShardMetadata(list(off), list(t.shape), f"rank:{rank}/{t.device}"))
+        for t, off in pieces
     ]
     return init_from_local_shards(shards, *global_shape, process_group=process_group)
 
@@ -346,7 +355,9 @@ class _MixedPrecisionHooks:
             st = self.opt.optimizer.state.get(main)
             if st:
                 state[name] = {k: self._state_view(v, main, view) for k, v in st.items()}
-        groups = [{k: v for k, v in g.items() if k != "params"} for g in self.opt.optimizer.param_groups]
+        groups = [
+            {k: v for k, v in g.items() if k != "params"} for g in self.opt.optimizer.param_groups
+        ]
         return {"main_params": mains, "state": state, "param_groups": groups}
 
     @staticmethod
@@ -602,10 +613,12 @@ class _Plan:
             return
         want = _global_shape(view)
         if tuple(e.size) != want:
-            self.problems.append(f"{key!r} has shape {tuple(e.size)} in the checkpoint, expected {want}")
+            self.problems.append(
+                f"{key!r} has shape {tuple(e.size)} in the checkpoint, expected {want}"
+            )
             return
         if not _covered(e):
-            self.problems.append(f"{key!r}: the checkpoint's chunks do not cover the tensor (incomplete)")
+            self.problems.append(f"{key!r}: the saved chunks do not cover the tensor (incomplete)")
             return
         self.targets[key] = _empty_like(view, dtype)
 
@@ -618,7 +631,7 @@ class _Plan:
         if isinstance(e, self.bytes_cls):
             self.targets[key] = None  # DCP puts the loaded object here
         elif not _covered(e):
-            self.problems.append(f"{key!r}: the checkpoint's chunks do not cover the tensor (incomplete)")
+            self.problems.append(f"{key!r}: the saved chunks do not cover the tensor (incomplete)")
         elif like is not None and tuple(e.size) == _global_shape(like):
             self.targets[key] = _empty_like(like, e.properties.dtype)
         else:
@@ -626,7 +639,8 @@ class _Plan:
 
     def under(self, prefix: str) -> List[str]:
         """Suffixes of the checkpoint's keys ``prefix + suffix`` that hold no further dot."""
-        return sorted(k[len(prefix):] for k in self.md if k.startswith(prefix) and "." not in k[len(prefix):])
+        n = len(prefix)
+        return sorted(k[n:] for k in self.md if k.startswith(prefix) and "." not in k[n:])
 
 
 def _nonfinite(view) -> bool:
