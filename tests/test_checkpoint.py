@@ -51,7 +51,7 @@ def _optimizer(params, scaler=None):
 def _step(params, opt, seed):
     g = torch.Generator().manual_seed(1000 + seed)
     for p in params.values():
-        p.grad = (torch.randn(p.shape, generator=g) * float(opt.get_loss_scale())).half()
+        p.grad = (torch.randn(p.shape, generator=g) * float(opt.get_loss_scale())).to(p.dtype)
     result = opt.step()
     opt.zero_grad()
     return result
@@ -106,6 +106,25 @@ def test_resume_in_one_process_is_bit_identical(saved):
     results = [_step(params, opt, s) for s in range(3, 6)]
     assert results == want_results
     _assert_same(_snapshot(params, opt), want)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_resume_without_a_loss_scaler_is_bit_identical(tmp_path, dtype):
+    """fp32 (FP32Optimizer: the params are their own masters) and bf16 (no scaler)."""
+    wrap = tpamp.FP32Optimizer if dtype == torch.float32 else tpamp.MixedPrecisionOptimizer
+
+    def build(seed):
+        params = {n: torch.nn.Parameter(p.detach().to(dtype)) for n, p in _model(seed).items()}
+        return params, wrap(torch.optim.AdamW(list(params.values()), lr=1e-2))
+
+    params, opt = build(0)
+    _step(params, opt, 0)
+    save_checkpoint(str(tmp_path), params, opt)
+    want = [_step(params, opt, s) for s in (1, 2)]
+    params2, opt2 = build(7)
+    load_checkpoint(str(tmp_path), params2, opt2)
+    assert [_step(params2, opt2, s) for s in (1, 2)] == want
+    assert all(torch.equal(params[n], params2[n]) for n in params)
 
 
 def _fault_cases():
