@@ -3,13 +3,15 @@
 Megatron-LM's flags and layout: ``--save DIR`` writes ``DIR/iter_0000100/`` every
 ``--save-interval`` iterations and at the end, then records the iteration in
 ``DIR/latest_checkpointed_iteration.txt``; ``--load DIR`` resumes from the latest (or
-``--ckpt-step N``). A checkpoint holds, by global names (``GPTStage.global_named_parameters``):
-the model params, the fp32 main params, AdamW's state and param groups, the loss scaler (scale
-and trackers), and the training position: the iteration, the data generator's state (every rank
-draws the same global batches from it), the torch RNG state, and the logger's counters
-(skipped and nan iterations, loss-scale changes). So a resumed run continues exactly where the
-saved one stopped; on another TP x PP x DP layout too, as long as the global batch size is the
-same (pass ``--global-batch-size``).
+``--ckpt-step N``). A checkpoint holds, by global names
+(``GPTStage.checkpoint_named_parameters``): the model params, the fp32 main params, AdamW's
+state and param groups, the loss scaler (scale and trackers), the optimizer's spike detector if
+any, and the training position: the iteration, the data generator's state (every rank draws the
+same global batches from it), the torch RNG state, the logger's counters (skipped and nan
+iterations, loss-scale changes, spike counts where the logger keeps them) and an LR scheduler's
+state when one is passed. So a resumed run continues exactly where the saved one stopped; on
+another TP x PP x DP layout too, as long as the global batch size is the same (pass
+``--global-batch-size``).
 
 The trainer draws no per-rank random numbers (no dropout; initialisation has its own seeded
 generators), so the torch RNG state is the same on every rank and is saved once.
@@ -73,7 +75,7 @@ def save_training_state(
     path = ckpt.iteration_dir(args.save, it)
     ckpt.save_checkpoint(
         path,
-        stage.global_named_parameters(),
+        stage.checkpoint_named_parameters(),
         optimizer,
         extra={
             "iteration": it,
@@ -121,7 +123,7 @@ def load_training_state(
             f"--global-batch-size {saved_batch['global_batch_size']})"
         )
     extra = ckpt.load_checkpoint(
-        path, stage.global_named_parameters(), optimizer, extra={k: None for k in _EXTRA_KEYS}
+        path, stage.checkpoint_named_parameters(), optimizer, extra={k: None for k in _EXTRA_KEYS}
     )
     if extra["iteration"] != it:
         raise ValueError(f"{path} holds iteration {extra['iteration']}, expected {it}")

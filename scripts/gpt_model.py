@@ -253,11 +253,12 @@ class GPTStage(nn.Module):
             return self.head_weight
         return None
 
-    def global_named_parameters(self) -> dict:
-        """{global name: param} of this stage, named as in the whole one-stage model, so the
-        names do not depend on the PP layout (for checkpoints, tpamp.checkpoint): the stage's
-        ``blocks.{j}`` is ``blocks.{layer_ids[j]}``, and the last stage's tied head copy
-        ``head_weight`` (marked ``shared``) is ``wte.weight``, the weight it is a copy of."""
+    def checkpoint_named_parameters(self) -> dict:
+        """{global name: param} of this stage for tpamp.checkpoint, named as in the whole
+        one-stage model so the names do not depend on the PP layout: the stage's ``blocks.{j}``
+        is ``blocks.{layer_ids[j]}``, and the last stage's tied head copy ``head_weight``
+        (marked ``shared``) is ``wte.weight``, the weight it is a copy of (one-stage models
+        have no head copy), so it is saved once and loads on any layout."""
         out = {}
         for name, param in self.named_parameters():
             if name.startswith("blocks."):
