@@ -264,6 +264,22 @@ class GPTStage(nn.Module):
             return self.head_weight
         return None
 
+    def checkpoint_named_parameters(self) -> dict:
+        """{global name: param} of this stage for tpamp.checkpoint, named as in the whole
+        one-stage model so the names do not depend on the PP layout: the stage's ``blocks.{j}``
+        is ``blocks.{layer_ids[j]}``, and the last stage's tied head copy ``head_weight``
+        (marked ``shared``) is ``wte.weight``, the weight it is a copy of (one-stage models
+        have no head copy), so it is saved once and loads on any layout."""
+        out = {}
+        for name, param in self.named_parameters():
+            if name.startswith("blocks."):
+                j, rest = name[len("blocks."):].split(".", 1)
+                name = f"blocks.{self.layer_ids[int(j)]}.{rest}"
+            elif name == "head_weight":
+                name = "wte.weight"
+            out[name] = param
+        return out
+
     @property
     def model_dtype(self) -> torch.dtype:
         """The dtype the matmuls run in (that of the params outside fp32 islands)."""

@@ -69,6 +69,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # gpt_model
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # tpamp
 
 import tpamp  # noqa: E402
+import gpt_checkpoint  # noqa: E402
 from gpt_model import GPTConfig, GPTStage, count_params, parallelize_stage  # noqa: E402
 from tpamp.grad_stats import local_tensor  # noqa: E402
 from tpamp.parallel import initialize_model_parallel  # noqa: E402
@@ -150,7 +151,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     a("--eval-iters", type=int, default=5, help="global batches per evaluation")
     a("--no-progress", action="store_true", help="no tqdm bar")
     a("--dist-timeout", type=float, default=300.0, help="seconds before a collective fails")
-    return p.parse_args(argv)
+    gpt_checkpoint.add_arguments(p)  # --save, --save-interval, --load, --ckpt-step
+    args = p.parse_args(argv)
+    gpt_checkpoint.check_arguments(args)
+    return args
 
 
 # ----------------------------------------------------------------------------- data
@@ -489,9 +493,17 @@ def main(argv=None):
         return mean_over_dp(losses, st) if st.is_last_stage else float("nan")
 
     train_gen = torch.Generator().manual_seed(args.seed)
+    start_iter = 0
+    if args.load:  # model, optimizer, scaler, data position, RNG and log counters
+        start_iter = gpt_checkpoint.load_training_state(
+            args, stage, optimizer, st, train_gen, logger, global_batch, say,
+            scheduler=scheduler,
+        )
+        if bar is not None:
+            bar.update(start_iter)
     history, val_loss, first_loss = [], float("nan"), None
     start = time.time()
-    for it in range(1, args.train_iters + 1):
+    for it in range(start_iter + 1, args.train_iters + 1):
         t0 = time.time()
         lr = optimizer.param_groups[0]["lr"]  # set by the scheduler
         # logged: the scale this iteration's loss is multiplied by (the step may change it)
@@ -538,6 +550,11 @@ def main(argv=None):
             bar.update(1)
             if st.is_last_stage:
                 bar.set_postfix(loss=f"{history[-1]:.3f}", scale=f"{loss_scale:g}", refresh=False)
+        if gpt_checkpoint.should_save(args, it):
+            gpt_checkpoint.save_training_state(
+                args, it, stage, optimizer, st, train_gen, logger, global_batch, say,
+                scheduler=scheduler,
+            )
     elapsed = time.time() - start
     if bar is not None:
         bar.close()
