@@ -153,7 +153,8 @@ def check_loss(loss, name: str = "loss") -> None:
 def check_group_member(group, name: str) -> None:
     if group is None:
         return
-    if not isinstance(group, dist.ProcessGroup):
+    # new_group hands non-members a placeholder (GroupMember.NON_GROUP_MEMBER), not a group
+    if not isinstance(group, dist.ProcessGroup) and group is not dist.GroupMember.NON_GROUP_MEMBER:
         raise TypeError(f"{name} must be a torch.distributed ProcessGroup or None, got "
                         f"{type(group).__name__}")
     if dist.get_rank(group) < 0:

@@ -131,7 +131,8 @@ def filter_grads_for_norm(params: Iterable[Tensor], tensor_parallel_group=None) 
 def _check_group(group, what: str = "grad_stats_group"):
     if group is None:
         return
-    if not isinstance(group, dist.ProcessGroup):
+    # new_group hands non-members a placeholder (GroupMember.NON_GROUP_MEMBER), not a group
+    if not isinstance(group, dist.ProcessGroup) and group is not dist.GroupMember.NON_GROUP_MEMBER:
         raise TypeError(
             f"{what} must be a torch.distributed ProcessGroup or None, got {type(group).__name__}"
         )
