@@ -388,9 +388,9 @@ def agree_on_settings(wrapper) -> None:
 
     mine = torch.tensor(_settings(wrapper), dtype=torch.float64, device=collective_device(group))
     size = dist.get_world_size(group)
-    every = torch.empty(size * mine.numel(), dtype=torch.float64, device=mine.device)
-    dist.all_gather_into_tensor(every, mine, group=group)
-    table = every.reshape(size, -1).cpu().tolist()
+    every = [torch.empty_like(mine) for _ in range(size)]
+    dist.all_gather(every, mine, group=group)
+    table = torch.stack(every).cpu().tolist()
     ranks = dist.get_process_group_ranks(group)
     for j, name in enumerate(_SETTING_NAMES):
         column = [row[j] for row in table]
