@@ -85,8 +85,9 @@ class MegatronGradScaler:
         return self._scale.double().reciprocal().float()
 
     def to(self, device: Union[str, torch.device]) -> "MegatronGradScaler":
-        """Move the scaler's tensors to ``device`` (in place); returns self."""
-        self._device = torch.device(device)
+        """Move the scaler's tensors to ``device`` (in place); returns self. Raises
+        TypeError/ValueError for a device this build cannot use."""
+        self._device = check_device(device)
         for name, value in list(vars(self).items()):
             if isinstance(value, torch.Tensor):
                 setattr(self, name, value.to(self._device))
@@ -203,9 +204,16 @@ class DynamicGradScaler(MegatronGradScaler):
     ``update`` takes a Python bool or a 1-element tensor; a tensor is never read on the host:
     the update runs on the scaler's device (a CUDA kernel when tpamp._C is built).
 
+    Without max_scale, growth stops at the largest power of growth_factor that float32 holds
+    (2**127 for 2), so the scale never becomes inf; reaching it is reported once (a
+    RuntimeWarning, where the step already reads the device).
+
     Raises ValueError (naming the value) unless initial_scale > 0, 0 < min_scale <=
     initial_scale, growth_factor > 1, 0 < backoff_factor < 1, growth_interval >= 1,
-    hysteresis >= 1, max_scale None or >= initial_scale, all finite.
+    hysteresis >= 1, max_scale None or >= initial_scale, all finite; the scales
+    (initial_scale, min_scale, max_scale) must also be finite and > 0 in float32, the dtype
+    the scale is stored in (1e39 is inf there, 1e-50 is 0). TypeError/ValueError for a
+    device this build cannot use (e.g. "cuda" without CUDA).
     """
 
     def __init__(

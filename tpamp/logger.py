@@ -98,14 +98,14 @@ class TrainingLogger:
         not requested or negative (sync_free's sentinel -1); a non-finite loss_scale or lr is
         null. Raises TypeError naming the argument for a value of the wrong type.
         """
-        if isinstance(result, (str, bytes)) or not isinstance(result, (tuple, list)) or len(result) != 3:
+        if isinstance(result, (str, bytes)) or not isinstance(result, (tuple, list)) or len(result) < 3:
             raise TypeError(
                 "result must be the StepResult (update_successful, grad_norm, num_zeros) of the "
                 f"step, got {result!r:.80} ({type(result).__name__})"
             )
         if isinstance(iteration, bool) or not isinstance(iteration, numbers.Integral):
             raise TypeError(f"iteration must be an int, got {iteration!r} ({type(iteration).__name__})")
-        update_successful, grad_norm, num_zeros = result
+        update_successful, grad_norm, num_zeros = result[0], result[1], result[2]
         loss = _number("loss", loss)
         lr = _number("lr", lr)
         loss_scale = _number("loss_scale", loss_scale)

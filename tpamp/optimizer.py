@@ -121,9 +121,14 @@ class MixedPrecisionOptimizer(OptimizerWrapper):
 
     Raises:
         TypeError: optimizer is not a torch.optim.Optimizer, or a param has a dtype other than
-            float32/float16/bfloat16.
+            float32/float16/bfloat16 (checked for every group before anything is converted).
         ValueError: fp16 params without a grad_scaler; bad clip_grad or norm_type; a group that
-            this rank is not a member of.
+            this rank is not a member of; an inner optimizer that is already wrapped.
+        From ``step()``: RuntimeError when the inner optimizer's param groups changed after
+        wrapping, or when no backward ran since the last step (as torch.amp.GradScaler
+        refuses a second step); on the first step, ValueError on every rank of the grad-stats
+        group when the ranks' norm_type, log_num_zeros_in_grad, clip_grad, skip_nonfinite or
+        loss-scaler settings differ (one small all-gather, tpamp._validation).
     """
 
     def __init__(
