@@ -62,6 +62,22 @@ def _settings_checks(rank, world):
             out[setting] = (type(e).__name__, str(e))
         else:
             out[setting] = (None, None)
+    # the torch.amp path: TorchAMPOptimizer with a ModelParallelGradScaler
+    q = torch.nn.Parameter(torch.ones(4))
+    interval = 100 if rank == world - 1 else 2000
+    scaler = tpamp.ModelParallelGradScaler("cpu", growth_interval=interval,
+                                           model_parallel_group=st.model_parallel_group)
+    topt = tpamp.TorchAMPOptimizer(torch.optim.SGD([q], lr=0.1), scaler,
+                                   grad_stats_group=st.grad_stats_group)
+    topt.scale_loss(q.sum()).backward()
+    try:
+        topt.step()
+    except ValueError as e:
+        out["torch_amp"] = ("ValueError", str(e))
+    except Exception as e:
+        out["torch_amp"] = (type(e).__name__, str(e))
+    else:
+        out["torch_amp"] = (None, None)
     return out
 
 
@@ -81,6 +97,13 @@ def test_settings_that_differ_across_ranks_raise_the_same_error_on_every_rank(
     msg = msgs.pop()
     assert msg.startswith(f"{setting} differs"), msg
     assert shown in msg and "rank 0:" in msg, msg
+
+
+def test_torch_amp_optimizer_settings_are_checked_across_ranks_too(settings_results):
+    results = [r["torch_amp"] for r in settings_results]
+    assert {kind for kind, _ in results} == {"ValueError"}, results
+    assert len({msg for _, msg in results}) == 1, results
+    assert "growth_interval differs" in results[0][1] and "rank 1: 100" in results[0][1]
 
 
 def test_matching_settings_pass_the_check_and_step(settings_results):
