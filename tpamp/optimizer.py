@@ -116,8 +116,9 @@ class MixedPrecisionOptimizer(OptimizerWrapper):
             GradScaler passes it), the clip coefficient is computed on the device, and
             StepResult holds device tensors (update_successful: bool 0-dim, grad_norm: float32
             0-dim, num_zeros_in_grad: int64 0-dim or None); a skipped step reports grad_norm
-            nan and num_zeros_in_grad -1 (sentinels; :class:`tpamp.TrainingLogger` writes null). The min-scale stall is then not
-            checked in step (read ``grad_scaler._overflow_at_min_scale()`` when convenient).
+            nan and num_zeros_in_grad -1 (sentinels; :class:`tpamp.TrainingLogger` writes
+            null). The min-scale stall is then not checked in step (read
+            ``grad_scaler._overflow_at_min_scale()`` when convenient).
 
     Raises:
         TypeError: optimizer is not a torch.optim.Optimizer, or a param has a dtype other than
