@@ -192,9 +192,7 @@ def check_wrappable(optimizer) -> None:
                 raise TypeError(
                     f"param {pi} of param group {gi} is a {type(param).__name__}, not a tensor"
                 )
-            if param.dtype not in _SUPPORTED_PARAM_DTYPES and (
-                param.requires_grad or param.dtype.is_floating_point or param.dtype.is_complex
-            ):
+            if param.dtype not in _SUPPORTED_PARAM_DTYPES:
                 raise TypeError(
                     f"param {pi} of param group {gi} has dtype {param.dtype}; "
                     "expected float32, float16 or bfloat16"
