@@ -195,42 +195,29 @@ def test_bad_values_are_refused_after_reading_and_nothing_changes(tmp_path, faul
     _assert_same(_snapshot(params2, opt2), before)
 
 
-class _Detector:
-    """Stands in for an optimizer's spike detector (tpamp.SpikeDetector's state_dict API)."""
-
-    def __init__(self, window=4):
-        self.window, self.values, self.spike_skips = window, [], 0
-
-    def state_dict(self):
-        return {"window": self.window, "values": list(self.values), "spike_skips": self.spike_skips}
-
-    def load_state_dict(self, sd):
-        if sd["window"] != self.window:
-            raise ValueError(f"spike detector settings differ: window {sd['window']} != {self.window}")
-        self.values, self.spike_skips = list(sd["values"]), sd["spike_skips"]
-
-
 def test_the_spike_detector_state_comes_back_or_is_refused_whole(tmp_path):
     params = _model()
     opt = _optimizer(params)
-    opt.spike_detector = _Detector()
-    opt.spike_detector.values, opt.spike_detector.spike_skips = [1.5, 2.5], 1
+    opt.spike_detector = tpamp.SpikeDetector(policy="skip", window=4, warmup=2)
     _step(params, opt, 0)
+    _step(params, opt, 1)
+    saved_state = copy.deepcopy(opt.spike_detector.state_dict())
+    assert saved_state["steps_seen"] == 2 and len(saved_state["windows"]["grad_norm"]) == 2
     save_checkpoint(str(tmp_path), params, opt)
     params2 = _model(seed=5)
     opt2 = _optimizer(params2)
-    opt2.spike_detector = _Detector()
+    opt2.spike_detector = tpamp.SpikeDetector(policy="skip", window=4, warmup=2)
     load_checkpoint(str(tmp_path), params2, opt2)
-    assert opt2.spike_detector.state_dict() == opt.spike_detector.state_dict()
+    assert opt2.spike_detector.state_dict() == saved_state
 
     params3 = _model(seed=6)
     opt3 = _optimizer(params3)
-    opt3.spike_detector = _Detector(window=8)
+    opt3.spike_detector = tpamp.SpikeDetector(policy="skip", window=8, warmup=2)
     before = _snapshot(params3, opt3)
-    with pytest.raises(CheckpointError, match="spike detector refuses the saved state.*window 4 != 8"):
+    with pytest.raises(CheckpointError, match="spike detector refuses the saved state.*settings differ"):
         load_checkpoint(str(tmp_path), params3, opt3)
     _assert_same(_snapshot(params3, opt3), before)
-    assert opt3.spike_detector.values == []
+    assert opt3.spike_detector.steps_seen == 0
 
 
 def test_megatron_state_dict_still_round_trips(saved):

@@ -25,11 +25,14 @@ from __future__ import annotations
 
 import json
 import math
+import numbers
 import os
 import sys
 import warnings
 from collections import Counter
 from typing import Dict, Optional, TextIO
+
+import torch
 
 from tpamp.param_norms import top_k as _top_k
 
@@ -113,17 +116,38 @@ class TrainingLogger:
     ) -> dict:
         """Account for one iteration and return its JSON record.
 
-        result: the :class:`tpamp.StepResult` of the iteration's step. loss: the iteration's
-        training loss (float; nan/inf counts as a nan iteration, as in Megatron-LM).
+        result: the :class:`tpamp.StepResult` of the iteration's step (or a 3-tuple
+        (update_successful, grad_norm, num_zeros); tensors are read here). loss: the
+        iteration's training loss (nan/inf counts as a nan iteration, as in Megatron-LM).
+        loss, lr, loss_scale: numbers or 1-element tensors. Extra keyword fields go into the
+        record (JSON-serialisable; non-finite floats become null).
+
+        The record is always valid JSON: grad_norm is null when the step was skipped or the
+        norm is not finite (sync_free's sentinel nan included), num_zeros null when skipped,
+        not requested or negative (sync_free's sentinel -1); a non-finite loss_scale or lr is
+        null. Raises TypeError naming the argument for a value of the wrong type.
         param_grad_norms: {name: norm} of every param (``ParamGradNormTracker.norms``) on the
         iterations that computed them; the record keeps the top-K (non-finite as null).
         spike: the :class:`tpamp.SpikeDecision` of the step (``SpikeDetector.last``), or None.
-        Extra keyword fields go into the record unchanged (JSON-serialisable).
         """
-        update_successful, grad_norm, num_zeros = result
-        loss = float(loss)
-        loss_scale = float(loss_scale)
+        if isinstance(result, (str, bytes)) or not isinstance(result, (tuple, list)) or len(result) < 3:
+            raise TypeError(
+                "result must be the StepResult (update_successful, grad_norm, num_zeros) of the "
+                f"step, got {result!r:.80} ({type(result).__name__})"
+            )
+        if isinstance(iteration, bool) or not isinstance(iteration, numbers.Integral):
+            raise TypeError(f"iteration must be an int, got {iteration!r} ({type(iteration).__name__})")
+        update_successful, grad_norm, num_zeros = result[0], result[1], result[2]
+        loss = _number("loss", loss)
+        lr = _number("lr", lr)
+        loss_scale = _number("loss_scale", loss_scale)
         skipped = not bool(update_successful)
+        grad_norm = None if grad_norm is None or skipped else _number("result.grad_norm", grad_norm)
+        if grad_norm is not None and not math.isfinite(grad_norm):
+            grad_norm = None
+        num_zeros = None if num_zeros is None or skipped else _number("result.num_zeros_in_grad", num_zeros)
+        if num_zeros is not None and not (math.isfinite(num_zeros) and num_zeros >= 0):
+            num_zeros = None
         nan = not math.isfinite(loss)
         self.skipped_iters += skipped
         self.nan_iters += nan
@@ -135,9 +159,9 @@ class TrainingLogger:
         rec = {
             "iteration": int(iteration),
             "loss": loss if not nan else None,  # JSON has no nan/inf: null, with "nan": true
-            "lr": float(lr),
-            "loss_scale": loss_scale,
-            "grad_norm": None if grad_norm is None else float(grad_norm),
+            "lr": lr if math.isfinite(lr) else None,
+            "loss_scale": loss_scale if math.isfinite(loss_scale) else None,
+            "grad_norm": grad_norm,
             "num_zeros": None if num_zeros is None else int(num_zeros),
             "skipped": skipped,
             "nan": nan,
@@ -157,16 +181,19 @@ class TrainingLogger:
             self.spikes += bool(spike.spike)
             self.spike_skips += bool(spike.skipped)
             self._interval_spike_skips += bool(spike.skipped)
-            rec["spike"] = spike.as_record()
-        rec.update(extra)
+            rec["spike"] = _json_safe("spike", spike.as_record())
+        for key, value in extra.items():
+            rec[key] = _json_safe(f"extra field {key!r}", value)
         if not self.enabled:
             return rec
         if self._jsonl is not None:
-            self._jsonl.write(json.dumps(rec) + "\n")
+            self._jsonl.write(json.dumps(rec, allow_nan=False) + "\n")
             self._jsonl.flush()
         if self._tb is not None:
-            self._tb.add_scalar("loss-scale", loss_scale, iteration)
-            self._tb.add_scalar("learning-rate", lr, iteration)
+            if rec["loss_scale"] is not None:
+                self._tb.add_scalar("loss-scale", loss_scale, iteration)
+            if rec["lr"] is not None:
+                self._tb.add_scalar("learning-rate", lr, iteration)
             if not nan:
                 self._tb.add_scalar("lm loss", loss, iteration)
             if grad_norm is not None:
@@ -189,10 +216,11 @@ class TrainingLogger:
     def format_line(self, rec: dict) -> str:
         """Megatron-LM's training_log line for one record."""
         parts = [f" iteration {rec['iteration']:8d}/{self.train_iters:8d}"]
-        parts.append(f"lr: {rec['lr']:.3E}")
+        parts.append(f"lr: {rec['lr']:.3E}" if rec["lr"] is not None else "lr: nan")
         loss = rec["loss"]
         parts.append(f"loss: {loss:.4E}" if loss is not None else "loss: nan")
-        parts.append(f"loss scale: {rec['loss_scale']:.1f}")
+        scale = rec["loss_scale"]
+        parts.append(f"loss scale: {scale:.1f}" if scale is not None else "loss scale: inf")
         if rec["grad_norm"] is not None:
             parts.append(f"grad norm: {rec['grad_norm']:.3f}")
         if rec["num_zeros"] is not None:
@@ -241,3 +269,32 @@ class TrainingLogger:
     def __exit__(self, *exc):
         self.close()
 
+
+def _number(name: str, value) -> float:
+    """A real number or a 1-element tensor, as a float (read on the host: logging time)."""
+    if isinstance(value, torch.Tensor):
+        if value.numel() != 1:
+            raise TypeError(f"{name} must be a number or a 1-element tensor, got shape {tuple(value.shape)}")
+        return float(value.detach().reshape(()).item())
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(f"{name} must be a number, got {value!r} ({type(value).__name__})")
+    return float(value)
+
+
+def _json_safe(name: str, value):
+    """value with non-finite floats replaced by None (JSON has no nan/inf); tensors of one
+    element become numbers. Raises TypeError naming the field for what JSON cannot hold."""
+    if isinstance(value, torch.Tensor) and value.numel() == 1:
+        value = value.detach().reshape(()).item()
+    if value is None or isinstance(value, (bool, str)):
+        return value
+    if isinstance(value, numbers.Integral):
+        return int(value)
+    if isinstance(value, numbers.Real):
+        value = float(value)
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {str(k): _json_safe(f"{name}[{k!r}]", v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_json_safe(f"{name}[{i}]", v) for i, v in enumerate(value)]
+    raise TypeError(f"{name} is not JSON-serialisable: {value!r:.80} ({type(value).__name__})")

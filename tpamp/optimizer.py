@@ -25,7 +25,7 @@ from typing import Dict, List, NamedTuple, Optional
 import torch
 import torch.distributed as dist
 
-from tpamp import ops
+from tpamp import _validation, ops
 from tpamp.grad_scaler import MegatronGradScaler
 from tpamp.grad_stats import (
     _check_group,
@@ -117,17 +117,24 @@ class MixedPrecisionOptimizer(OptimizerWrapper):
             fused inner optimizer (``fused=True``; it receives ``found_inf`` as torch.amp's
             GradScaler passes it), the clip coefficient is computed on the device, and
             StepResult holds device tensors (update_successful: bool 0-dim, grad_norm: float32
-            0-dim, num_zeros_in_grad: int64 0-dim or None). The min-scale stall is then not
-            checked in step (read ``grad_scaler._overflow_at_min_scale()`` when convenient).
+            0-dim, num_zeros_in_grad: int64 0-dim or None); a skipped step reports grad_norm
+            nan and num_zeros_in_grad -1 (sentinels; :class:`tpamp.TrainingLogger` writes
+            null). The min-scale stall is then not checked in step (read
+            ``grad_scaler._overflow_at_min_scale()`` when convenient).
         spike_detector: a :class:`tpamp.SpikeDetector` judging each step's reduced grad norm
             and loss after step 5 (log, skip or raise; tpamp/spikes.py); its state is saved in
             state_dict()["spike_detector"]. Not with sync_free (it decides on the host).
 
     Raises:
         TypeError: optimizer is not a torch.optim.Optimizer, or a param has a dtype other than
-            float32/float16/bfloat16.
+            float32/float16/bfloat16 (checked for every group before anything is converted).
         ValueError: fp16 params without a grad_scaler; bad clip_grad or norm_type; a group that
-            this rank is not a member of.
+            this rank is not a member of; an inner optimizer that is already wrapped.
+        From ``step()``: RuntimeError when the inner optimizer's param groups changed after
+        wrapping, or when no backward ran since the last step (as torch.amp.GradScaler
+        refuses a second step); on the first step, ValueError on every rank of the grad-stats
+        group when the ranks' norm_type, log_num_zeros_in_grad, clip_grad, skip_nonfinite or
+        loss-scaler settings differ (one small all-gather, tpamp._validation).
     """
 
     def __init__(
@@ -153,6 +160,7 @@ class MixedPrecisionOptimizer(OptimizerWrapper):
                 "grad_scaler must be a tpamp ConstantGradScaler or DynamicGradScaler, got "
                 f"{type(grad_scaler).__name__}"
             )
+        _validation.check_wrappable(optimizer)
         if (
             isinstance(clip_grad, bool)
             or not isinstance(clip_grad, numbers.Real)
@@ -215,6 +223,7 @@ class MixedPrecisionOptimizer(OptimizerWrapper):
         if grad_scaler is not None and grad_scaler.device != self._device:
             grad_scaler.to(self._device)
         self._one = torch.ones(1, dtype=torch.float32, device=self._device)
+        _validation.register_wrapper(self)
 
     # -- construction helpers -------------------------------------------------------------
 
@@ -240,7 +249,9 @@ class MixedPrecisionOptimizer(OptimizerWrapper):
         return self.grad_scaler.scale if self.grad_scaler is not None else self._one
 
     def scale_loss(self, loss: Tensor) -> Tensor:
-        """loss * loss_scale, keeping loss's shape; call ``.backward()`` on the result."""
+        """loss * loss_scale, keeping loss's shape; call ``.backward()`` on the result.
+        Raises TypeError unless loss is a floating-point tensor."""
+        _validation.check_loss(loss)
         return loss * self.get_loss_scale().reshape(())
 
     def backward(self, loss: Tensor) -> None:
@@ -282,6 +293,7 @@ class MixedPrecisionOptimizer(OptimizerWrapper):
         self.param_norm_tracker = ParamGradNormTracker(self, named_params)
         return self.param_norm_tracker
 
+    @_validation.guard_step
     @torch.no_grad()
     def step(self, closure=None, *, param_grad_norms: bool = False) -> StepResult:
         """One optimizer step (class docstring); returns :class:`StepResult`.
@@ -326,7 +338,7 @@ class MixedPrecisionOptimizer(OptimizerWrapper):
             parts.append(at_min.reshape(1).to(device=found_inf.device, dtype=torch.float64))
         host = torch.cat(parts).tolist()
         found = host[0] > 0
-        if found and at_min is not None and host[-1] > 0:
+        if at_min is not None and host[-1] > 0:  # overflow at min_scale, or growth capped
             self.grad_scaler._report_overflow_at_min_scale()
         if spikes is not None:  # a spike skip: as an overflow skip, but the scaler is restored
             loss = spikes.reduce_loss(self.grad_stats_group, self._device)
@@ -371,6 +383,12 @@ class MixedPrecisionOptimizer(OptimizerWrapper):
         mains, models = self._pair_locals()
         ops.scale_and_copy(mains, models)
         zeros = num_zeros.reshape(()).to(torch.int64) if num_zeros is not None else None
+        # a skipped step has no grad norm or zero count: documented sentinels nan and -1
+        # (TrainingLogger writes null), as the host cannot be asked for None without a sync
+        skipped = skip != 0
+        norm = torch.where(skipped, torch.full_like(norm, math.nan), norm)
+        if zeros is not None:
+            zeros = torch.where(skipped, torch.full_like(zeros, -1), zeros)
         return StepResult(skip == 0, norm, zeros)
 
     def _collect_grads(self):
@@ -455,8 +473,13 @@ class MixedPrecisionOptimizer(OptimizerWrapper):
         """Restore the inner optimizer, the scaler and the main params, then copy the main
         params to the model params, so a resumed run continues bit-identically.
 
-        Raises KeyError for a missing key, ValueError when the saved main params do not match
-        this optimizer's (count per group, shapes)."""
+        All or nothing: everything is checked before anything changes (inner optimizer state
+        against this optimizer: group and param counts, the optimizer class's hyperparameters,
+        state shapes, finite values; scaler state against the scaler's config; main params
+        float32, of the right shapes and finite). Raises TypeError for a non-dict or a value of
+        the wrong type, KeyError for a missing key, ValueError for a value that does not fit,
+        each naming the key; a failed load leaves the optimizer, scaler and params unchanged."""
+        _validation.check_optimizer_state_dict(self, state_dict)
         for key in ("optimizer", "fp32_from_fp16_params"):
             if key not in state_dict:
                 raise KeyError(f"optimizer state_dict has no {key!r} entry")
@@ -491,6 +514,13 @@ class MixedPrecisionOptimizer(OptimizerWrapper):
                 )
             else:
                 self.grad_scaler.load_state_dict(scaler_state)
+        elif scaler_state:
+            warnings.warn(
+                "the checkpoint has grad_scaler state but this optimizer has no loss scaler; "
+                "the saved loss scale is not used",
+                RuntimeWarning,
+                stacklevel=2,
+            )
         with torch.no_grad():
             for saved_group, pairs in zip(saved, self._half_pairs):
                 for s, (_, main) in zip(saved_group, pairs):
