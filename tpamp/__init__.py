@@ -21,7 +21,10 @@ from tpamp.grad_stats import (
 )
 from tpamp.optimizer import FP32Optimizer, MixedPrecisionOptimizer, StepResult
 from tpamp import parallel
+from tpamp import checkpoint  # save/load_checkpoint: layout-free, torch.distributed.checkpoint
 from tpamp.logger import TrainingLogger
+from tpamp.spikes import GradSpikeError, SpikeDecision, SpikeDetector
+from tpamp.param_norms import ParamGradNormTracker
 from tpamp.model import (
     NaiveAMPModel,
     TF32Flags,
