@@ -539,7 +539,7 @@ class MixedPrecisionOptimizer(OptimizerWrapper):
             parts.append(at_min.reshape(1).to(device=found_inf.device, dtype=torch.float64))
         host = torch.cat(parts).tolist()
         found = host[0] > 0
-        if found and at_min is not None and host[-1] > 0:
+        if at_min is not None and host[-1] > 0:  # overflow at min_scale, or growth capped
             self.grad_scaler._report_overflow_at_min_scale()
         if found and (self.grad_scaler is not None or self.skip_nonfinite):
             self._release_model_grads()
