@@ -33,7 +33,10 @@ What happens:
 - After backward: grads are averaged over the DP group, the two embedding copies' grads are
   summed over the embedding group, then ``tpamp.MixedPrecisionOptimizer`` (around AdamW) unscales,
   checks inf/nan over the model-parallel group, updates the loss scale, clips, and steps or
-  skips.
+  skips. With ``--use-distributed-optimizer`` (Megatron's flag) ``tpamp.DistributedOptimizer``
+  holds fp32 main params and AdamW state for 1/DP of the params on each rank and its step
+  reduce-scatters the grads over DP itself (no hand all-reduce), checks inf/nan and takes the
+  norm over TP x PP x DP, and all-gathers the updated params.
 - Logging on one rank (last PP stage, TP rank 0, DP rank 0): a tqdm bar when stderr is a
   terminal, Megatron's line every ``--log-interval`` iterations (``tpamp.TrainingLogger``), a
   JSONL record per iteration and TensorBoard scalars under ``--log-dir``, validation loss every
@@ -95,6 +98,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     a("--lr-warmup-iters", type=int, default=20)
     a("--weight-decay", type=float, default=0.1)
     a("--clip-grad", type=float, default=1.0, help="max global grad norm; 0 disables")
+    a("--use-distributed-optimizer", action="store_true",
+      help="shard fp32 main params and optimizer state over DP (tpamp.DistributedOptimizer)")
     a("--seed", type=int, default=1234)
     # precision and loss scaling (Megatron's flags)
     prec = p.add_mutually_exclusive_group()
@@ -271,7 +276,9 @@ def all_reduce_embedding_grads(stage, st) -> None:
     (last stage), so both copies take the same step and stay identical (Megatron-LM)."""
     weight = stage.word_embedding_weight() if st.embedding_group is not None else None
     if weight is not None:  # both copies are Shard(0) alike: sum the local vocab rows
-        _all_reduce_grads([local_tensor(weight.grad)], st.embedding_group)
+        # the distributed optimizer has moved the grad into its main_grad buffer
+        grad = getattr(weight, "main_grad", None)
+        _all_reduce_grads([grad if grad is not None else local_tensor(weight.grad)], st.embedding_group)
 
 
 # ----------------------------------------------------------------------------- setup
@@ -345,6 +352,10 @@ def build_optimizer(stage, args, st, dtype):
         grad_stats_group=st.model_parallel_group,
         tensor_parallel_group=st.tp_group,
     )
+    if args.use_distributed_optimizer:  # it reduces the grads over DP itself, in step()
+        kwargs.update(data_parallel_group=st.dp_group, grad_stats_group=dist.group.WORLD,
+                      param_names=stage.named_parameters())
+        return tpamp.DistributedOptimizer(adamw, **kwargs)
     if dtype == torch.float32:
         return tpamp.FP32Optimizer(adamw, **kwargs)
     return tpamp.MixedPrecisionOptimizer(adamw, **kwargs)
@@ -465,7 +476,8 @@ def main(argv=None):
             stage, mbs, st, act_shape, act_dtype, optimizer,
             fp16_lm_cross_entropy=args.fp16_lm_cross_entropy,
         )
-        all_reduce_data_parallel_grads(stage, st)
+        if not args.use_distributed_optimizer:  # DistributedOptimizer.step reduce-scatters
+            all_reduce_data_parallel_grads(stage, st)
         all_reduce_embedding_grads(stage, st)
         result = optimizer.step()
         optimizer.zero_grad()
@@ -512,6 +524,7 @@ def main(argv=None):
             "tp": st.dims.tp,
             "pp": st.dims.pp,
             "dp": dp,
+            "distributed_optimizer": args.use_distributed_optimizer,
         }
         say(
             f"done: {summary['iterations']} iterations in {elapsed:.1f} s "
