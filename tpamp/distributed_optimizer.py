@@ -64,6 +64,7 @@ class _Piece:
     group_index: int
     param_range: Tuple[int, int]
     shard_range: Tuple[int, int]
+    bucket_range: Tuple[int, int] = (0, 0)  # the whole param's [start, end) in its bucket
     main: Optional[Tensor] = None
     counts: bool = True
 
@@ -357,7 +358,7 @@ class DistributedOptimizer(OptimizerWrapper):
                 if s >= t:
                     continue
                 name, gi = info[id(p)]
-                piece = _Piece(p, name, gi, (s - a, t - a), (s - lo, t - lo))
+                piece = _Piece(p, name, gi, (s - a, t - a), (s - lo, t - lo), (a, e))
                 piece.counts = counts_toward_norm(p, self._tp_rank, self.tensor_parallel_group)
                 with torch.no_grad():
                     flat = local_tensor(p).detach().reshape(-1)
@@ -566,6 +567,112 @@ class DistributedOptimizer(OptimizerWrapper):
                     total += v.numel() * v.element_size()
         return total
 
+    # -- sharded checkpoints (tpamp.checkpoint, torch.distributed.checkpoint) -------------
+
+    def sharded_state_dict(self, model_params) -> Dict:
+        """The hook of ``tpamp.checkpoint``: this rank's main params and inner state keyed by
+        the global names of ``model_params`` ({global name: model param}), each a 1-piece
+        ShardedTensor of the param's GLOBAL shape whose local shards are views of this rank's
+        flat range (cut into row-major boxes), so torch.distributed.checkpoint writes and reads
+        them in place and a checkpoint loads on any layout, with or without this optimizer.
+
+        Returns {"main_params": {name: ShardedTensor}, "state": {name: {key: ShardedTensor or
+        the 0-dim tensor/object as torch.optim keeps it}}, "param_groups": [hyperparameters]}.
+        A TP shard's boxes are offset by its TP position (DTensor Shard(d) or Megatron
+        ``partition_dim``, even shards); the metadata of the other ranks' boxes is computed
+        here (every rank knows the layout), so no communication happens. Raises ValueError for
+        a param of this optimizer that is missing from model_params."""
+        names = {id(p): n for n, p in model_params.items()}
+        mains, state, by_name = {}, {}, {}
+        for q in self._pieces:
+            name = names.get(id(q.param))
+            if name is None:
+                raise ValueError(
+                    f"the optimizer updates {q.name!r} (local shape "
+                    f"{tuple(local_tensor(q.param).shape)}), which is not in model_params: give "
+                    "every trained param a global name"
+                )
+            if name in by_name:
+                raise ValueError(f"{name!r}: two pieces of one param on one rank")
+            by_name[name] = q
+            mains[name] = self._sharded_view(q, q.main.detach())
+            st = self.optimizer.state.get(q.main)
+            if st:
+                state[name] = {
+                    k: self._sharded_view(q, v) if isinstance(v, Tensor) and v.shape == q.main.shape
+                    else v
+                    for k, v in st.items()
+                }
+        self._ckpt_pieces = by_name
+        groups = [{k: v for k, v in g.items() if k != "params"} for g in self.optimizer.param_groups]
+        return {"main_params": mains, "state": state, "param_groups": groups}
+
+    def load_sharded_state_dict(self, state: Dict) -> None:
+        """The hook of ``tpamp.checkpoint``: copy ``state`` (the structure of
+        :meth:`sharded_state_dict`, read into new buffers sharded like it) into the main
+        shards, the inner optimizer's state and param groups, then all-gather the model params
+        (collective over DP)."""
+        pieces = getattr(self, "_ckpt_pieces", None)
+        if pieces is None:
+            raise RuntimeError("load_sharded_state_dict needs a sharded_state_dict() call first")
+        inner = self.optimizer
+        with torch.no_grad():
+            for name, q in pieces.items():
+                q.main.copy_(_flat_local(state["main_params"][name]))
+                new = {}
+                for k, v in state["state"].get(name, {}).items():
+                    if _is_sharded(v):
+                        v = _flat_local(v).float()
+                    elif isinstance(v, Tensor):
+                        v = v.to(_scalar_device(k, inner.state.get(q.main, {}), q,
+                                                inner.param_groups[q.group_index]))
+                    new[k] = v
+                if new:
+                    inner.state[q.main] = new
+                else:
+                    inner.state.pop(q.main, None)
+            for g, saved in zip(inner.param_groups, state["param_groups"]):
+                g.update({k: v for k, v in saved.items() if k != "params"})
+            self._gather_model_params()
+
+    def _sharded_view(self, q: _Piece, flat: Tensor):
+        """``flat`` (1-D, the piece's elements) as a ShardedTensor of the param's global shape."""
+        from torch.distributed._shard.metadata import ShardMetadata
+        from torch.distributed._shard.sharded_tensor import Shard, ShardedTensor
+        from torch.distributed._shard.sharded_tensor.metadata import (
+            ShardedTensorMetadata, TensorProperties,
+        )
+        from tpamp.checkpoint import flat_range_chunks
+
+        local = local_tensor(q.param)
+        global_shape, tp_peers = _tp_layout(q.param, self.tensor_parallel_group)
+        dp_ranks = dist.get_process_group_ranks(self.data_parallel_group)
+        me = dist.get_rank()
+        bucket = self._bucket_of[id(q.param)]
+        a, e = q.bucket_range
+        shards_md, local_shards = [], []
+        dev = flat.device
+        for peer, tp_off in tp_peers:
+            for i in range(self._dp_size):
+                lo = max(a, i * bucket.shard_size)
+                hi = min(e, (i + 1) * bucket.shard_size)
+                if lo >= hi:
+                    continue
+                rank = peer + dp_ranks[i] - me  # the grid position (TP peer, DP rank i)
+                mine = peer == me and i == self._dp_rank
+                for off, sizes, fo in flat_range_chunks(local.shape, lo - a, hi - a):
+                    md = ShardMetadata([o + t for o, t in zip(off, tp_off)], list(sizes),
+                                       f"rank:{rank}/{dev}")
+                    shards_md.append(md)
+                    if mine:
+                        start = fo - q.param_range[0]
+                        box = flat[start:start + math.prod(sizes)].view(sizes)
+                        local_shards.append(Shard(box, md))
+        props = TensorProperties(dtype=flat.dtype, layout=torch.strided, requires_grad=False,
+                                 memory_format=torch.contiguous_format, pin_memory=False)
+        md = ShardedTensorMetadata(shards_md, torch.Size(global_shape), props)
+        return ShardedTensor._init_from_local_shards_and_global_metadata(local_shards, md)
+
     # -- checkpointing (same layout: torch.save of each rank's dict) ----------------------
 
     def state_dict(self) -> Dict:
@@ -605,6 +712,63 @@ class DistributedOptimizer(OptimizerWrapper):
             for b, s in zip(self._buckets, state_dict["shard_main_params"]):
                 b.main_shard.copy_(s)
             self._gather_model_params()
+
+
+def _is_sharded(t) -> bool:
+    from torch.distributed._shard.sharded_tensor import ShardedTensor
+
+    return isinstance(t, ShardedTensor)
+
+
+def _flat_local(view) -> Tensor:
+    """This rank's elements of a ShardedTensor built by ``_sharded_view``, in flat order."""
+    parts = [s.tensor.reshape(-1) for s in view.local_shards()]
+    return parts[0] if len(parts) == 1 else torch.cat(parts)
+
+
+def _scalar_device(key, old, piece, group):
+    """Where torch.optim keeps a non-param-shaped state tensor (AdamW's step: on the CPU
+    unless capturable or fused)."""
+    if key in old and isinstance(old[key], Tensor):
+        return old[key].device
+    if group.get("capturable") or group.get("fused"):
+        return piece.main.device
+    return torch.device("cpu")
+
+
+def _tp_layout(param: Tensor, tp_group):
+    """(global shape, [(global rank of TP peer j, offsets of its local tensor)]) of a param:
+    a TP shard (DTensor with one Shard(d) placement, or Megatron ``tensor_model_parallel``
+    with ``partition_dim`` d and stride 1; even shards) lists every TP peer in TP rank order;
+    anything else is replicated and lists this rank only, at offset 0."""
+    local = tuple(local_tensor(param).shape)
+    me = dist.get_rank()
+    dim, peers = None, [me]
+    if local_tensor(param) is not param:  # DTensor
+        shard_dims = [pl.dim for pl in param.placements if pl.is_shard()]
+        if len(shard_dims) > 1 or param.device_mesh.ndim != 1:
+            raise ValueError(f"a DTensor param with placements {param.placements} on a "
+                             f"{param.device_mesh.ndim}-D mesh cannot be saved by flat range")
+        if shard_dims:
+            dim = shard_dims[0]
+            peers = param.device_mesh.mesh.flatten().tolist()
+            if tuple(param.shape)[dim] != local[dim] * param.device_mesh.size():
+                raise ValueError(f"uneven DTensor shards (global {tuple(param.shape)}, local "
+                                 f"{local}) cannot be saved by flat range")
+    elif getattr(param, "tensor_model_parallel", False):
+        if getattr(param, "partition_stride", 1) != 1:
+            raise ValueError("a Megatron TP param with partition_stride != 1 cannot be saved")
+        dim = param.partition_dim
+        if tp_group is not None:
+            peers = dist.get_process_group_ranks(tp_group)
+    if dim is None:
+        return local, [(me, (0,) * len(local))]
+    shape = list(local)
+    shape[dim] *= len(peers)
+    return tuple(shape), [
+        (r, tuple(j * local[dim] if d == dim else 0 for d in range(len(local))))
+        for j, r in enumerate(peers)
+    ]
 
 
 def _load_scaler(scaler, state) -> None:
