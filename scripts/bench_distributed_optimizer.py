@@ -170,7 +170,8 @@ def launch(fn, world, *args):
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    procs = [ctx.Process(target=_worker, args=(r, world, port, fn, args, queue)) for r in range(world)]
+    procs = [ctx.Process(target=_worker, args=(r, world, port, fn, args, queue))
+             for r in range(world)]
     for p in procs:
         p.start()
     results = dict(queue.get() for _ in range(world))
@@ -200,7 +201,8 @@ def main(argv=None):
     shapes = model_shapes(int(args.numel), args.tensors)
     bucket = int(args.bucket_size) if args.bucket_size else None
     n = sum(torch.Size(s).numel() for s in shapes)
-    report = {"machine": machine(), "date": datetime.datetime.utcnow().isoformat(timespec="seconds"),
+    now = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+    report = {"machine": machine(), "date": now,
               "command": " ".join([os.path.basename(sys.executable)] + sys.argv), "numel": n,
               "tensors": len(shapes), "load_before": os.getloadavg()[0]}
     print(f"{report['machine']}\nmodel: {n:,} fp16 elements in {len(shapes)} tensors; AdamW",

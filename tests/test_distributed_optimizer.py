@@ -12,7 +12,7 @@ import tpamp
 from tpamp.parallel import initialize_model_parallel
 
 from dist_utils import run_workers
-from model_fixture import FULL_MODEL, full_grads, isclose, local_slice, reference_stats, shard_params
+from model_fixture import FULL_MODEL, full_grads, local_slice, reference_stats, shard_params
 
 # odd sizes: with DP 2 or 4 the shard boundaries fall inside params
 SHAPES = {"w1": (7, 5), "b1": (7,), "w2": (3, 7), "b2": (3,), "ln": (13,), "w3": (5, 3)}
@@ -87,7 +87,8 @@ def _vs_reference(rank, world, dtype, steps, inf_step, bucket_size, reduce_in_fp
     (4, torch.bfloat16, 40, True),
     (2, torch.float32, 25, True),
 ])
-def test_matches_mixed_precision_optimizer_fed_dp_averaged_grads(world, dtype, bucket_size, reduce_in_fp32):
+def test_matches_mixed_precision_optimizer_fed_dp_averaged_grads(
+        world, dtype, bucket_size, reduce_in_fp32):
     out = run_workers(_vs_reference, world, dtype, 5, 2, bucket_size, reduce_in_fp32)
     for rank, (got, want, params, ref_params) in enumerate(out):
         assert [r[0] for r in got] == [r[0] for r in want] == [True, True, False, True, True], rank
@@ -241,8 +242,9 @@ def _errors(rank, world):
         msgs["differ"] = str(e)
     only_rank0 = dist.new_group([0])
     try:
-        tpamp.DistributedOptimizer(torch.optim.SGD([q], lr=1.0), grad_scaler=tpamp.ConstantGradScaler(1.0),
-                                   data_parallel_group=only_rank0)
+        tpamp.DistributedOptimizer(
+            torch.optim.SGD([q], lr=1.0), grad_scaler=tpamp.ConstantGradScaler(1.0),
+            data_parallel_group=only_rank0)
         msgs["member"] = None
     except ValueError as e:
         msgs["member"] = str(e)
@@ -275,7 +277,8 @@ def _resume_same_layout(rank, world):
     import io
 
     def make(offset):
-        params = {k: torch.nn.Parameter(v.clone() + offset) for k, v in _values(torch.bfloat16).items()}
+        params = {k: torch.nn.Parameter(v.clone() + offset)
+                  for k, v in _values(torch.bfloat16).items()}
         opt = tpamp.DistributedOptimizer(
             torch.optim.AdamW(_groups(params), lr=1e-2), clip_grad=4.0,
             data_parallel_group=dist.group.WORLD, bucket_size=40)

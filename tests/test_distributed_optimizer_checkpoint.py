@@ -38,7 +38,8 @@ def _steps(params, opt, kind, rank, world, start, n, inf_step=4):
     out = []
     for step in range(start, start + n):
         scale = float(opt.get_loss_scale())
-        mine = range(VIRTUAL_DP) if kind == "mpo" else range(rank * VIRTUAL_DP // world, (rank + 1) * VIRTUAL_DP // world)
+        per = VIRTUAL_DP // world  # the saving run's ranks whose grads this rank stands for
+        mine = range(VIRTUAL_DP) if kind == "mpo" else range(rank * per, (rank + 1) * per)
         for k, p in params.items():
             g = sum(_grad(k, SHAPES[k], r, step) for r in mine) / len(mine) * scale
             if step == inf_step and k == "w1":

@@ -83,6 +83,8 @@ class _Bucket:
     grad_shard: Tensor  # [shard_size] fp32 main grads (the reduce-scatter's output)
     reduce_out: Tensor  # [shard_size] grad_shard, or a model-dtype buffer that is cast into it
     pieces: List[_Piece] = field(default_factory=list)
+    param_data: Optional[Tensor] = None  # [numel] model dtype: the all-gather's output
+    param_shard: Optional[Tensor] = None  # [shard_size] model dtype: its input
     handle: Optional[object] = None
     ready: set = field(default_factory=set)
 
@@ -120,7 +122,8 @@ class DistributedOptimizer(OptimizerWrapper):
             keep their hyperparameters). Its groups are changed in place to hold this rank's
             fp32 main-param pieces (1-D tensors); ``.optimizer`` and ``param_groups`` reach it,
             so an LR scheduler on either changes the inner groups. Existing per-param state
-            (tensors shaped like the param) is sliced to the shard.
+            (tensors shaped like the param) is sliced to the shard. Params with
+            requires_grad=False are left out (never stepped, never gathered).
         grad_scaler: a tpamp loss scaler; required when any param is fp16.
         clip_grad: max global grad norm (gradient units); 0 disables clipping.
         norm_type: p of the norm (>= 1, or ``math.inf``).
@@ -226,7 +229,7 @@ class DistributedOptimizer(OptimizerWrapper):
         self._hooks = []
 
         names = _name_map(param_names)
-        entries, has_fp16 = [], False  # (param, name, group index)
+        entries, frozen, has_fp16 = [], [], False  # entries: (param, name, group index)
         seen = set()
         for gi, group in enumerate(optimizer.param_groups):
             for pi, p in enumerate(group["params"]):
@@ -239,10 +242,8 @@ class DistributedOptimizer(OptimizerWrapper):
                         "expected float32, float16 or bfloat16"
                     )
                 if not p.requires_grad:
-                    raise ValueError(
-                        f"param {pi} of param group {gi} does not require grad; leave frozen "
-                        "params out of the optimizer"
-                    )
+                    frozen.append(p)  # never has a grad: left out, as MixedPrecisionOptimizer does
+                    continue
                 has_fp16 |= p.dtype == torch.float16
                 entries.append((p, names.get(id(p), f"param_groups.{gi}.{pi}"), gi))
         if has_fp16 and grad_scaler is None:
@@ -482,9 +483,10 @@ class DistributedOptimizer(OptimizerWrapper):
         for b in self._buckets:
             for q in b.pieces:
                 s, t = q.shard_range
-                q.main.grad = b.grad_shard[s:t]  # the inner optimizer's zero_grad may drop it
-                srcs.append(b.reduce_out[s:t])
-                outs.append(q.main.grad)
+                q.main.grad = out = b.grad_shard[s:t]  # the inner zero_grad may drop it
+                # the same tensor object when reduced in fp32: grad_stats then works in place
+                srcs.append(out if b.reduce_out is b.grad_shard else b.reduce_out[s:t])
+                outs.append(out)
                 mask.append(q.counts)
         scale = self.grad_scaler.inv_scale if self.grad_scaler is not None else None
         finite_p = self.norm_type != math.inf
@@ -526,22 +528,21 @@ class DistributedOptimizer(OptimizerWrapper):
     def _gather_model_params(self) -> None:
         """Step 8's second half: main shard -> model dtype, all-gather over DP, copy into the
         model params (one cast pass, one collective per bucket, one copy pass)."""
-        gathered, shards = [], []
         for b in self._buckets:
-            if b.dtype == torch.float32:
-                shards.append(b.main_shard)
-            else:
-                shards.append(torch.empty(b.shard_size, dtype=b.dtype, device=self._device))
-        casts = [(m, s) for m, s in zip((b.main_shard for b in self._buckets), shards) if m is not s]
-        ops.scale_and_copy([m for m, _ in casts], [s for _, s in casts])
-        handles = []
-        for b, s in zip(self._buckets, shards):
-            full = torch.empty(b.numel, dtype=b.dtype, device=self._device)
-            handles.append(_all_gather(full, s, group=self.data_parallel_group, async_op=True))
-            gathered.append(full)
+            if b.param_data is None:  # kept between steps: no allocation (page faults) per step
+                b.param_data = torch.empty(b.numel, dtype=b.dtype, device=self._device)
+                b.param_shard = (b.main_shard if b.dtype == torch.float32 else
+                                 torch.empty(b.shard_size, dtype=b.dtype, device=self._device))
+        casts = [b for b in self._buckets if b.param_shard is not b.main_shard]
+        ops.scale_and_copy([b.main_shard for b in casts], [b.param_shard for b in casts])
+        handles = [
+            _all_gather(b.param_data, b.param_shard, group=self.data_parallel_group, async_op=True)
+            for b in self._buckets
+        ]
         srcs, dsts = [], []
-        for b, full, h in zip(self._buckets, gathered, handles):
+        for b, h in zip(self._buckets, handles):
             h.wait()
+            full = b.param_data
             for p, (a, e) in zip(b.params, b.offsets):
                 dst = local_tensor(p).detach()
                 srcs.append(full[a:e].view(dst.shape))
@@ -604,7 +605,8 @@ class DistributedOptimizer(OptimizerWrapper):
                     for k, v in st.items()
                 }
         self._ckpt_pieces = by_name
-        groups = [{k: v for k, v in g.items() if k != "params"} for g in self.optimizer.param_groups]
+        groups = [{k: v for k, v in g.items() if k != "params"}
+                  for g in self.optimizer.param_groups]
         return {"main_params": mains, "state": state, "param_groups": groups}
 
     def load_sharded_state_dict(self, state: Dict) -> None:
