@@ -30,7 +30,7 @@ import math
 import numbers
 import warnings
 from dataclasses import dataclass, field
-from typing import Dict, Iterable, List, Optional, Tuple, Union
+from typing import Dict, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -302,7 +302,6 @@ class DistributedOptimizer(OptimizerWrapper):
             )
 
     def _build_buckets(self, entries) -> List[_Bucket]:
-        d = self._dp_size
         by_dtype: Dict[torch.dtype, list] = {}
         for p, _, _ in reversed(entries):  # backward produces the last params' grads first
             by_dtype.setdefault(p.dtype, []).append(p)
