@@ -48,7 +48,11 @@ def _scaler(dtype):
     return tpamp.DynamicGradScaler(initial_scale=2.0**8, hysteresis=1, growth_interval=2)
 
 
-def _vs_reference(rank, world, dtype, steps, inf_step, bucket_size, reduce_in_fp32):
+def _vs_reference(rank, world, cases, steps, inf_step):
+    return [_vs_reference_one(rank, world, *case, steps, inf_step) for case in cases]
+
+
+def _vs_reference_one(rank, world, dtype, bucket_size, reduce_in_fp32, steps, inf_step):
     vals = _values(dtype)
     mine = {k: torch.nn.Parameter(v.clone()) for k, v in vals.items()}
     ref = {k: torch.nn.Parameter(v.clone()) for k, v in vals.items()}
@@ -85,15 +89,21 @@ def _vs_reference(rank, world, dtype, steps, inf_step, bucket_size, reduce_in_fp
             {k: _np(p) for k, p in ref.items()})
 
 
-@pytest.mark.parametrize("world,dtype,bucket_size,reduce_in_fp32", [
-    (2, torch.float16, None, True),
-    (4, torch.float16, 40, False),
-    (4, torch.bfloat16, 40, True),
-    (2, torch.float32, 25, True),
-])
-def test_matches_mixed_precision_optimizer_fed_dp_averaged_grads(
-        world, dtype, bucket_size, reduce_in_fp32):
-    out = run_workers(_vs_reference, world, dtype, 5, 2, bucket_size, reduce_in_fp32)
+# (model dtype, bucket_size, grad_reduce_in_fp32) per DP size
+CASES = {
+    2: [(torch.float16, None, True), (torch.float32, 25, True)],
+    4: [(torch.float16, 40, False), (torch.bfloat16, 40, True)],
+}
+
+
+@pytest.mark.parametrize("world", sorted(CASES))
+def test_matches_mixed_precision_optimizer_fed_dp_averaged_grads(world):
+    per_rank = run_workers(_vs_reference, world, CASES[world], 5, 2)
+    for case, out in zip(CASES[world], zip(*per_rank)):
+        _check_vs_reference(case[0], out)
+
+
+def _check_vs_reference(dtype, out):
     for rank, (got, want, params, ref_params) in enumerate(out):
         assert [r[0] for r in got] == [r[0] for r in want] == [True, True, False, True, True], rank
         for (ok, norm, zeros), (_, ref_norm, ref_zeros) in zip(got, want):
