@@ -115,7 +115,11 @@ class DistributedOptimizer(OptimizerWrapper):
        all-gathered over DP into the model params.
 
     Differences from MixedPrecisionOptimizer: a param whose grad never arrived has a zero
-    gradient (its main_grad), not none, so it is stepped (e.g. weight decay) as in Megatron-LM.
+    gradient (its main_grad), not none, so it is stepped (e.g. weight decay) and its zeros are
+    counted, as in Megatron-LM; there is no ``sync_free`` mode (the step reads found_inf, the
+    norm and the zeros on the host once, after the collective); ``state_dict()`` is this rank's
+    shard and resumes on the same layout only (``tpamp.checkpoint`` changes layouts through
+    :meth:`sharded_state_dict`).
 
     Args:
         optimizer: a ``torch.optim.Optimizer`` over the model params (any param groups, which
