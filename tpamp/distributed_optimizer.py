@@ -101,8 +101,10 @@ class DistributedOptimizer(OptimizerWrapper):
        is released; a grad set by hand (``p.grad = ...``) is added in ``step()``. With
        ``overlap_grad_reduce`` a bucket's reduce-scatter starts as soon as the grads of all its
        params have arrived (async; use :meth:`no_sync` for all but the last microbatch).
-    1. every bucket is multiplied by 1/d and reduce-scattered (SUM) over ``data_parallel_group``
-       (d ranks): this rank's shard of the DP-mean gradient lands in its fp32 main grads.
+    1. every bucket is reduce-scattered (SUM) over ``data_parallel_group`` (d ranks) and
+       multiplied by 1/d (in the unscale pass of step 2 for fp32 buckets; before the sum, as
+       Megatron-LM does, for fp16/bf16 ones): this rank's shard of the DP-mean gradient lands in
+       its fp32 main grads.
        **The caller must not reduce grads over DP itself** (a caller's all-reduce cannot be
        detected and would be applied twice).
     2-5. unscale by 1/loss_scale and found_inf over the shard, reduced with the norm and zero
@@ -454,8 +456,10 @@ class DistributedOptimizer(OptimizerWrapper):
         param.grad = None
 
     def _start_reduce(self, bucket: _Bucket) -> None:
-        if self._dp_size > 1:
-            bucket.grad_data.mul_(1.0 / self._dp_size)  # mean over DP, scaled before the sum
+        if self._dp_size > 1 and not self.grad_reduce_in_fp32:
+            # a half-precision sum could overflow: scale by 1/d before it, as Megatron-LM does
+            # (an fp32 sum cannot: there 1/d joins the unscale pass of step(), no extra pass)
+            bucket.grad_data.mul_(1.0 / self._dp_size)
         bucket.handle = _reduce_scatter(
             bucket.reduce_out, bucket.grad_data, group=self.data_parallel_group, async_op=True
         )
@@ -492,11 +496,14 @@ class DistributedOptimizer(OptimizerWrapper):
                 outs.append(out)
                 mask.append(q.counts)
         scale = self.grad_scaler.inv_scale if self.grad_scaler is not None else None
+        if self.grad_reduce_in_fp32 and self._dp_size > 1:  # the mean over DP: 1/d (<= 1)
+            scale = (scale if scale is not None else self._one) * (1.0 / self._dp_size)
         finite_p = self.norm_type != math.inf
         stats = ops.grad_stats(
             srcs, out=outs, scale=scale, norm_mask=mask, norm_type=self.norm_type,
             count_zeros=self.log_num_zeros_in_grad,
-            scale_at_most_one=self.grad_scaler is not None and self.grad_scaler.never_below_one,
+            scale_at_most_one=(self.grad_scaler is None or self.grad_scaler.never_below_one)
+            and scale is not None,
             device=self._device,
         )
         found_inf, norm_stat, num_zeros = self._reduce(stats, finite_p)
