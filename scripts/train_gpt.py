@@ -278,7 +278,8 @@ def all_reduce_embedding_grads(stage, st) -> None:
     if weight is not None:  # both copies are Shard(0) alike: sum the local vocab rows
         # the distributed optimizer has moved the grad into its main_grad buffer
         grad = getattr(weight, "main_grad", None)
-        _all_reduce_grads([grad if grad is not None else local_tensor(weight.grad)], st.embedding_group)
+        grad = grad if grad is not None else local_tensor(weight.grad)
+        _all_reduce_grads([grad], st.embedding_group)
 
 
 # ----------------------------------------------------------------------------- setup

@@ -129,10 +129,10 @@ def test_bf16_and_fp32_runs_train_without_loss_scaling(tmp_path, precision):
 def test_fp32_losses_and_grad_norms_do_not_depend_on_the_layout(tmp_path):
     """TP 2 x PP 2 (vocab-parallel embedding and tied head copy on the last stage, vocab-parallel
     cross-entropy over TP), DP 4 (pp 1, tp 1: the head is the embedding) and PP 2 x DP 2 with
-    --use-distributed-optimizer see the same global
-    batches and the same initial model, so in fp32 they must compute the same losses and the same
-    global grad norms (tied weight counted once). The TP x PP run also has the fp16 numerics
-    flags on, which must change nothing in fp32."""
+    --use-distributed-optimizer see the same global batches and the same initial model, so in
+    fp32 they must compute the same losses and the same global grad norms (tied weight counted
+    once). The TP x PP run also has the fp16 numerics flags on, which must change nothing in
+    fp32."""
     tp_pp, _, _ = run_train(tmp_path / "tp2pp2", "--fp32", *NUMERICS)
     dp, summary, _ = run_train(
         tmp_path / "dp4", "--fp32", "--tensor-model-parallel-size", "1",
