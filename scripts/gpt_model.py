@@ -241,6 +241,17 @@ class GPTStage(nn.Module):
                 self.head_weight = nn.Parameter(torch.empty(cfg.vocab_size, cfg.hidden_size))
                 self.head_weight.shared = True
 
+    def global_named_parameters(self):
+        """(name, param) pairs like ``named_parameters()``, but each block is named by its
+        global layer index (``blocks.5.mlp.fc1.weight`` on whichever stage holds layer 5), so a
+        name is unique in the whole model and the same under any pipeline split. The last
+        stage's tied head copy keeps the name ``head_weight`` (it is ``shared``)."""
+        for name, param in self.named_parameters():
+            if name.startswith("blocks."):
+                _, local, rest = name.split(".", 2)
+                name = f"blocks.{self.layer_ids[int(local)]}.{rest}"
+            yield name, param
+
     def output_head_weight(self) -> torch.Tensor:
         """The [V, H] weight of the output head: wte.weight itself, or the tied copy."""
         return self.wte.weight if self.is_first else self.head_weight
@@ -252,6 +263,22 @@ class GPTStage(nn.Module):
         if self.is_last:
             return self.head_weight
         return None
+
+    def checkpoint_named_parameters(self) -> dict:
+        """{global name: param} of this stage for tpamp.checkpoint, named as in the whole
+        one-stage model so the names do not depend on the PP layout: the stage's ``blocks.{j}``
+        is ``blocks.{layer_ids[j]}``, and the last stage's tied head copy ``head_weight``
+        (marked ``shared``) is ``wte.weight``, the weight it is a copy of (one-stage models
+        have no head copy), so it is saved once and loads on any layout."""
+        out = {}
+        for name, param in self.named_parameters():
+            if name.startswith("blocks."):
+                j, rest = name[len("blocks."):].split(".", 1)
+                name = f"blocks.{self.layer_ids[int(j)]}.{rest}"
+            elif name == "head_weight":
+                name = "wte.weight"
+            out[name] = param
+        return out
 
     @property
     def model_dtype(self) -> torch.dtype:

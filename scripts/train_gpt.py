@@ -33,7 +33,20 @@ What happens:
 - After backward: grads are averaged over the DP group, the two embedding copies' grads are
   summed over the embedding group, then ``tpamp.MixedPrecisionOptimizer`` (around AdamW) unscales,
   checks inf/nan over the model-parallel group, updates the loss scale, clips, and steps or
-  skips.
+  skips. With ``--use-distributed-optimizer`` (Megatron's flag) ``tpamp.DistributedOptimizer``
+  holds fp32 main params and AdamW state for 1/DP of the params on each rank and its step
+  reduce-scatters the grads over DP itself (no hand all-reduce), checks inf/nan and takes the
+  norm over TP x PP x DP, and all-gathers the updated params.
+- Learning rate: linear warm-up, then cosine decay (``torch.optim.lr_scheduler.LambdaLR``),
+  advanced only after a successful step, as in Megatron-LM's training loop: a skipped step
+  (overflow or spike) does not use up the schedule.
+- Spikes (tpamp.SpikeDetector): the DP-averaged loss and the reduced grad norm of every step are
+  judged against their last ``--spike-window`` values; ``--spike-policy`` log (the default)
+  records spikes, ``--skip-grad-norm-spikes`` skips those steps (the loss scale untouched),
+  raise stops the run.
+- Per-parameter grad norms (``--log-param-grad-norms K``): at every log interval the top-K
+  parameters by grad norm (names with the global layer index) follow the line, go into the
+  JSONL record as ``param_grad_norms`` and into TensorBoard as ``grad-norm/NAME``.
 - Logging on one rank (last PP stage, TP rank 0, DP rank 0): a tqdm bar when stderr is a
   terminal, Megatron's line every ``--log-interval`` iterations (``tpamp.TrainingLogger``), a
   JSONL record per iteration and TensorBoard scalars under ``--log-dir``, validation loss every
@@ -59,6 +72,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # gpt_model
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # tpamp
 
 import tpamp  # noqa: E402
+import gpt_checkpoint  # noqa: E402
 from gpt_model import GPTConfig, GPTStage, count_params, parallelize_stage  # noqa: E402
 from tpamp.grad_stats import local_tensor  # noqa: E402
 from tpamp.parallel import initialize_model_parallel  # noqa: E402
@@ -95,6 +109,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     a("--lr-warmup-iters", type=int, default=20)
     a("--weight-decay", type=float, default=0.1)
     a("--clip-grad", type=float, default=1.0, help="max global grad norm; 0 disables")
+    a("--use-distributed-optimizer", action="store_true",
+      help="shard fp32 main params and optimizer state over DP (tpamp.DistributedOptimizer)")
     a("--seed", type=int, default=1234)
     # precision and loss scaling (Megatron's flags)
     prec = p.add_mutually_exclusive_group()
@@ -124,12 +140,26 @@ def parse_args(argv=None) -> argparse.Namespace:
     # logging and evaluation
     a("--log-interval", type=int, default=10)
     a("--log-num-zeros-in-grad", action="store_true")
+    a("--log-param-grad-norms", type=int, default=0, metavar="K",
+      help="at each log interval, log the K largest per-parameter grad norms (0: off)")
+    # spike detection (tpamp.SpikeDetector)
+    spike = p.add_mutually_exclusive_group()
+    spike.add_argument("--spike-policy", choices=("off", "log", "skip", "raise"), default="log",
+                       help="what to do with a grad-norm or loss spike (default: log it)")
+    spike.add_argument("--skip-grad-norm-spikes", dest="spike_policy", action="store_const",
+                       const="skip", help="skip the steps with a spike (= --spike-policy skip)")
+    a("--spike-threshold", type=float, default=6.0, help="standard deviations above the mean")
+    a("--spike-window", type=int, default=100, help="recent values the statistics hold")
+    a("--spike-warmup", type=int, default=20, help="values seen before any decision")
     a("--log-dir", default=None, help="JSONL log, summary.json and TensorBoard events")
     a("--eval-interval", type=int, default=100)
     a("--eval-iters", type=int, default=5, help="global batches per evaluation")
     a("--no-progress", action="store_true", help="no tqdm bar")
     a("--dist-timeout", type=float, default=300.0, help="seconds before a collective fails")
-    return p.parse_args(argv)
+    gpt_checkpoint.add_arguments(p)  # --save, --save-interval, --load, --ckpt-step
+    args = p.parse_args(argv)
+    gpt_checkpoint.check_arguments(args)
+    return args
 
 
 # ----------------------------------------------------------------------------- data
@@ -271,7 +301,10 @@ def all_reduce_embedding_grads(stage, st) -> None:
     (last stage), so both copies take the same step and stay identical (Megatron-LM)."""
     weight = stage.word_embedding_weight() if st.embedding_group is not None else None
     if weight is not None:  # both copies are Shard(0) alike: sum the local vocab rows
-        _all_reduce_grads([local_tensor(weight.grad)], st.embedding_group)
+        # the distributed optimizer has moved the grad into its main_grad buffer
+        grad = getattr(weight, "main_grad", None)
+        grad = grad if grad is not None else local_tensor(weight.grad)
+        _all_reduce_grads([grad], st.embedding_group)
 
 
 # ----------------------------------------------------------------------------- setup
@@ -345,6 +378,15 @@ def build_optimizer(stage, args, st, dtype):
         grad_stats_group=st.model_parallel_group,
         tensor_parallel_group=st.tp_group,
     )
+    if args.spike_policy != "off":
+        kwargs["spike_detector"] = tpamp.SpikeDetector(
+            args.spike_policy, threshold=args.spike_threshold, window=args.spike_window,
+            warmup=args.spike_warmup,
+        )
+    if args.use_distributed_optimizer:  # it reduces the grads over DP itself, in step()
+        kwargs.update(data_parallel_group=st.dp_group, grad_stats_group=dist.group.WORLD,
+                      param_names=stage.named_parameters())
+        return tpamp.DistributedOptimizer(adamw, **kwargs)
     if dtype == torch.float32:
         return tpamp.FP32Optimizer(adamw, **kwargs)
     return tpamp.MixedPrecisionOptimizer(adamw, **kwargs)
@@ -402,6 +444,22 @@ def main(argv=None):
     torch.manual_seed(args.seed)
     stage = build_stage(cfg, st, dtype, device, args.seed)
     optimizer = build_optimizer(stage, args, st, dtype)
+    # Megatron-LM: the schedule advances only on successful steps (scheduler.step() below)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(
+        optimizer.optimizer, lambda steps_done: lr_at(steps_done + 1, args) / args.lr
+    )
+    if not args.lr > 0:
+        raise ValueError(f"--lr must be > 0, got {args.lr}")
+    if args.log_param_grad_norms < 0:
+        raise ValueError(f"--log-param-grad-norms must be >= 0, got {args.log_param_grad_norms}")
+    if args.log_param_grad_norms and args.use_distributed_optimizer:
+        raise ValueError(
+            f"--log-param-grad-norms {args.log_param_grad_norms} is not supported with "
+            "--use-distributed-optimizer yet (its grads are DP-sharded flat ranges); drop one"
+        )
+    tracker = None
+    if args.log_param_grad_norms:  # names with the global layer index: unique across stages
+        tracker = optimizer.track_param_grad_norms(stage.global_named_parameters())
     act_shape = (args.micro_batch_size, args.seq_length, args.hidden_size)
     # what crosses a pipeline stage boundary: the residual stream
     act_dtype = torch.float32 if args.fp32_residual_connection else dtype
@@ -436,6 +494,7 @@ def main(argv=None):
         tensorboard_dir=os.path.join(log_dir, "tensorboard") if log_dir else None,
         enabled=is_logging_rank,
         stream=stream,
+        param_grad_norms_top_k=args.log_param_grad_norms or None,
     )
 
     def evaluate() -> float:
@@ -451,13 +510,19 @@ def main(argv=None):
         return mean_over_dp(losses, st) if st.is_last_stage else float("nan")
 
     train_gen = torch.Generator().manual_seed(args.seed)
+    start_iter = 0
+    if args.load:  # model, optimizer, scaler, data position, RNG and log counters
+        start_iter = gpt_checkpoint.load_training_state(
+            args, stage, optimizer, st, train_gen, logger, global_batch, say,
+            scheduler=scheduler,
+        )
+        if bar is not None:
+            bar.update(start_iter)
     history, val_loss, first_loss = [], float("nan"), None
     start = time.time()
-    for it in range(1, args.train_iters + 1):
+    for it in range(start_iter + 1, args.train_iters + 1):
         t0 = time.time()
-        lr = lr_at(it, args)
-        for group in optimizer.param_groups:
-            group["lr"] = lr
+        lr = optimizer.param_groups[0]["lr"]  # set by the scheduler
         # logged: the scale this iteration's loss is multiplied by (the step may change it)
         loss_scale = optimizer.get_loss_scale().item()
         mbs = microbatches(data, "train", train_gen, st, args.micro_batch_size, num_microbatches, device)
@@ -465,21 +530,33 @@ def main(argv=None):
             stage, mbs, st, act_shape, act_dtype, optimizer,
             fp16_lm_cross_entropy=args.fp16_lm_cross_entropy,
         )
-        all_reduce_data_parallel_grads(stage, st)
+        if not args.use_distributed_optimizer:  # DistributedOptimizer.step reduce-scatters
+            all_reduce_data_parallel_grads(stage, st)
         all_reduce_embedding_grads(stage, st)
-        result = optimizer.step()
+        if st.is_last_stage:  # the DP mean, so that every DP replica judges the same loss
+            loss = mean_over_dp(losses, st)
+            if optimizer.spike_detector is not None:
+                optimizer.spike_detector.observe_loss(loss)
+        log_now = tracker is not None and it % args.log_interval == 0
+        result = optimizer.step(param_grad_norms=True) if log_now else optimizer.step()
         optimizer.zero_grad()
+        if result.update_successful:
+            scheduler.step()
 
         extra = {"elapsed_ms": round(1000 * (time.time() - t0), 1)}
         if args.eval_interval > 0 and (it % args.eval_interval == 0 or it == args.train_iters):
             val_loss = evaluate()
             extra["val_loss"] = val_loss
         if st.is_last_stage:
-            loss = mean_over_dp(losses, st)
             history.append(loss)
             first_loss = loss if first_loss is None else first_loss
             if is_logging_rank:
-                logger.record(it, loss, lr, loss_scale, result, **extra)
+                logger.record(
+                    it, loss, lr, loss_scale, result,
+                    param_grad_norms=tracker.norms if log_now else None,
+                    spike=optimizer.spike_detector.last if optimizer.spike_detector else None,
+                    **extra,
+                )
                 if "val_loss" in extra:
                     say(
                         f" validation loss at iteration {it} | lm loss value: {val_loss:.6E} | "
@@ -491,6 +568,11 @@ def main(argv=None):
             bar.update(1)
             if st.is_last_stage:
                 bar.set_postfix(loss=f"{history[-1]:.3f}", scale=f"{loss_scale:g}", refresh=False)
+        if gpt_checkpoint.should_save(args, it):
+            gpt_checkpoint.save_training_state(
+                args, it, stage, optimizer, st, train_gen, logger, global_batch, say,
+                scheduler=scheduler,
+            )
     elapsed = time.time() - start
     if bar is not None:
         bar.close()
@@ -499,9 +581,10 @@ def main(argv=None):
         tail = history[-10:]
         summary = {
             "iterations": args.train_iters,
-            "skipped_iterations": logger.skipped_iters,
-            "nan_iterations": logger.nan_iters,
-            "loss_scale_changes": logger.loss_scale_changes,
+            # skipped (all), overflow skips, spike skips, spikes, nan iterations, scale changes
+            # and the params that most often led the per-parameter norms
+            **logger.summary(),
+            "spike_policy": args.spike_policy,
             "final_loss_scale": optimizer.get_loss_scale().item(),
             "first_train_loss": first_loss,
             "final_train_loss": sum(tail) / len(tail) if tail else float("nan"),
@@ -512,11 +595,13 @@ def main(argv=None):
             "tp": st.dims.tp,
             "pp": st.dims.pp,
             "dp": dp,
+            "distributed_optimizer": args.use_distributed_optimizer,
         }
         say(
             f"done: {summary['iterations']} iterations in {elapsed:.1f} s "
             f"({elapsed / max(1, args.train_iters):.2f} s/it) | skipped {summary['skipped_iterations']} "
-            f"(nan {summary['nan_iterations']}) | loss scale changed {summary['loss_scale_changes']} "
+            f"(overflow {summary['overflow_skips']}, spike {summary['spike_skips']}; spikes "
+            f"{summary['spikes']}) | nan iterations {summary['nan_iterations']} | loss scale changed {summary['loss_scale_changes']} "
             f"times, final {summary['final_loss_scale']:g} | train loss {first_loss:.4f} -> "
             f"{summary['final_train_loss']:.4f} (mean of last {len(tail)}) | validation loss "
             f"{val_loss:.4f}",

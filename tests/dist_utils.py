@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import datetime
 import os
+import pickle
 import socket
 import traceback
 
@@ -33,7 +34,10 @@ def _worker(rank, world_size, port, fn, args, queue, timeout):
             timeout=datetime.timedelta(seconds=timeout),
         )
         result = fn(rank, world_size, *args)
-        queue.put((rank, "ok", result))
+        # plain pickle: tensors by value. The queue's own pickler would pass tensor storage as
+        # a file descriptor that the parent fetches from this process after os._exit below:
+        # "Connection reset by peer" whenever the parent is slower than the exit.
+        queue.put((rank, "ok", pickle.dumps(result)))
     except BaseException as e:  # report every rank's own failure
         queue.put((rank, "error", f"{type(e).__name__}: {e}\n{traceback.format_exc()}"))
     finally:
@@ -80,7 +84,7 @@ def run_workers(fn, world_size: int, *args, timeout: float = 30.0):
         rank, status, payload = queue.get()
         got += 1
         if status == "ok":
-            results[rank] = payload
+            results[rank] = pickle.loads(payload)
         else:
             errors.append((rank, payload))
     for p in procs:

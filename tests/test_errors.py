@@ -196,6 +196,7 @@ def _not_member_checks(rank, world_size):
         tpamp.MixedPrecisionOptimizer(torch.optim.SGD([p], lr=0.1), grad_stats_group=group01)
         out["member_ok"] = True
     if rank != 2:
+        dist.barrier()  # stay until rank 2 is done: an early exit can break group01's set-up
         return out
 
     def attempt(name, fn):
@@ -217,6 +218,12 @@ def _not_member_checks(rank, world_size):
     attempt("count_zeros", lambda: tpamp.count_zeros_fp32([p], grad_stats_group=group01))
     attempt("count_zeros_tp", lambda: tpamp.count_zeros_fp32([p], tensor_parallel_group=group01))
     attempt("filter_tp", lambda: tpamp.filter_grads_for_norm([p], tensor_parallel_group=group01))
+    attempt("mp_grad_scaler", lambda: tpamp.ModelParallelGradScaler(
+        "cpu", model_parallel_group=group01))
+    attempt("torch_amp_optimizer", lambda: tpamp.TorchAMPOptimizer(
+        torch.optim.SGD([p], lr=0.1), tpamp.ModelParallelGradScaler("cpu"),
+        grad_stats_group=group01))
+    dist.barrier()
     return out
 
 
@@ -238,6 +245,8 @@ def not_member_results():
         ("optimizer_tp", "tensor_parallel_group"),
         ("count_zeros_tp", "tensor_parallel_group"),
         ("filter_tp", "tensor_parallel_group"),
+        ("mp_grad_scaler", "model_parallel_group"),
+        ("torch_amp_optimizer", "grad_stats_group"),
     ],
 )
 def test_group_this_rank_is_not_in_raises_value_error_naming_it(not_member_results, case, group_name):

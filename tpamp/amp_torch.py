@@ -24,7 +24,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from tpamp import _validation
 from tpamp.grad_stats import (
+    _check_norm_type,
     clip_grad_by_total_norm_fp32,
     count_zeros_fp32,
     filter_grads_for_norm,
@@ -57,6 +59,11 @@ class ModelParallelGradScaler(torch.amp.GradScaler):
         device: device type of the grads and the scale, e.g. "cuda" or "cpu".
         model_parallel_group: the TP x PP group (``ParallelState.model_parallel_group``);
             None means no reduction (then it behaves exactly like torch.amp.GradScaler).
+
+    Raises ValueError (naming the argument) unless init_scale is finite and > 0 in float32,
+    growth_factor > 1, 0 < backoff_factor < 1 (finite), growth_interval an int >= 1; TypeError
+    for a non-bool enabled, a device that is not a str, or a group that is not a ProcessGroup;
+    ValueError for a model_parallel_group this rank is not a member of.
     """
 
     def __init__(
@@ -70,6 +77,19 @@ class ModelParallelGradScaler(torch.amp.GradScaler):
         *,
         model_parallel_group: Optional[dist.ProcessGroup] = None,
     ):
+        if not isinstance(device, str):
+            raise TypeError(f"device must be a device type string such as 'cuda' or 'cpu', got "
+                            f"{device!r} ({type(device).__name__})")
+        _validation.check_f32_scale("init_scale", init_scale, type_error=ValueError)
+        _real_arg("growth_factor", growth_factor, low=1.0, low_inclusive=False)
+        _real_arg("backoff_factor", backoff_factor, low=0.0, low_inclusive=False, high=1.0,
+                  high_inclusive=False)
+        try:
+            _validation.check_int("growth_interval", growth_interval, low=1, high=2**31 - 1)
+        except TypeError as e:
+            raise ValueError(str(e)) from None
+        _validation.check_bool("enabled", enabled)
+        _validation.check_group_member(model_parallel_group, "model_parallel_group")
         super().__init__(
             device,
             init_scale=init_scale,
@@ -100,6 +120,14 @@ class ModelParallelGradScaler(torch.amp.GradScaler):
             raise RuntimeError("found_inf is known only after unscale_(optimizer) or step()")
         flags = [f.to(self._scale.device) for f in per_device.values()]
         return torch.stack(flags).sum()
+
+
+def _real_arg(name, value, **bounds) -> float:
+    # torch.amp.GradScaler's arguments: ValueError for any bad value (as tpamp's scalers)
+    try:
+        return _validation.check_real(name, value, **bounds)
+    except TypeError as e:
+        raise ValueError(str(e)) from None
 
 
 class _AutocastCall(nn.Module):
@@ -155,6 +183,12 @@ class TorchAMPOptimizer(OptimizerWrapper):
     and ``scaler.update``. Returns ``StepResult(update_successful, grad_norm, num_zeros)``
     ((False, None, None) for a skipped step). Gradient accumulation: call ``backward`` (or
     ``scale_loss(loss).backward()``) for each micro-batch, then ``step()`` once.
+
+    Raises TypeError for an optimizer that is not a ``torch.optim.Optimizer`` or a scaler that
+    is not a ``torch.amp.GradScaler``; ValueError for a clip_grad that is not a finite number
+    >= 0, a norm_type below 1 or nan, or a group this rank is not a member of. ``step()``
+    raises RuntimeError when called again without a new backward, and (first step) ValueError
+    on every rank when the ranks of the grad-stats group disagree on these settings.
     """
 
     def __init__(
@@ -168,6 +202,22 @@ class TorchAMPOptimizer(OptimizerWrapper):
         grad_stats_group=None,
         tensor_parallel_group=None,
     ):
+        if not isinstance(optimizer, torch.optim.Optimizer):
+            raise TypeError(
+                f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}"
+            )
+        if not isinstance(scaler, torch.amp.GradScaler):
+            raise TypeError(
+                "scaler must be a tpamp.ModelParallelGradScaler (or torch.amp.GradScaler), got "
+                f"{type(scaler).__name__}"
+            )
+        try:
+            _validation.check_real("clip_grad", clip_grad, low=0.0)
+        except TypeError as e:
+            raise ValueError(str(e)) from None
+        _check_norm_type(norm_type)
+        _validation.check_group_member(grad_stats_group, "grad_stats_group")
+        _validation.check_group_member(tensor_parallel_group, "tensor_parallel_group")
         self.optimizer = optimizer
         self.scaler = scaler
         self.clip_grad = float(clip_grad)
@@ -187,14 +237,17 @@ class TorchAMPOptimizer(OptimizerWrapper):
         return scale.reshape(1)
 
     def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
+        """loss * scale (TypeError unless loss is a floating-point tensor)."""
+        _validation.check_loss(loss)
         return self.scaler.scale(loss)
 
     def backward(self, loss: torch.Tensor) -> None:
-        self.scaler.scale(loss).backward()
+        self.scale_loss(loss).backward()
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         self.optimizer.zero_grad(set_to_none=set_to_none)
 
+    @_validation.guard_step
     def step(self) -> StepResult:
         if not self.scaler.is_enabled():
             found = False
@@ -223,6 +276,33 @@ class TorchAMPOptimizer(OptimizerWrapper):
         return {"optimizer": self.optimizer.state_dict(), "grad_scaler": self.scaler.state_dict()}
 
     def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
+        """Restore {'optimizer': inner state, 'grad_scaler': scaler state}; all or nothing:
+        both are checked (TypeError/KeyError/ValueError naming the key) before either loads."""
+        _validation.check_mapping("state_dict", state_dict)
+        if "optimizer" not in state_dict:
+            raise KeyError("optimizer state_dict has no 'optimizer' entry")
+        _validation.check_inner_optimizer_state(self.optimizer, state_dict["optimizer"])
+        scaler_state = state_dict.get("grad_scaler")
+        if scaler_state:
+            _check_torch_scaler_state(scaler_state)
         self.optimizer.load_state_dict(state_dict["optimizer"])
-        if state_dict.get("grad_scaler"):
-            self.scaler.load_state_dict(state_dict["grad_scaler"])
+        if scaler_state:
+            self.scaler.load_state_dict(scaler_state)
+
+
+def _check_torch_scaler_state(state: Dict[str, Any]) -> None:
+    """A torch.amp.GradScaler state dict: the keys it writes, with values it could have."""
+    where = "state_dict['grad_scaler']"
+    _validation.check_mapping(where, state)
+    keys = {"scale", "growth_factor", "backoff_factor", "growth_interval", "_growth_tracker"}
+    missing = keys - set(state)
+    if missing:
+        raise KeyError(f"{where} is missing {sorted(missing)} (not a torch.amp.GradScaler state)")
+    _validation.check_f32_scale(f"{where}['scale']", state["scale"])
+    _validation.check_real(f"{where}['growth_factor']", state["growth_factor"], low=1.0,
+                           low_inclusive=False)
+    _validation.check_real(f"{where}['backoff_factor']", state["backoff_factor"], low=0.0,
+                           low_inclusive=False, high=1.0, high_inclusive=False)
+    interval = _validation.check_int(f"{where}['growth_interval']", state["growth_interval"], low=1)
+    _validation.check_int(f"{where}['_growth_tracker']", state["_growth_tracker"], low=0,
+                          high=interval - 1)

@@ -20,6 +20,7 @@ from typing import Optional, Union
 import torch
 
 from tpamp import ops
+from tpamp._validation import as_float32, check_device, check_f32_scale, check_int, check_mapping
 
 __all__ = [
     "MegatronGradScaler",
@@ -65,11 +66,10 @@ class MegatronGradScaler:
     computed in float64 and rounded to float32 (as Megatron-LM does).
     """
 
-    def __init__(self, initial_scale: float, device: Optional[Union[str, torch.device]] = None):
-        initial_scale = _check_number("initial_scale", initial_scale)
-        if initial_scale <= 0:
-            raise ValueError(f"initial_scale must be > 0, got {initial_scale}")
-        self._device = torch.device(device) if device is not None else _default_device()
+    def __init__(self, initial_scale: float, device: Optional[Union[str, torch.device]] = None,
+                 *, _name: str = "initial_scale"):
+        initial_scale = check_f32_scale(_name, initial_scale, type_error=ValueError)
+        self._device = check_device(device) if device is not None else _default_device()
         self._scale = torch.tensor([initial_scale], dtype=torch.float32, device=self._device)
 
     @property
@@ -85,8 +85,9 @@ class MegatronGradScaler:
         return self._scale.double().reciprocal().float()
 
     def to(self, device: Union[str, torch.device]) -> "MegatronGradScaler":
-        """Move the scaler's tensors to ``device`` (in place); returns self."""
-        self._device = torch.device(device)
+        """Move the scaler's tensors to ``device`` (in place); returns self. Raises
+        TypeError/ValueError for a device this build cannot use."""
+        self._device = check_device(device)
         for name, value in list(vars(self).items()):
             if isinstance(value, torch.Tensor):
                 setattr(self, name, value.to(self._device))
@@ -124,11 +125,15 @@ class ConstantGradScaler(MegatronGradScaler):
 
     ``update`` does nothing; the optimizer still checks found_inf and skips overflowing steps.
     state_dict: ``{'tpamp_constant_scale': float}``; Megatron's empty dict loads as a no-op.
+
+    Raises TypeError for a scale that is not a real number, ValueError for one that is not
+    finite and > 0 in float32 (1e39 is inf and 1e-50 is 0 in float32), or a device this build
+    cannot use.
     """
 
     def __init__(self, scale: float, device: Optional[Union[str, torch.device]] = None):
-        super().__init__(scale, device)
-        self._host_scale = float(scale)
+        super().__init__(scale, device, _name="scale")
+        self._host_scale = as_float32(float(scale))
 
     @property
     def never_below_one(self) -> bool:
@@ -140,15 +145,30 @@ class ConstantGradScaler(MegatronGradScaler):
     def state_dict(self) -> dict:
         return {"tpamp_constant_scale": float(self._scale.item())}
 
-    def load_state_dict(self, state_dict: dict) -> None:
-        if not isinstance(state_dict, dict):
-            raise TypeError(f"state_dict must be a dict, got {type(state_dict).__name__}")
+    def _parse_state_dict(self, state_dict: dict) -> Optional[float]:
+        """Validate without changing anything; the scale to load (None: keep the current)."""
+        check_mapping("grad scaler state_dict", state_dict)
         unknown = set(state_dict) - {"tpamp_constant_scale"}
         if unknown:
-            raise KeyError(f"unexpected keys in ConstantGradScaler state_dict: {sorted(unknown)}")
-        if "tpamp_constant_scale" in state_dict:
-            self._host_scale = float(state_dict["tpamp_constant_scale"])
-            self._scale.fill_(self._host_scale)
+            raise KeyError(
+                f"unexpected keys in ConstantGradScaler state_dict: {sorted(map(str, unknown))}; "
+                "expected {'tpamp_constant_scale': float} or Megatron's {}"
+            )
+        if "tpamp_constant_scale" not in state_dict:
+            return None
+        value = state_dict["tpamp_constant_scale"]
+        if isinstance(value, torch.Tensor) and value.numel() == 1 and value.is_floating_point():
+            value = float(value.reshape(()).item())
+        check_f32_scale("state_dict['tpamp_constant_scale']", value)
+        return as_float32(float(value))
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        """Load {'tpamp_constant_scale': float} (or Megatron's {}: nothing to load). Raises
+        TypeError/KeyError/ValueError naming the key before changing anything."""
+        value = self._parse_state_dict(state_dict)
+        if value is not None:
+            self._host_scale = value
+            self._scale.fill_(value)
 
 
 def _validate_found_inf(found_inf):
@@ -184,9 +204,16 @@ class DynamicGradScaler(MegatronGradScaler):
     ``update`` takes a Python bool or a 1-element tensor; a tensor is never read on the host:
     the update runs on the scaler's device (a CUDA kernel when tpamp._C is built).
 
+    Without max_scale, growth stops at the largest power of growth_factor that float32 holds
+    (2**127 for 2), so the scale never becomes inf; reaching it is reported once (a
+    RuntimeWarning, where the step already reads the device).
+
     Raises ValueError (naming the value) unless initial_scale > 0, 0 < min_scale <=
     initial_scale, growth_factor > 1, 0 < backoff_factor < 1, growth_interval >= 1,
-    hysteresis >= 1, max_scale None or >= initial_scale, all finite.
+    hysteresis >= 1, max_scale None or >= initial_scale, all finite; the scales
+    (initial_scale, min_scale, max_scale) must also be finite and > 0 in float32, the dtype
+    the scale is stored in (1e39 is inf there, 1e-50 is 0). TypeError/ValueError for a
+    device this build cannot use (e.g. "cuda" without CUDA).
     """
 
     def __init__(
@@ -203,13 +230,16 @@ class DynamicGradScaler(MegatronGradScaler):
         raise_at_min_scale: bool = False,
         device: Optional[Union[str, torch.device]] = None,
     ):
-        initial = _check_number("initial_scale", initial_scale)
+        # scales are stored in float32: 1e39 would be inf there and 1e-50 would be 0
+        initial = check_f32_scale("initial_scale", initial_scale, type_error=ValueError)
         min_scale = _check_number("min_scale", min_scale)
         growth_factor = _check_number("growth_factor", growth_factor)
         backoff_factor = _check_number("backoff_factor", backoff_factor)
         max_scale = _check_number("max_scale", max_scale, allow_none=True)
-        if initial <= 0:
-            raise ValueError(f"initial_scale must be > 0, got {initial_scale}")
+        if min_scale > 0:
+            check_f32_scale("min_scale", min_scale)
+        if max_scale is not None and max_scale > 0:
+            check_f32_scale("max_scale", max_scale)
         if not 0 < min_scale <= initial:
             raise ValueError(
                 f"min_scale must satisfy 0 < min_scale <= initial_scale ({initial}), got {min_scale}"
@@ -224,6 +254,11 @@ class DynamicGradScaler(MegatronGradScaler):
             raise ValueError(f"max_scale must be None or >= initial_scale ({initial}), got {max_scale}")
         super().__init__(initial, device)
         self.min_scale = min_scale
+        # the largest scale growth may reach: max_scale, else the largest power of
+        # growth_factor that float32 holds (so the scale never becomes inf and stops training)
+        self._growth_cap = max_scale if max_scale is not None else _largest_f32_power(growth_factor, initial)
+        self._at_implicit_cap = torch.zeros(1, dtype=torch.bool, device=self._device)
+        self._warned_cap = max_scale is not None  # an explicit max_scale is a documented clamp
         self.growth_factor = growth_factor
         self.backoff_factor = backoff_factor
         self.growth_interval = growth_interval
@@ -258,7 +293,7 @@ class DynamicGradScaler(MegatronGradScaler):
         else:
             flag = found_inf.detach().reshape(1).to(device=self._device, dtype=torch.float32)
         # remembered so the optimizer can report a stall where it already syncs
-        torch.logical_and(flag != 0, self._scale <= self.min_scale, out=self._overflow_at_min)
+        torch.logical_and(flag != 0, self._scale <= as_float32(self.min_scale), out=self._overflow_at_min)
         ops.dynamic_scaler_update_(
             self._scale,
             self._growth_tracker_t,
@@ -269,20 +304,41 @@ class DynamicGradScaler(MegatronGradScaler):
             growth_interval=self.growth_interval,
             hysteresis=self.hysteresis,
             min_scale=self.min_scale,
-            max_scale=self.max_scale,
+            max_scale=self._growth_cap,
             consecutive_hysteresis=self.consecutive_hysteresis,
         )
-        if isinstance(found_inf, bool) and found_inf and bool(self._overflow_at_min.item()):
+        if not self._warned_cap:
+            torch.logical_or(
+                self._at_implicit_cap, self._scale >= as_float32(self._growth_cap),
+                out=self._at_implicit_cap,
+            )
+        if isinstance(found_inf, bool) and bool(self._overflow_at_min_scale().any()):
             self._report_overflow_at_min_scale()
 
     def _overflow_at_min_scale(self) -> Optional[torch.Tensor]:
-        return self._overflow_at_min
+        # also raised (until reported once) when growth has reached the float32 cap
+        if self._warned_cap:
+            return self._overflow_at_min
+        return self._overflow_at_min | self._at_implicit_cap
 
     @property
     def never_below_one(self) -> bool:
         return self.min_scale >= 1.0
 
     def _report_overflow_at_min_scale(self) -> None:
+        # called only when the flag above was read nonzero: a rare event, so reading the
+        # device flags here adds no sync to an ordinary step
+        if not self._warned_cap and bool(self._at_implicit_cap.item()):
+            self._warned_cap = True
+            warnings.warn(
+                f"the loss scale reached {self._growth_cap:.6g}, the largest power of "
+                f"growth_factor={self.growth_factor} that float32 holds, and will not grow "
+                "further (set max_scale to choose the cap; reported once)",
+                RuntimeWarning,
+                stacklevel=3,
+            )
+        if not bool(self._overflow_at_min.item()):
+            return
         msg = (
             f"gradient overflow while the loss scale is at min_scale={self.min_scale}: the step "
             "is skipped and the scale cannot back off further"
@@ -302,21 +358,80 @@ class DynamicGradScaler(MegatronGradScaler):
             "hysteresis_tracker": self.hysteresis_tracker,
         }
 
-    def load_state_dict(self, state_dict: dict) -> None:
-        """Load a dict from :meth:`state_dict` or from Megatron-LM's DynamicGradScaler (scale as
-        a 1-element tensor on any device, moved to this scaler's device)."""
-        if not isinstance(state_dict, dict):
-            raise TypeError(f"state_dict must be a dict, got {type(state_dict).__name__}")
-        missing = {"scale", "growth_tracker", "hysteresis_tracker"} - set(state_dict)
+    def _parse_state_dict(self, state_dict: dict):
+        """Validate a state dict against this scaler's config without changing anything.
+        Returns (scale as float32 [1] CPU tensor, growth_tracker, hysteresis_tracker)."""
+        check_mapping("grad scaler state_dict", state_dict)
+        keys = {"scale", "growth_tracker", "hysteresis_tracker"}
+        missing = keys - set(state_dict)
         if missing:
             raise KeyError(f"DynamicGradScaler state_dict is missing {sorted(missing)}")
+        unknown = set(state_dict) - keys
+        if unknown:
+            raise KeyError(
+                f"unexpected keys in DynamicGradScaler state_dict: {sorted(map(str, unknown))}; "
+                f"expected {sorted(keys)}"
+            )
         scale = state_dict["scale"]
-        scale = torch.as_tensor(scale, dtype=torch.float32)
-        if scale.numel() != 1:
-            raise ValueError(f"state_dict['scale'] must have one element, got shape {tuple(scale.shape)}")
-        value = float(scale.reshape(()).item())
-        if not (math.isfinite(value) and value > 0):
-            raise ValueError(f"state_dict['scale'] must be finite and > 0, got {value}")
-        self._scale.copy_(scale.reshape(1).to(self._device))
-        self._growth_tracker_t.fill_(int(state_dict["growth_tracker"]))
-        self._hysteresis_tracker_t.fill_(int(state_dict["hysteresis_tracker"]))
+        if isinstance(scale, torch.Tensor):
+            if scale.numel() != 1 or not scale.is_floating_point():
+                raise ValueError(
+                    "state_dict['scale'] must be a 1-element floating-point tensor, got dtype "
+                    f"{scale.dtype} and shape {tuple(scale.shape)}"
+                )
+            value = float(scale.detach().reshape(()).to("cpu", torch.float64).item())
+        else:
+            value = scale
+        value = check_f32_scale("state_dict['scale']", value)
+        value32 = as_float32(value)
+        if value32 < as_float32(self.min_scale):
+            raise ValueError(
+                f"state_dict['scale']={value32!r} is below this scaler's min_scale="
+                f"{self.min_scale!r}; resume with a min_scale <= the saved scale"
+            )
+        if value32 > as_float32(self._growth_cap):
+            which = "max_scale" if self.max_scale is not None else "float32 growth cap"
+            raise ValueError(
+                f"state_dict['scale']={value32!r} is above this scaler's {which} "
+                f"{self._growth_cap!r}"
+            )
+        growth = check_int(
+            "state_dict['growth_tracker']", state_dict["growth_tracker"],
+            low=0, high=self.growth_interval - 1,
+        )
+        hyst = check_int(
+            "state_dict['hysteresis_tracker']", state_dict["hysteresis_tracker"],
+            low=-_INT32_MAX - 1, high=self.hysteresis,
+        )
+        return torch.tensor([value32], dtype=torch.float32), growth, hyst
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        """Load a dict from :meth:`state_dict` or from Megatron-LM's DynamicGradScaler (scale as
+        a 1-element tensor on any device, moved to this scaler's device).
+
+        Everything is checked before anything changes: TypeError/KeyError for a non-dict, a
+        missing or unknown key or a non-number; ValueError for a scale that is not finite and
+        > 0 in float32 or lies outside [min_scale, max_scale (or the float32 growth cap)], a
+        growth_tracker outside [0, growth_interval - 1] (a checkpoint from a run with a larger
+        growth_interval: its tracker could never reach this one's interval) or a
+        hysteresis_tracker above hysteresis."""
+        scale, growth, hyst = self._parse_state_dict(state_dict)
+        self._scale.copy_(scale.to(self._device))
+        self._growth_tracker_t.fill_(growth)
+        self._hysteresis_tracker_t.fill_(hyst)
+        self._overflow_at_min.zero_()
+        self._at_implicit_cap.zero_()
+
+
+def _largest_f32_power(growth_factor: float, initial_scale: float) -> float:
+    """The largest growth_factor**k (k an int) that is finite in float32, or initial_scale if
+    that is larger: where an unbounded dynamic scale stops growing."""
+    k = int(math.floor(math.log(_F32_MAX) / math.log(growth_factor)))
+    while k > 0 and not math.isfinite(as_float32(growth_factor**k)):
+        k -= 1
+    while math.isfinite(as_float32(growth_factor ** (k + 1))):
+        k += 1
+    return max(float(growth_factor**k), float(initial_scale))
+
+
+_F32_MAX = float(torch.finfo(torch.float32).max)

@@ -79,6 +79,7 @@ def is_tensor_parallel_shard(param: Tensor, tensor_parallel_group=None) -> bool:
 def _tp_rank(tensor_parallel_group) -> int:
     if tensor_parallel_group is None:
         return 0
+    _check_group(tensor_parallel_group, "tensor_parallel_group")
     rank = dist.get_rank(tensor_parallel_group)
     if rank < 0:
         raise ValueError(
@@ -102,10 +103,11 @@ def counts_toward_norm(param: Tensor, tp_rank: int, tensor_parallel_group=None) 
     return tp_rank == 0 or is_tensor_parallel_shard(param, tensor_parallel_group)
 
 
-def _as_list(params) -> list:
-    if isinstance(params, Tensor):
-        return [params]
-    return list(params)
+def _as_list(params, name: str = "params") -> list:
+    """A tensor or an iterable of tensors as a list; TypeError naming ``name`` otherwise."""
+    from tpamp._validation import check_tensor_list
+
+    return check_tensor_list(name, params)
 
 
 def filter_grads_for_norm(params: Iterable[Tensor], tensor_parallel_group=None) -> List[Tensor]:
@@ -129,6 +131,11 @@ def filter_grads_for_norm(params: Iterable[Tensor], tensor_parallel_group=None) 
 def _check_group(group, what: str = "grad_stats_group"):
     if group is None:
         return
+    # new_group hands non-members a placeholder (GroupMember.NON_GROUP_MEMBER), not a group
+    if not isinstance(group, dist.ProcessGroup) and group is not dist.GroupMember.NON_GROUP_MEMBER:
+        raise TypeError(
+            f"{what} must be a torch.distributed ProcessGroup or None, got {type(group).__name__}"
+        )
     if dist.get_rank(group) < 0:
         raise ValueError(
             f"this rank (global rank {dist.get_rank()}) is not a member of the given {what}"
@@ -171,7 +178,7 @@ def get_grad_norm_fp32(
     """
     norm_type = _check_norm_type(norm_type)
     _check_group(grad_stats_group)
-    grads = [local_tensor(g) for g in _as_list(grads_for_norm)]
+    grads = [local_tensor(g) for g in _as_list(grads_for_norm, "grads_for_norm")]
     device = grads[0].device if grads else collective_device(grad_stats_group)
     stats = ops.grad_stats(grads, norm_type=norm_type, check_finite=False, device=device)
     total = stats.norm_stat.reshape(())
@@ -205,6 +212,13 @@ def clip_grad_by_total_norm_fp32(
     """
     if isinstance(max_norm, bool) or not isinstance(max_norm, numbers.Real) or not max_norm > 0:
         raise ValueError(f"max_norm must be a number > 0, got {max_norm!r}")
+    if isinstance(total_norm, bool) or not isinstance(total_norm, (numbers.Real, Tensor)):
+        raise TypeError(
+            f"total_norm must be a float or a 0-dim tensor, got {total_norm!r} "
+            f"({type(total_norm).__name__})"
+        )
+    if isinstance(total_norm, Tensor) and total_norm.numel() != 1:
+        raise ValueError(f"total_norm must have one element, got shape {tuple(total_norm.shape)}")
     grads = []
     for p in _as_list(params):
         g = _grad_of(p)

@@ -42,6 +42,7 @@ from typing import Any, ClassVar, NamedTuple, Optional, Union
 import torch
 from torch import nn
 
+from tpamp._validation import check_f32_scale
 from tpamp.amp_torch import ModelParallelGradScaler, TorchAMPLoss, TorchAMPModel, TorchAMPOptimizer
 from tpamp.grad_scaler import ConstantGradScaler, DynamicGradScaler
 from tpamp.model import NaiveAMPModel, parse_dtype
@@ -65,7 +66,7 @@ DType = Union[str, torch.dtype]
 
 
 def _real(cfg, name: str, *, low=None, low_inclusive=True, high=None, high_inclusive=False,
-          allow_none=False, allow_inf=False) -> None:
+          allow_none=False, allow_inf=False, float32=False) -> None:
     value = getattr(cfg, name)
     if value is None and allow_none:
         return
@@ -79,6 +80,11 @@ def _real(cfg, name: str, *, low=None, low_inclusive=True, high=None, high_inclu
         raise ValueError(f"{where} must be {'>=' if low_inclusive else '>'} {low}, got {value!r}")
     if high is not None and (value > high or (value == high and not high_inclusive)):
         raise ValueError(f"{where} must be {'<=' if high_inclusive else '<'} {high}, got {value!r}")
+    if float32:  # a loss scale is stored in float32: 1e39 is inf there, 1e-50 is 0
+        try:
+            check_f32_scale(name, value)
+        except ValueError as e:
+            raise ValueError(f"fp16 config (mode={cfg.MODE!r}): {e}") from None
 
 
 def _int(cfg, name: str, low: int) -> None:
@@ -148,15 +154,15 @@ class ParallelAMPConfig:
     def validate(self) -> None:
         """Raise ValueError naming the first bad field."""
         _dtype(self, "dtype")
-        _real(self, "initial_scale", low=0, low_inclusive=False)
-        _real(self, "min_scale", low=0, low_inclusive=False)
+        _real(self, "initial_scale", low=0, low_inclusive=False, float32=True)
+        _real(self, "min_scale", low=0, low_inclusive=False, float32=True)
         _real(self, "growth_factor", low=1, low_inclusive=False)
         _real(self, "backoff_factor", low=0, low_inclusive=False, high=1)
         _int(self, "growth_interval", 1)
         _int(self, "hysteresis", 1)
-        _real(self, "max_scale", low=0, low_inclusive=False, allow_none=True)
+        _real(self, "max_scale", low=0, low_inclusive=False, allow_none=True, float32=True)
         _bool(self, "consecutive_hysteresis")
-        _real(self, "loss_scale", low=0, low_inclusive=False, allow_none=True)
+        _real(self, "loss_scale", low=0, low_inclusive=False, allow_none=True, float32=True)
         _real(self, "clip_grad", low=0)
         _real(self, "norm_type", low=1, allow_inf=True)
         _bool(self, "log_num_zeros_in_grad")
@@ -200,7 +206,7 @@ class TorchAMPConfig:
     def validate(self) -> None:
         """Raise ValueError naming the first bad field."""
         _dtype(self, "dtype", allowed=(torch.float16, torch.bfloat16))
-        _real(self, "init_scale", low=0, low_inclusive=False)
+        _real(self, "init_scale", low=0, low_inclusive=False, float32=True)
         _real(self, "growth_factor", low=1, low_inclusive=False)
         _real(self, "backoff_factor", low=0, low_inclusive=False, high=1)
         _int(self, "growth_interval", 1)

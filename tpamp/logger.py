@@ -11,16 +11,30 @@ skipped, nan, plus any extra fields), and TensorBoard scalars ``loss-scale``, ``
 ``num-zeros`` (and ``lm loss``, ``learning-rate``) when a log dir is given and TensorBoard is
 installed. Only the logging rank (Megatron: last pipeline stage, TP rank 0) should pass
 ``enabled=True``.
+
+With per-parameter grad norms (``record(..., param_grad_norms={name: norm})``, see
+tpamp/param_norms.py) the record holds the top-K as ``"param_grad_norms"`` (model order), a
+readable block of them (largest first) follows the line, and TensorBoard gets ``grad-norm/NAME``.
+With a spike detector (``record(..., spike=detector.last)``, tpamp/spikes.py) the record holds
+``"spike"`` (the decision: judged grad norm and loss, z-scores, spike, skipped, overflow), spike
+skips are counted apart from overflow skips, and the line gains ``number of spike skips``.
+:meth:`TrainingLogger.summary` gives the run's counts for summary.json.
 """
 
 from __future__ import annotations
 
 import json
 import math
+import numbers
 import os
 import sys
 import warnings
-from typing import Optional, TextIO
+from collections import Counter
+from typing import Dict, Optional, TextIO
+
+import torch
+
+from tpamp.param_norms import top_k as _top_k
 
 __all__ = ["TrainingLogger"]
 
@@ -37,6 +51,8 @@ class TrainingLogger:
         enabled: False on every rank but the logging one (all calls become no-ops that still
             return the record).
         stream: where lines go (default sys.stdout).
+        param_grad_norms_top_k: how many per-parameter norms a record keeps and the block
+            shows (the largest; >= 1; None: all).
     """
 
     def __init__(
@@ -48,11 +64,24 @@ class TrainingLogger:
         tensorboard_dir: Optional[str] = None,
         enabled: bool = True,
         stream: Optional[TextIO] = None,
+        param_grad_norms_top_k: Optional[int] = None,
     ):
         if not isinstance(log_interval, int) or log_interval < 1:
             raise ValueError(f"log_interval must be an int >= 1, got {log_interval!r}")
         if not isinstance(train_iters, int) or train_iters < 0:
             raise ValueError(f"train_iters must be an int >= 0, got {train_iters!r}")
+        if param_grad_norms_top_k is not None and (
+            not isinstance(param_grad_norms_top_k, int) or param_grad_norms_top_k < 1
+        ):
+            raise ValueError(
+                f"param_grad_norms_top_k must be an int >= 1 or None, got {param_grad_norms_top_k!r}"
+            )
+        self.param_grad_norms_top_k = param_grad_norms_top_k
+        self.spike_skips = 0  # skipped for a spike (also counted in skipped_iters)
+        self.spikes = 0  # flagged by the detector, whatever its policy
+        self.param_grad_norm_leaders: Counter = Counter()  # name -> records it was the largest
+        self._interval_spike_skips = 0
+        self._spike_watched = False
         self.train_iters = train_iters
         self.log_interval = log_interval
         self.enabled = enabled
@@ -81,17 +110,44 @@ class TrainingLogger:
             else:
                 self._tb = SummaryWriter(log_dir=tensorboard_dir)
 
-    def record(self, iteration: int, loss: float, lr: float, loss_scale: float, result, **extra) -> dict:
+    def record(
+        self, iteration: int, loss: float, lr: float, loss_scale: float, result, *,
+        param_grad_norms: Optional[Dict[str, float]] = None, spike=None, **extra,
+    ) -> dict:
         """Account for one iteration and return its JSON record.
 
-        result: the :class:`tpamp.StepResult` of the iteration's step. loss: the iteration's
-        training loss (float; nan/inf counts as a nan iteration, as in Megatron-LM). Extra
-        keyword fields go into the record unchanged (JSON-serialisable).
+        result: the :class:`tpamp.StepResult` of the iteration's step (or a 3-tuple
+        (update_successful, grad_norm, num_zeros); tensors are read here). loss: the
+        iteration's training loss (nan/inf counts as a nan iteration, as in Megatron-LM).
+        loss, lr, loss_scale: numbers or 1-element tensors. Extra keyword fields go into the
+        record (JSON-serialisable; non-finite floats become null).
+
+        The record is always valid JSON: grad_norm is null when the step was skipped or the
+        norm is not finite (sync_free's sentinel nan included), num_zeros null when skipped,
+        not requested or negative (sync_free's sentinel -1); a non-finite loss_scale or lr is
+        null. Raises TypeError naming the argument for a value of the wrong type.
+        param_grad_norms: {name: norm} of every param (``ParamGradNormTracker.norms``) on the
+        iterations that computed them; the record keeps the top-K (non-finite as null).
+        spike: the :class:`tpamp.SpikeDecision` of the step (``SpikeDetector.last``), or None.
         """
-        update_successful, grad_norm, num_zeros = result
-        loss = float(loss)
-        loss_scale = float(loss_scale)
+        if isinstance(result, (str, bytes)) or not isinstance(result, (tuple, list)) or len(result) < 3:
+            raise TypeError(
+                "result must be the StepResult (update_successful, grad_norm, num_zeros) of the "
+                f"step, got {result!r:.80} ({type(result).__name__})"
+            )
+        if isinstance(iteration, bool) or not isinstance(iteration, numbers.Integral):
+            raise TypeError(f"iteration must be an int, got {iteration!r} ({type(iteration).__name__})")
+        update_successful, grad_norm, num_zeros = result[0], result[1], result[2]
+        loss = _number("loss", loss)
+        lr = _number("lr", lr)
+        loss_scale = _number("loss_scale", loss_scale)
         skipped = not bool(update_successful)
+        grad_norm = None if grad_norm is None or skipped else _number("result.grad_norm", grad_norm)
+        if grad_norm is not None and not math.isfinite(grad_norm):
+            grad_norm = None
+        num_zeros = None if num_zeros is None or skipped else _number("result.num_zeros_in_grad", num_zeros)
+        if num_zeros is not None and not (math.isfinite(num_zeros) and num_zeros >= 0):
+            num_zeros = None
         nan = not math.isfinite(loss)
         self.skipped_iters += skipped
         self.nan_iters += nan
@@ -103,48 +159,101 @@ class TrainingLogger:
         rec = {
             "iteration": int(iteration),
             "loss": loss if not nan else None,  # JSON has no nan/inf: null, with "nan": true
-            "lr": float(lr),
-            "loss_scale": loss_scale,
-            "grad_norm": None if grad_norm is None else float(grad_norm),
+            "lr": lr if math.isfinite(lr) else None,
+            "loss_scale": loss_scale if math.isfinite(loss_scale) else None,
+            "grad_norm": grad_norm,
             "num_zeros": None if num_zeros is None else int(num_zeros),
             "skipped": skipped,
             "nan": nan,
         }
-        rec.update(extra)
+        top = None
+        if param_grad_norms is not None:
+            top = _top_k(param_grad_norms, self.param_grad_norms_top_k)
+            if top:
+                self.param_grad_norm_leaders[next(iter(top))] += 1
+            order = {name: i for i, name in enumerate(param_grad_norms)}  # model order
+            rec["param_grad_norms"] = {
+                name: (v if math.isfinite(v) else None)
+                for name, v in sorted(top.items(), key=lambda kv: order[kv[0]])
+            }
+        if spike is not None:
+            self._spike_watched = True
+            self.spikes += bool(spike.spike)
+            self.spike_skips += bool(spike.skipped)
+            self._interval_spike_skips += bool(spike.skipped)
+            rec["spike"] = _json_safe("spike", spike.as_record())
+        for key, value in extra.items():
+            rec[key] = _json_safe(f"extra field {key!r}", value)
         if not self.enabled:
             return rec
         if self._jsonl is not None:
-            self._jsonl.write(json.dumps(rec) + "\n")
+            self._jsonl.write(json.dumps(rec, allow_nan=False) + "\n")
             self._jsonl.flush()
         if self._tb is not None:
-            self._tb.add_scalar("loss-scale", loss_scale, iteration)
-            self._tb.add_scalar("learning-rate", lr, iteration)
+            if rec["loss_scale"] is not None:
+                self._tb.add_scalar("loss-scale", loss_scale, iteration)
+            if rec["lr"] is not None:
+                self._tb.add_scalar("learning-rate", lr, iteration)
             if not nan:
                 self._tb.add_scalar("lm loss", loss, iteration)
             if grad_norm is not None:
                 self._tb.add_scalar("grad-norm", float(grad_norm), iteration)
             if num_zeros is not None:
                 self._tb.add_scalar("num-zeros", int(num_zeros), iteration)
+            for name, v in (top or {}).items():
+                if math.isfinite(v):
+                    self._tb.add_scalar(f"grad-norm/{name}", v, iteration)
         if iteration % self.log_interval == 0:
-            print(self.format_line(rec), file=self.stream or sys.stdout, flush=True)
+            text = self.format_line(rec)
+            if top:
+                text += "\n" + self.format_param_grad_norms(top, len(param_grad_norms))
+            print(text, file=self.stream or sys.stdout, flush=True)
             self._interval_skipped = 0
             self._interval_nan = 0
+            self._interval_spike_skips = 0
         return rec
 
     def format_line(self, rec: dict) -> str:
         """Megatron-LM's training_log line for one record."""
         parts = [f" iteration {rec['iteration']:8d}/{self.train_iters:8d}"]
-        parts.append(f"lr: {rec['lr']:.3E}")
+        parts.append(f"lr: {rec['lr']:.3E}" if rec["lr"] is not None else "lr: nan")
         loss = rec["loss"]
         parts.append(f"loss: {loss:.4E}" if loss is not None else "loss: nan")
-        parts.append(f"loss scale: {rec['loss_scale']:.1f}")
+        scale = rec["loss_scale"]
+        parts.append(f"loss scale: {scale:.1f}" if scale is not None else "loss scale: inf")
         if rec["grad_norm"] is not None:
             parts.append(f"grad norm: {rec['grad_norm']:.3f}")
         if rec["num_zeros"] is not None:
             parts.append(f"num zeros: {rec['num_zeros']}")
         parts.append(f"number of skipped iterations: {self._interval_skipped:3d}")
         parts.append(f"number of nan iterations: {self._interval_nan:3d}")
+        if self._spike_watched:
+            parts.append(f"number of spike skips: {self._interval_spike_skips:3d}")
         return " | ".join(parts) + " |"
+
+    @staticmethod
+    def format_param_grad_norms(top: Dict[str, float], total: int) -> str:
+        """The readable block of per-parameter grad norms, largest first."""
+        width = max(len(name) for name in top)
+        lines = [f"   param grad norms (top {len(top)} of {total}):"]
+        lines += [f"     {name:<{width}}  {v:.4E}" for name, v in top.items()]
+        return "\n".join(lines)
+
+    def summary(self, leaders: int = 5) -> dict:
+        """The run's counts for summary.json: skipped iterations (all), of them overflow skips
+        and spike skips, spikes flagged, nan iterations, loss-scale changes, and the params that
+        most often had the largest grad norm of a record ([name, records] pairs)."""
+        return {
+            "skipped_iterations": self.skipped_iters,
+            "overflow_skips": self.skipped_iters - self.spike_skips,
+            "spike_skips": self.spike_skips,
+            "spikes": self.spikes,
+            "nan_iterations": self.nan_iters,
+            "loss_scale_changes": self.loss_scale_changes,
+            "param_grad_norm_leaders": [
+                [name, n] for name, n in self.param_grad_norm_leaders.most_common(leaders)
+            ],
+        }
 
     def close(self) -> None:
         if self._jsonl is not None:
@@ -159,3 +268,33 @@ class TrainingLogger:
 
     def __exit__(self, *exc):
         self.close()
+
+
+def _number(name: str, value) -> float:
+    """A real number or a 1-element tensor, as a float (read on the host: logging time)."""
+    if isinstance(value, torch.Tensor):
+        if value.numel() != 1:
+            raise TypeError(f"{name} must be a number or a 1-element tensor, got shape {tuple(value.shape)}")
+        return float(value.detach().reshape(()).item())
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(f"{name} must be a number, got {value!r} ({type(value).__name__})")
+    return float(value)
+
+
+def _json_safe(name: str, value):
+    """value with non-finite floats replaced by None (JSON has no nan/inf); tensors of one
+    element become numbers. Raises TypeError naming the field for what JSON cannot hold."""
+    if isinstance(value, torch.Tensor) and value.numel() == 1:
+        value = value.detach().reshape(()).item()
+    if value is None or isinstance(value, (bool, str)):
+        return value
+    if isinstance(value, numbers.Integral):
+        return int(value)
+    if isinstance(value, numbers.Real):
+        value = float(value)
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {str(k): _json_safe(f"{name}[{k!r}]", v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_json_safe(f"{name}[{i}]", v) for i, v in enumerate(value)]
+    raise TypeError(f"{name} is not JSON-serialisable: {value!r:.80} ({type(value).__name__})")

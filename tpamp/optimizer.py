@@ -25,7 +25,7 @@ from typing import Dict, List, NamedTuple, Optional
 import torch
 import torch.distributed as dist
 
-from tpamp import ops
+from tpamp import _validation, ops
 from tpamp.grad_scaler import MegatronGradScaler
 from tpamp.grad_stats import (
     _check_group,
@@ -93,6 +93,8 @@ class MixedPrecisionOptimizer(OptimizerWrapper):
     4. ``grad_scaler.update(found_inf)`` on the device;
     5. if found_inf: skip (no inner step, params unchanged), return (False, None, None). Without
        a scaler (bf16/fp32) non-finite steps are skipped too, unless skip_nonfinite=False;
+       with a ``spike_detector`` whose policy is "skip", a spike is skipped the same way and
+       the scaler is put back as it was before step 4 (tpamp/spikes.py);
     6. grad_norm over the filtered grads (tpamp.grad_stats); clip when clip_grad > 0;
     7. num_zeros if log_num_zeros_in_grad;
     8. inner optimizer step; main params are cast-copied to the model params;
@@ -115,14 +117,24 @@ class MixedPrecisionOptimizer(OptimizerWrapper):
             fused inner optimizer (``fused=True``; it receives ``found_inf`` as torch.amp's
             GradScaler passes it), the clip coefficient is computed on the device, and
             StepResult holds device tensors (update_successful: bool 0-dim, grad_norm: float32
-            0-dim, num_zeros_in_grad: int64 0-dim or None). The min-scale stall is then not
-            checked in step (read ``grad_scaler._overflow_at_min_scale()`` when convenient).
+            0-dim, num_zeros_in_grad: int64 0-dim or None); a skipped step reports grad_norm
+            nan and num_zeros_in_grad -1 (sentinels; :class:`tpamp.TrainingLogger` writes
+            null). The min-scale stall is then not checked in step (read
+            ``grad_scaler._overflow_at_min_scale()`` when convenient).
+        spike_detector: a :class:`tpamp.SpikeDetector` judging each step's reduced grad norm
+            and loss after step 5 (log, skip or raise; tpamp/spikes.py); its state is saved in
+            state_dict()["spike_detector"]. Not with sync_free (it decides on the host).
 
     Raises:
         TypeError: optimizer is not a torch.optim.Optimizer, or a param has a dtype other than
-            float32/float16/bfloat16.
+            float32/float16/bfloat16 (checked for every group before anything is converted).
         ValueError: fp16 params without a grad_scaler; bad clip_grad or norm_type; a group that
-            this rank is not a member of.
+            this rank is not a member of; an inner optimizer that is already wrapped.
+        From ``step()``: RuntimeError when the inner optimizer's param groups changed after
+        wrapping, or when no backward ran since the last step (as torch.amp.GradScaler
+        refuses a second step); on the first step, ValueError on every rank of the grad-stats
+        group when the ranks' norm_type, log_num_zeros_in_grad, clip_grad, skip_nonfinite or
+        loss-scaler settings differ (one small all-gather, tpamp._validation).
     """
 
     def __init__(
@@ -137,6 +149,7 @@ class MixedPrecisionOptimizer(OptimizerWrapper):
         tensor_parallel_group=None,
         skip_nonfinite: bool = True,
         sync_free: bool = False,
+        spike_detector=None,
     ):
         if not isinstance(optimizer, torch.optim.Optimizer):
             raise TypeError(
@@ -147,6 +160,7 @@ class MixedPrecisionOptimizer(OptimizerWrapper):
                 "grad_scaler must be a tpamp ConstantGradScaler or DynamicGradScaler, got "
                 f"{type(grad_scaler).__name__}"
             )
+        _validation.check_wrappable(optimizer)
         if (
             isinstance(clip_grad, bool)
             or not isinstance(clip_grad, numbers.Real)
@@ -172,6 +186,8 @@ class MixedPrecisionOptimizer(OptimizerWrapper):
                 "_step_supports_amp_scaling"
             )
         self._tp_rank = _tp_rank(tensor_parallel_group)
+        self.spike_detector = _check_spike_detector(spike_detector, self.sync_free)
+        self.param_norm_tracker = None  # set by track_param_grad_norms
 
         # (model param, main param) for each fp16/bf16 param, per group; fp32 params per group
         self._half_pairs: List[List[tuple]] = []
@@ -207,6 +223,7 @@ class MixedPrecisionOptimizer(OptimizerWrapper):
         if grad_scaler is not None and grad_scaler.device != self._device:
             grad_scaler.to(self._device)
         self._one = torch.ones(1, dtype=torch.float32, device=self._device)
+        _validation.register_wrapper(self)
 
     # -- construction helpers -------------------------------------------------------------
 
@@ -232,7 +249,9 @@ class MixedPrecisionOptimizer(OptimizerWrapper):
         return self.grad_scaler.scale if self.grad_scaler is not None else self._one
 
     def scale_loss(self, loss: Tensor) -> Tensor:
-        """loss * loss_scale, keeping loss's shape; call ``.backward()`` on the result."""
+        """loss * loss_scale, keeping loss's shape; call ``.backward()`` on the result.
+        Raises TypeError unless loss is a floating-point tensor."""
+        _validation.check_loss(loss)
         return loss * self.get_loss_scale().reshape(())
 
     def backward(self, loss: Tensor) -> None:
@@ -264,11 +283,27 @@ class MixedPrecisionOptimizer(OptimizerWrapper):
                 mains.append(local_tensor(main.data if not _is_dtensor(main) else main))
         return mains, models
 
+    def track_param_grad_norms(self, named_params):
+        """Name this rank's params for per-parameter grad norms; returns the
+        :class:`tpamp.param_norms.ParamGradNormTracker` (``.norms`` after a step with
+        ``param_grad_norms=True``). named_params: (name, model param) pairs, names unique in the
+        whole model. A collective over the grad-stats group (every rank calls it once)."""
+        from tpamp.param_norms import ParamGradNormTracker
+
+        self.param_norm_tracker = ParamGradNormTracker(self, named_params)
+        return self.param_norm_tracker
+
+    @_validation.guard_step
     @torch.no_grad()
-    def step(self, closure=None) -> StepResult:
-        """One optimizer step (class docstring); returns :class:`StepResult`."""
+    def step(self, closure=None, *, param_grad_norms: bool = False) -> StepResult:
+        """One optimizer step (class docstring); returns :class:`StepResult`.
+
+        param_grad_norms: also compute the per-parameter grad norms from the same pass (one
+        extra all-reduce; needs :meth:`track_param_grad_norms`; the same value on every rank)."""
         if closure is not None:
             raise ValueError("closure is not supported: compute the loss before step()")
+        if param_grad_norms and self.param_norm_tracker is None:
+            raise ValueError("step(param_grad_norms=True) needs track_param_grad_norms() first")
         srcs, outs, mask, all_main = self._collect_grads()
         scale = self.grad_scaler.inv_scale if self.grad_scaler is not None else None
         finite_p = self.norm_type != math.inf
@@ -280,9 +315,14 @@ class MixedPrecisionOptimizer(OptimizerWrapper):
             norm_type=self.norm_type,
             count_zeros=self.log_num_zeros_in_grad,
             scale_at_most_one=self.grad_scaler is not None and self.grad_scaler.never_below_one,
+            per_tensor_norms=param_grad_norms,
             device=self._device,
         )
         found_inf, norm_stat, num_zeros = self._reduce(stats, finite_p)
+        if param_grad_norms:
+            self.param_norm_tracker.reduce(stats.per_tensor_norms, outs, mask)
+        spikes = self.spike_detector
+        scaler_before = spikes._scaler_snapshot(self.grad_scaler) if spikes is not None else None
         at_min = None
         if self.grad_scaler is not None:
             self.grad_scaler.update(found_inf)
@@ -298,8 +338,13 @@ class MixedPrecisionOptimizer(OptimizerWrapper):
             parts.append(at_min.reshape(1).to(device=found_inf.device, dtype=torch.float64))
         host = torch.cat(parts).tolist()
         found = host[0] > 0
-        if found and at_min is not None and host[-1] > 0:
+        if at_min is not None and host[-1] > 0:  # overflow at min_scale, or growth capped
             self.grad_scaler._report_overflow_at_min_scale()
+        if spikes is not None:  # a spike skip: as an overflow skip, but the scaler is restored
+            loss = spikes.reduce_loss(self.grad_stats_group, self._device)
+            if spikes.decide(host[1], loss, overflow=found).skipped:
+                spikes._scaler_restore(self.grad_scaler, scaler_before)
+                return StepResult(False, None, None)
         if found and (self.grad_scaler is not None or self.skip_nonfinite):
             return StepResult(False, None, None)
 
@@ -338,6 +383,12 @@ class MixedPrecisionOptimizer(OptimizerWrapper):
         mains, models = self._pair_locals()
         ops.scale_and_copy(mains, models)
         zeros = num_zeros.reshape(()).to(torch.int64) if num_zeros is not None else None
+        # a skipped step has no grad norm or zero count: documented sentinels nan and -1
+        # (TrainingLogger writes null), as the host cannot be asked for None without a sync
+        skipped = skip != 0
+        norm = torch.where(skipped, torch.full_like(norm, math.nan), norm)
+        if zeros is not None:
+            zeros = torch.where(skipped, torch.full_like(zeros, -1), zeros)
         return StepResult(skip == 0, norm, zeros)
 
     def _collect_grads(self):
@@ -407,20 +458,28 @@ class MixedPrecisionOptimizer(OptimizerWrapper):
     def state_dict(self) -> Dict:
         """{'optimizer': inner state dict, 'grad_scaler': scaler state (None without one),
         'fp32_from_fp16_params': per param group, the list of main params (tensors)}."""
-        return {
+        state = {
             "optimizer": self.optimizer.state_dict(),
             "grad_scaler": self.grad_scaler.state_dict() if self.grad_scaler is not None else None,
             "fp32_from_fp16_params": [
                 [main.detach().clone() for _, main in pairs] for pairs in self._half_pairs
             ],
         }
+        if self.spike_detector is not None:  # tpamp's own key beside Megatron's three
+            state["spike_detector"] = self.spike_detector.state_dict()
+        return state
 
     def load_state_dict(self, state_dict: Dict) -> None:
         """Restore the inner optimizer, the scaler and the main params, then copy the main
         params to the model params, so a resumed run continues bit-identically.
 
-        Raises KeyError for a missing key, ValueError when the saved main params do not match
-        this optimizer's (count per group, shapes)."""
+        All or nothing: everything is checked before anything changes (inner optimizer state
+        against this optimizer: group and param counts, the optimizer class's hyperparameters,
+        state shapes, finite values; scaler state against the scaler's config; main params
+        float32, of the right shapes and finite). Raises TypeError for a non-dict or a value of
+        the wrong type, KeyError for a missing key, ValueError for a value that does not fit,
+        each naming the key; a failed load leaves the optimizer, scaler and params unchanged."""
+        _validation.check_optimizer_state_dict(self, state_dict)
         for key in ("optimizer", "fp32_from_fp16_params"):
             if key not in state_dict:
                 raise KeyError(f"optimizer state_dict has no {key!r} entry")
@@ -442,6 +501,8 @@ class MixedPrecisionOptimizer(OptimizerWrapper):
                         f"param group {gi}, main param {i}: saved shape {tuple(s.shape)} != "
                         f"{tuple(main.shape)}"
                     )
+        if self.spike_detector is not None and "spike_detector" in state_dict:
+            self.spike_detector.load_state_dict(state_dict["spike_detector"])  # checks first
         self.optimizer.load_state_dict(state_dict["optimizer"])
         scaler_state = state_dict.get("grad_scaler")
         if self.grad_scaler is not None:
@@ -453,6 +514,13 @@ class MixedPrecisionOptimizer(OptimizerWrapper):
                 )
             else:
                 self.grad_scaler.load_state_dict(scaler_state)
+        elif scaler_state:
+            warnings.warn(
+                "the checkpoint has grad_scaler state but this optimizer has no loss scaler; "
+                "the saved loss scale is not used",
+                RuntimeWarning,
+                stacklevel=2,
+            )
         with torch.no_grad():
             for saved_group, pairs in zip(saved, self._half_pairs):
                 for s, (_, main) in zip(saved_group, pairs):
@@ -476,6 +544,16 @@ class FP32Optimizer(MixedPrecisionOptimizer):
                         "expected float32 (use MixedPrecisionOptimizer for fp16/bf16 params)"
                     )
         super().__init__(optimizer, **kwargs)
+
+
+def _check_spike_detector(detector, sync_free: bool):
+    from tpamp.spikes import SpikeDetector
+
+    if detector is not None and not isinstance(detector, SpikeDetector):
+        raise TypeError(f"spike_detector must be a tpamp.SpikeDetector, got {type(detector).__name__}")
+    if detector is not None and sync_free:
+        raise ValueError("spike_detector decides on the host: it cannot be used with sync_free=True")
+    return detector
 
 
 def _placed_like(grad: Tensor, param: Tensor) -> Tensor:

@@ -10,10 +10,30 @@ The layout is held as a :class:`torch.distributed.device_mesh.DeviceMesh` of sha
 the model-parallel group (TP x PP: the ranks that share one DP index, the default grad-stats
 group of :class:`tpamp.MixedPrecisionOptimizer`) and the embedding group (first and last PP
 stage, for tied word embeddings as in Megatron-LM).
+
+Timeouts. Every group built here gets one timeout (``initialize_model_parallel(timeout=...)``,
+by default the default process group's, i.e. ``init_process_group(timeout=...)``), as
+Megatron-LM gives its ``--distributed-timeout-minutes`` to every group. torch.distributed's
+own default for a new group is 30 minutes whatever the default group has, so without this a
+model-parallel peer that is alive but never joins would hang the others for half an hour.
+What a user sees when a peer fails (gloo; NCCL aborts the process the same way once its
+watchdog fires):
+
+* a peer that crashed (its process exited): the other ranks' next collective on a shared group
+  raises ``RuntimeError`` at once or within the timeout (gloo: "Connection closed by peer" /
+  "Connection reset by peer");
+* a peer that is alive but never joins (hung, or it caught an exception and went on to other
+  work): the waiting ranks raise ``RuntimeError`` ("Timed out waiting <timeout> ms for recv
+  operation ..." under gloo) after the group's timeout;
+* ranks of one grad-stats group whose optimizer settings differ: the first ``step()`` raises
+  the same ``ValueError`` on every rank (one small all-gather), before any collective that the
+  difference would desynchronise.
+After such an error the process groups cannot be trusted: end the job (torchrun restarts it).
 """
 
 from __future__ import annotations
 
+import datetime
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -128,12 +148,12 @@ class ParallelState:
         return self.model_parallel_group
 
 
-def _new_groups(dims: ParallelDims, rank: int, rank_lists) -> Optional[dist.ProcessGroup]:
+def _new_groups(dims: ParallelDims, rank: int, rank_lists, timeout=None) -> Optional[dist.ProcessGroup]:
     """Create one group per rank list (every rank must create every group, in order) and
     return the one that holds ``rank``."""
     mine = None
     for ranks in rank_lists:
-        g = dist.new_group(ranks)
+        g = dist.new_group(ranks, timeout=timeout)
         if rank in ranks:
             mine = g
     return mine
@@ -146,6 +166,7 @@ def initialize_model_parallel(
     *,
     mesh: Optional[DeviceMesh] = None,
     device_type: Optional[str] = None,
+    timeout: Optional[datetime.timedelta] = None,
 ) -> ParallelState:
     """Build the groups of a TP x PP x DP layout on the default process group.
 
@@ -154,11 +175,27 @@ def initialize_model_parallel(
     must call this collectively. ``device_type`` defaults to "cuda" when the backend is NCCL,
     else "cpu".
 
+    ``timeout`` (a positive ``datetime.timedelta``; default: the default process group's) is
+    given to every group built here: the TP, PP and DP groups of the mesh (built with
+    ``new_group(timeout=...)`` and assembled with ``DeviceMesh.from_group``), the
+    model-parallel and the embedding group. A collective on one of them that a peer does not
+    join raises RuntimeError after ``timeout`` (module docstring). With a ``mesh`` given, its
+    groups are the caller's and keep their own timeouts.
+
     Raises RuntimeError when torch.distributed is not initialized, ValueError when the sizes do
-    not multiply to the world size or the mesh's dim names are not ("pp", "dp", "tp").
+    not multiply to the world size or the mesh's dim names are not ("pp", "dp", "tp"),
+    TypeError/ValueError for a timeout that is not a positive timedelta.
     """
     if not dist.is_available() or not dist.is_initialized():
         raise RuntimeError("torch.distributed is not initialized: call init_process_group first")
+    if timeout is None:
+        timeout = default_group_timeout()
+    elif not isinstance(timeout, datetime.timedelta):
+        raise TypeError(
+            f"timeout must be a datetime.timedelta, got {timeout!r} ({type(timeout).__name__})"
+        )
+    elif timeout.total_seconds() <= 0:
+        raise ValueError(f"timeout must be positive, got {timeout}")
     world_size = dist.get_world_size()
     rank = dist.get_rank()
     if mesh is not None:
@@ -183,7 +220,7 @@ def initialize_model_parallel(
         )
         if device_type is None:
             device_type = "cuda" if dist.get_backend() == "nccl" else "cpu"
-        mesh = init_device_mesh(device_type, (dims.pp, dims.dp, dims.tp), mesh_dim_names=_DIM_NAMES)
+        mesh = _mesh_with_timeout(dims, rank, device_type, timeout)
 
     tp_group = mesh.get_group("tp")
     dp_group = mesh.get_group("dp")
@@ -191,13 +228,13 @@ def initialize_model_parallel(
     grid = torch.arange(world_size).reshape(dims.pp, dims.dp, dims.tp)
     # model-parallel: all (pp, tp) for one dp index
     mp_lists = [grid[:, d, :].flatten().tolist() for d in range(dims.dp)]
-    model_parallel_group = _new_groups(dims, rank, mp_lists)
+    model_parallel_group = _new_groups(dims, rank, mp_lists, timeout)
     embedding_group = None
     if dims.pp > 1:
         emb_lists = [
             [int(grid[0, d, t]), int(grid[-1, d, t])] for d in range(dims.dp) for t in range(dims.tp)
         ]
-        embedding_group = _new_groups(dims, rank, emb_lists)
+        embedding_group = _new_groups(dims, rank, emb_lists, timeout)
     pp_rank, dp_rank, tp_rank = dims.coords(rank)
     return ParallelState(
         dims=dims,
@@ -210,3 +247,26 @@ def initialize_model_parallel(
         rank=rank,
         _pp_ranks=grid[:, dp_rank, tp_rank].tolist(),
     )
+
+
+def default_group_timeout() -> datetime.timedelta:
+    """The timeout of the default process group (what ``init_process_group(timeout=...)`` set),
+    or torch's default for its backend when the backend does not expose it."""
+    pg = dist.distributed_c10d._get_default_group()
+    for device in ("cpu", "cuda"):
+        try:
+            return pg._get_backend(torch.device(device)).options._timeout
+        except Exception:  # no backend for this device, or no options exposed
+            continue
+    return dist.distributed_c10d._get_default_timeout(dist.get_backend())
+
+
+def _mesh_with_timeout(dims: ParallelDims, rank: int, device_type: str, timeout) -> DeviceMesh:
+    """The (pp, dp, tp) DeviceMesh with its three dims' groups built by ``new_group`` with
+    ``timeout`` (``init_device_mesh`` would give them torch's 30-minute default)."""
+    grid = torch.arange(dims.world_size).reshape(dims.pp, dims.dp, dims.tp)
+    pp_lists = [grid[:, d, t].tolist() for d in range(dims.dp) for t in range(dims.tp)]
+    dp_lists = [grid[p, :, t].tolist() for p in range(dims.pp) for t in range(dims.tp)]
+    tp_lists = [grid[p, d, :].tolist() for p in range(dims.pp) for d in range(dims.dp)]
+    groups = [_new_groups(dims, rank, lists, timeout) for lists in (pp_lists, dp_lists, tp_lists)]
+    return DeviceMesh.from_group(groups, device_type, mesh=grid, mesh_dim_names=_DIM_NAMES)

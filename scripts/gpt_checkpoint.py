@@ -1,0 +1,148 @@
+"""Save and resume scripts/train_gpt.py with tpamp.checkpoint (torch.distributed.checkpoint).
+
+Megatron-LM's flags and layout: ``--save DIR`` writes ``DIR/iter_0000100/`` every
+``--save-interval`` iterations and at the end, then records the iteration in
+``DIR/latest_checkpointed_iteration.txt``; ``--load DIR`` resumes from the latest (or
+``--ckpt-step N``). A checkpoint holds, by global names
+(``GPTStage.checkpoint_named_parameters``): the model params, the fp32 main params, AdamW's
+state and param groups, the loss scaler (scale and trackers), the optimizer's spike detector if
+any, and the training position: the iteration, the data generator's state (every rank draws the
+same global batches from it), the torch RNG state, the logger's counters (skipped and nan
+iterations, loss-scale changes, spike counts where the logger keeps them) and an LR scheduler's
+state when one is passed. So a resumed run continues exactly where the saved one stopped; on
+another TP x PP x DP layout too, as long as the global batch size is the same (pass
+``--global-batch-size``).
+
+The trainer draws no per-rank random numbers (no dropout; initialisation has its own seeded
+generators), so the torch RNG state is the same on every rank and is saved once.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import torch.distributed as dist
+
+from tpamp import checkpoint as ckpt
+
+# the logger's running counters (spike counts where the logger keeps them)
+_COUNTERS = ("skipped_iters", "nan_iters", "loss_scale_changes", "spike_skips", "spikes", "_last_scale")
+_EXTRA_KEYS = (
+    "iteration", "global_batch_size", "train_generator", "torch_rng_state", "logger", "layout",
+    "lr_scheduler",
+)
+
+
+def add_arguments(parser) -> None:
+    """Megatron-LM's checkpoint flags."""
+    a = parser.add_argument
+    a("--save", default=None, help="directory to save checkpoints to (iter_NNNNNNN/ inside)")
+    a("--save-interval", type=int, default=None, help="save every N iterations (and at the end)")
+    a("--load", default=None, help="directory to resume from (latest checkpoint by default)")
+    a("--ckpt-step", type=int, default=None, help="resume from this iteration's checkpoint")
+
+
+def check_arguments(args) -> None:
+    if args.save_interval is not None and args.save_interval < 1:
+        raise ValueError(f"--save-interval must be >= 1, got {args.save_interval}")
+    if args.save_interval is not None and args.save is None:
+        raise ValueError("--save-interval needs --save DIR")
+    if args.ckpt_step is not None and args.load is None:
+        raise ValueError("--ckpt-step needs --load DIR")
+
+
+def should_save(args, it: int) -> bool:
+    if not args.save:
+        return False
+    return it == args.train_iters or bool(args.save_interval and it % args.save_interval == 0)
+
+
+def _logging_rank(st) -> int:
+    return st.dims.rank_of(st.dims.pp - 1, 0, 0)
+
+
+def save_training_state(
+    args, it, stage, optimizer, st, train_gen, logger, global_batch, say, scheduler=None
+) -> str:
+    """Write iteration ``it``'s checkpoint (collective); returns its directory. ``scheduler``:
+    an LR scheduler whose state_dict is saved too (one that advances on successful steps only
+    is not a function of the iteration)."""
+    counters = [None]
+    if dist.get_rank() == _logging_rank(st):  # the logger counts on the logging rank only
+        counters[0] = {k: getattr(logger, k) for k in _COUNTERS if hasattr(logger, k)}
+    dist.broadcast_object_list(counters, src=_logging_rank(st))
+    path = ckpt.iteration_dir(args.save, it)
+    ckpt.save_checkpoint(
+        path,
+        stage.checkpoint_named_parameters(),
+        optimizer,
+        extra={
+            "iteration": it,
+            "global_batch_size": global_batch,
+            "train_generator": train_gen.get_state(),
+            "torch_rng_state": torch.get_rng_state(),
+            "logger": counters[0],
+            "layout": {"tp": st.dims.tp, "pp": st.dims.pp, "dp": st.dims.dp},
+            "lr_scheduler": scheduler.state_dict() if scheduler is not None else None,
+        },
+    )
+    if dist.get_rank() == 0:  # every rank's files and .metadata are written when save returns
+        ckpt.write_latest_iteration(args.save, it)
+    say(f" saved checkpoint at iteration {it} to {path}", flush=True)
+    return path
+
+
+def load_training_state(
+    args, stage, optimizer, st, train_gen, logger, global_batch, say, scheduler=None
+) -> int:
+    """Resume from ``--load`` (``--ckpt-step`` or the latest); returns the iteration to
+    continue after (0: no checkpoint there yet, train from scratch, as Megatron-LM does).
+
+    Raises tpamp.checkpoint.CheckpointError (nothing changed) for a checkpoint that does not
+    fit this model, ValueError for a missing --ckpt-step, another global batch size, or a
+    checkpoint at or beyond --train-iters."""
+    it = args.ckpt_step if args.ckpt_step is not None else ckpt.read_latest_iteration(args.load)
+    if it is None:
+        say(f" no checkpoint in {args.load} (no {ckpt._TRACKER}): training from scratch", flush=True)
+        return 0
+    path = ckpt.iteration_dir(args.load, it)
+    if args.ckpt_step is not None and not os.path.isdir(path):
+        raise ValueError(f"--ckpt-step {it}: there is no {path}")
+    if it >= args.train_iters:
+        raise ValueError(
+            f"the checkpoint is at iteration {it}, not before --train-iters {args.train_iters}: "
+            "nothing to train"
+        )
+    # the trainer's own check first, before anything is loaded
+    saved_batch = ckpt.load_checkpoint(path, {}, extra={"global_batch_size": None}, strict=False)
+    if saved_batch["global_batch_size"] != global_batch:
+        raise ValueError(
+            f"{path} was written with global batch size {saved_batch['global_batch_size']}, "
+            f"this run has {global_batch}: the data position would not match (pass "
+            f"--global-batch-size {saved_batch['global_batch_size']})"
+        )
+    extra = ckpt.load_checkpoint(
+        path, stage.checkpoint_named_parameters(), optimizer, extra={k: None for k in _EXTRA_KEYS}
+    )
+    if extra["iteration"] != it:
+        raise ValueError(f"{path} holds iteration {extra['iteration']}, expected {it}")
+    train_gen.set_state(extra["train_generator"])
+    torch.set_rng_state(extra["torch_rng_state"])
+    if scheduler is not None:
+        if extra["lr_scheduler"] is None:
+            say(" the checkpoint has no LR scheduler state: the schedule starts afresh", flush=True)
+        else:
+            scheduler.load_state_dict(extra["lr_scheduler"])
+    counters = extra["logger"]
+    for k, v in counters.items():
+        if hasattr(logger, k):
+            setattr(logger, k, v)
+    saved = extra["layout"]
+    say(
+        f" loaded checkpoint {path} (iteration {it}, written on TP {saved['tp']} x PP "
+        f"{saved['pp']} x DP {saved['dp']}): loss scale "
+        f"{optimizer.get_loss_scale().item():g}, {counters['skipped_iters']} skipped iterations",
+        flush=True,
+    )
+    return it

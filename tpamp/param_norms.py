@@ -1,0 +1,183 @@
+"""Per-parameter grad norms under TP x PP, from the optimizer's grad-stats pass.
+
+The norm of each parameter's full gradient (SPEC.md section 5): a tensor-parallel shard's
+local norms are combined over the TP group, a replicated (TP-duplicated) param counts once (TP
+rank 0), a ``shared`` tied copy (the last stage's output-head copy of the word embedding) not at
+all -- the filter of the global grad norm (tpamp.grad_stats), so for the L2 norm the
+root-sum-square of the per-parameter norms is the global grad norm. Each pipeline stage reports
+its own params; names must be unique in the whole model (e.g. the global layer index,
+``blocks.7.mlp.fc1.weight``, not the stage-local one).
+
+No extra read of the gradients: the optimizer asks its one fused grad-stats pass for the
+per-tensor norms (``tpamp.ops.grad_stats(per_tensor_norms=True)``) on the steps where they are
+wanted, and this module adds one all-reduce of a float64 vector with one entry per named param of
+the whole model over the grad-stats group. Megatron-LM has no per-parameter norms upstream.
+
+Usage::
+
+    tracker = opt.track_param_grad_norms(named_params)   # (global name, model param) pairs
+    result = opt.step(param_grad_norms=True)              # on every rank of the group alike
+    tracker.norms      # {name: float} for every param of the whole model, model order
+    tracker.top_k(8)   # the 8 largest, largest first
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Dict, Iterable, List, Optional, Sequence, Tuple
+
+import torch
+import torch.distributed as dist
+
+from tpamp.grad_stats import local_tensor
+
+__all__ = ["ParamGradNormTracker", "root_sum_square", "top_k"]
+
+Tensor = torch.Tensor
+
+
+def root_sum_square(norms: Iterable[float], norm_type: float = 2.0) -> float:
+    """The global p-norm from per-parameter p-norms: (sum n^p)^(1/p), max for p = inf
+    (float64 on the host)."""
+    norms = [float(n) for n in norms]
+    if norm_type == math.inf:
+        return max(norms, default=0.0)
+    return math.fsum(n ** norm_type for n in norms) ** (1.0 / norm_type)
+
+
+def top_k(norms: Dict[str, float], k: Optional[int]) -> Dict[str, float]:
+    """The ``k`` largest of {name: norm} (None: all), largest first; non-finite norms (a
+    param whose gradient overflowed) come first."""
+
+    def key(kv):
+        v = kv[1]
+        return (0, 0.0) if not math.isfinite(v) else (1, -v)
+
+    return dict(sorted(norms.items(), key=key)[: len(norms) if k is None else k])
+
+
+class ParamGradNormTracker:
+    """Names the optimizer's params and reduces their per-tensor grad norms over the group.
+
+    Built by :meth:`tpamp.MixedPrecisionOptimizer.track_param_grad_norms` (a collective over
+    the grad-stats group: every rank calls it, once). Attributes after a step with
+    ``param_grad_norms=True``: :attr:`norms` ({name: float}, gradient units, unscaled and
+    before clipping, in model order: the group's ranks in order, each rank's params in the
+    order of ``named_params``); inf or nan for a param whose gradient overflowed on that step (which
+    shows where an overflow came from). ``names``: every name of the whole model.
+
+    Raises ValueError when a (non-shared) param of the optimizer has no name, a name is given
+    twice on one rank, or the same name comes from two ranks of different TP groups (two
+    pipeline stages using stage-local names).
+    """
+
+    def __init__(self, optimizer, named_params: Iterable[Tuple[str, Tensor]]):
+        self.optimizer = optimizer
+        self.norm_type = optimizer.norm_type
+        group = optimizer.grad_stats_group
+        # model param -> name; the optimizer holds main params (fp32 copies) for fp16/bf16 ones
+        by_id: Dict[int, str] = {}
+        position: Dict[str, int] = {}  # the caller's (module) order
+        for name, p in named_params:
+            if not isinstance(name, str) or not name:
+                raise ValueError(f"param names must be non-empty strings, got {name!r}")
+            if id(p) in by_id and by_id[id(p)] != name:
+                raise ValueError(f"one param is named both {by_id[id(p)]!r} and {name!r}")
+            by_id[id(p)] = name
+            position.setdefault(name, len(position))
+        model_of = {id(main): model for pairs in optimizer._half_pairs for model, main in pairs}
+        self._name_of_main: Dict[int, str] = {}
+        local_names: List[str] = []
+        unnamed = 0
+        for g in optimizer.param_groups:
+            for main in g["params"]:
+                if getattr(main, "shared", False):
+                    continue  # a tied copy: its twin is counted (and named) elsewhere
+                model = model_of.get(id(main), main)
+                name = by_id.get(id(model))
+                if name is None:
+                    unnamed += 1
+                    continue
+                if name in local_names:
+                    raise ValueError(f"param name {name!r} is given to two params on this rank")
+                self._name_of_main[id(main)] = name
+                local_names.append(name)
+        if unnamed:
+            raise ValueError(
+                f"{unnamed} param(s) of the optimizer have no name in named_params; name every "
+                "param that is not a shared tied copy (their norms must add up to the grad norm)"
+            )
+        local_names.sort(key=position.__getitem__)
+        self.names = _gather_names(local_names, group, optimizer.tensor_parallel_group)
+        self._slot = {name: i for i, name in enumerate(self.names)}
+        self.norms: Optional[Dict[str, float]] = None
+
+    def reduce(self, per_tensor_norms: Tensor, grads: Sequence[Tensor], mask: Sequence[bool]) -> Dict[str, float]:
+        """Combine this rank's per-tensor norms into :attr:`norms` (called by the optimizer's
+        step; every rank of the grad-stats group must call it alike).
+
+        per_tensor_norms: float32 [len(grads)], the p-norm of each local gradient tensor (the
+        grad-stats pass). grads: those local tensors (the main grads, in the pass's order).
+        mask: per tensor, whether it counts toward the global norm on this rank. One
+        all-reduce (SUM of p-th powers, MAX for p = inf) of float64 [len(names)]; then one
+        host read."""
+        if len(grads) != per_tensor_norms.numel() or len(mask) != len(grads):
+            raise ValueError(
+                f"{per_tensor_norms.numel()} per-tensor norms for {len(grads)} grads and "
+                f"{len(mask)} mask entries"
+            )
+        slot_of_grad = {}
+        for g in self.optimizer.param_groups:
+            for main in g["params"]:
+                name = self._name_of_main.get(id(main))
+                if name is not None and main.grad is not None:
+                    slot_of_grad[id(local_tensor(main.grad))] = self._slot[name]
+        rows, slots = [], []
+        for i, (grad, counts) in enumerate(zip(grads, mask)):
+            slot = slot_of_grad.get(id(grad))
+            if counts and slot is not None:
+                rows.append(i)
+                slots.append(slot)
+        device = per_tensor_norms.device
+        vec = torch.zeros(len(self.names), dtype=torch.float64, device=device)
+        if rows:
+            picked = per_tensor_norms.double()[torch.tensor(rows, device=device)]
+            index = torch.tensor(slots, device=device)
+            if self.norm_type == math.inf:
+                vec.scatter_reduce_(0, index, picked, reduce="amax")
+            else:
+                vec.index_add_(0, index, picked.pow(self.norm_type))
+        group = self.optimizer.grad_stats_group
+        if group is not None:
+            op = dist.ReduceOp.MAX if self.norm_type == math.inf else dist.ReduceOp.SUM
+            dist.all_reduce(vec, op=op, group=group)
+        if self.norm_type != math.inf:
+            vec = vec.pow(1.0 / self.norm_type)
+        self.norms = dict(zip(self.names, vec.tolist()))
+        return self.norms
+
+    def top_k(self, k: Optional[int]) -> Dict[str, float]:
+        """The ``k`` largest of :attr:`norms` (:func:`top_k`); {} before any step."""
+        return top_k(self.norms or {}, k)
+
+def _gather_names(local_names: List[str], group, tp_group) -> List[str]:
+    """Every rank's names, deduplicated, in rank order. TP peers hold the same names (their
+    shards of one param); the same name from ranks of different TP groups is an error."""
+    if group is None:
+        return list(local_names)
+    tp_key = min(dist.get_process_group_ranks(tp_group)) if tp_group is not None else dist.get_rank()
+    gathered = [None] * dist.get_world_size(group)
+    dist.all_gather_object(gathered, (tp_key, local_names), group=group)
+    names, owner = [], {}
+    for key, rank_names in gathered:
+        for name in rank_names:
+            if name not in owner:
+                owner[name] = key
+                names.append(name)
+            elif owner[name] != key:
+                raise ValueError(
+                    f"param name {name!r} comes from two TP groups (led by global ranks "
+                    f"{owner[name]} and {key}): names must be unique in the whole model (use "
+                    "the global layer index, not the pipeline stage's local one)"
+                )
+    return names

@@ -1,0 +1,298 @@
+"""Grad-norm and loss spike detection with a policy: log, skip the step, or raise.
+
+A :class:`SpikeDetector` keeps running statistics (a window of recent values) of the all-reduced
+grad norm and of the loss, and flags a step whose value lies more than ``threshold`` standard
+deviations above the window's mean, once ``warmup`` values have been seen. Handling loss spikes
+by skipping the offending steps is what PaLM and OLMo did by hand (re-starting before a spike
+and skipping the batches); here the decision is taken inside the optimizer step.
+
+Every rank of the grad-stats group decides alike: the grad norm it sees is the all-reduced one,
+and the loss (known on the last pipeline stage only) is averaged over the ranks that report one
+in one small all-reduce, so all ranks feed the same float64 numbers to the same host arithmetic.
+
+Policies (``policy=``):
+
+* ``"log"``: only record the spike (:attr:`SpikeDetector.last`, the counters);
+* ``"skip"``: skip the step exactly as an overflow skip does -- the inner optimizer does not
+  step, params, optimizer state and its step count do not change -- but the loss scaler is left
+  exactly as it was before the step (scale and trackers: a spike is not an overflow), and the
+  skip is counted in :attr:`SpikeDetector.spike_skips`, apart from overflow skips;
+* ``"raise"``: raise :class:`GradSpikeError` (on every rank, before anything is changed).
+
+Usage with :class:`tpamp.MixedPrecisionOptimizer`::
+
+    detector = tpamp.SpikeDetector(policy="skip")
+    opt = tpamp.MixedPrecisionOptimizer(inner, grad_scaler=scaler, spike_detector=detector, ...)
+    for batch in data:
+        loss = ...                          # on the ranks that compute it (last PP stage)
+        opt.scale_loss(loss).backward()
+        detector.observe_loss(loss)         # those ranks only; the others skip this call
+        result = opt.step()                 # decides on the reduced grad norm and loss
+        if detector.last.skipped: ...       # a spike skip (result.update_successful is False)
+"""
+
+from __future__ import annotations
+
+import collections
+import math
+import numbers
+from typing import Dict, NamedTuple, Optional
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["SpikeDetector", "SpikeDecision", "GradSpikeError", "SPIKE_POLICIES"]
+
+SPIKE_POLICIES = ("log", "skip", "raise")
+_SERIES = ("grad_norm", "loss")
+
+
+class GradSpikeError(RuntimeError):
+    """Raised by a ``policy="raise"`` :class:`SpikeDetector` on a spike (on every rank)."""
+
+
+class SpikeDecision(NamedTuple):
+    """What the detector decided for one step.
+
+    grad_norm, loss: the all-reduced values looked at (floats; loss None when no rank reported
+    one; both None on an overflow step, which is not looked at). z_grad_norm, z_loss: how many
+    standard deviations above the window mean (None during warm-up or when not watched).
+    spike: a value crossed the threshold. skipped: the step was skipped for it (policy "skip").
+    overflow: the step had inf/nan gradients (an overflow skip; no spike decision).
+    """
+
+    grad_norm: Optional[float] = None
+    loss: Optional[float] = None
+    z_grad_norm: Optional[float] = None
+    z_loss: Optional[float] = None
+    spike: bool = False
+    skipped: bool = False
+    overflow: bool = False
+
+    def as_record(self) -> Dict:
+        """JSON-ready fields for a log record (non-finite numbers as None)."""
+        return {k: _finite_or_none(v) for k, v in self._asdict().items()}
+
+
+def _finite_or_none(v):
+    if isinstance(v, float) and not math.isfinite(v):
+        return None
+    return v
+
+
+def _check_real(name: str, value, minimum: float, strict: bool = True) -> float:
+    ok = isinstance(value, numbers.Real) and not isinstance(value, bool) and math.isfinite(value)
+    if ok:
+        ok = value > minimum if strict else value >= minimum
+    if not ok:
+        op = ">" if strict else ">="
+        raise ValueError(f"{name} must be a finite number {op} {minimum}, got {value!r}")
+    return float(value)
+
+
+def _check_int(name: str, value, minimum: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ValueError(f"{name} must be an int >= {minimum}, got {value!r}")
+    return value
+
+
+class SpikeDetector:
+    """Flags steps whose all-reduced grad norm or loss is far above its recent values.
+
+    For each watched series (``"grad_norm"``, ``"loss"``) the detector keeps the last ``window``
+    values (float64, host). A value x is a spike when at least ``warmup`` values are held and
+    ``x > mean + threshold * max(std, min_rel_std * |mean|)`` (population std of the window;
+    ``min_rel_std`` is per series). z = (x - mean) / that denominator is reported. The floor
+    keeps a quiet series from flagging small wiggles; for the grad norm, whose distribution has
+    a heavy tail (single steps at 3-4x the mean occur in normal training, and clipping already
+    bounds their update), the default floor of 1.0 means that only a step above
+    (1 + threshold) x the recent mean, 7x by default, is a spike. After the decision x enters the window, a spike clipped to the
+    threshold value, so one spike does not blind the detector to the next one, while a lasting
+    change of level is absorbed within about a window of steps instead of skipping forever.
+    Only upward excursions count; non-finite values are never added.
+
+    Args:
+        policy: "log", "skip" or "raise" (module docstring).
+        threshold: z-score threshold (standard deviations), > 0.
+        window: number of recent values held, >= 2.
+        warmup: values needed before any decision, 2 <= warmup <= window.
+        grad_norm_min_rel_std, loss_min_rel_std: floor of the std relative to |mean| for each
+            series, >= 0.
+        watch: which series to judge, a subset of ("grad_norm", "loss"); the loss needs
+            :meth:`observe_loss` on the ranks that have it before each step.
+
+    The defaults (threshold 6, window 100, warmup 20, floors 1.0 and 0.05) do not fire on
+    scripts/train_gpt.py's default run (its largest z-scores are about 3; README).
+
+    State (counters and windows) is in :meth:`state_dict`, which
+    :class:`tpamp.MixedPrecisionOptimizer` saves under ``"spike_detector"``, so a resumed run
+    decides identically.
+
+    Raises ValueError for bad arguments (naming the value).
+    """
+
+    def __init__(
+        self,
+        policy: str = "log",
+        *,
+        threshold: float = 6.0,
+        window: int = 100,
+        warmup: int = 20,
+        grad_norm_min_rel_std: float = 1.0,
+        loss_min_rel_std: float = 0.05,
+        watch=_SERIES,
+    ):
+        if policy not in SPIKE_POLICIES:
+            raise ValueError(f"policy must be one of {SPIKE_POLICIES}, got {policy!r}")
+        self.policy = policy
+        self.threshold = _check_real("threshold", threshold, 0.0)
+        self.window = _check_int("window", window, 2)
+        self.warmup = _check_int("warmup", warmup, 2)
+        if self.warmup > self.window:
+            raise ValueError(f"warmup ({warmup}) must be <= window ({window})")
+        self.min_rel_std = {
+            "grad_norm": _check_real("grad_norm_min_rel_std", grad_norm_min_rel_std, 0.0, strict=False),
+            "loss": _check_real("loss_min_rel_std", loss_min_rel_std, 0.0, strict=False),
+        }
+        watch = tuple(watch)
+        bad = [w for w in watch if w not in _SERIES]
+        if bad or not watch:
+            raise ValueError(f"watch must be a non-empty subset of {_SERIES}, got {watch!r}")
+        self.watch = watch
+        self._values = {name: collections.deque(maxlen=self.window) for name in _SERIES}
+        self._pending_loss: Optional[torch.Tensor] = None
+        self.steps_seen = 0  # steps decided on (overflow steps excluded)
+        self.spikes = 0  # steps flagged, whatever the policy
+        self.spike_skips = 0  # steps skipped for a spike (policy "skip")
+        self.last: Optional[SpikeDecision] = None
+
+    # -- inputs ---------------------------------------------------------------------------
+
+    def observe_loss(self, loss) -> None:
+        """Report this step's loss (a float or a 1-element tensor, e.g. the mean loss over
+        microbatches) on a rank that computes it; call before ``step()``. Ranks without a loss
+        do not call it. Not read on the host here (step() reduces it with the grad stats)."""
+        if isinstance(loss, torch.Tensor):
+            if loss.numel() != 1:
+                raise ValueError(f"loss must have one element, got shape {tuple(loss.shape)}")
+            self._pending_loss = loss.detach().reshape(1).double()
+        elif isinstance(loss, numbers.Real) and not isinstance(loss, bool):
+            self._pending_loss = torch.tensor([float(loss)], dtype=torch.float64)
+        else:
+            raise TypeError(f"loss must be a float or a 1-element tensor, got {type(loss).__name__}")
+
+    def reduce_loss(self, group=None, device=None) -> Optional[float]:
+        """Mean of the losses reported by the ranks of ``group`` (None when none reported), the
+        same float on every rank: one all-reduce of 2 float64 numbers. Every rank of the group
+        must call it (the optimizer does, in step()). Clears the pending loss."""
+        pending, self._pending_loss = self._pending_loss, None
+        if "loss" not in self.watch:
+            return None
+        if pending is None:
+            buf = torch.zeros(2, dtype=torch.float64, device=device)
+        else:
+            pending = pending.to(device) if device is not None else pending
+            buf = torch.cat([pending, torch.ones_like(pending)])
+        if group is not None:
+            dist.all_reduce(buf, op=dist.ReduceOp.SUM, group=group)
+        total, count = buf.tolist()
+        return total / count if count > 0 else None
+
+    # -- the decision ---------------------------------------------------------------------
+
+    def _z(self, name: str, x: Optional[float]) -> Optional[float]:
+        values = self._values[name]
+        if name not in self.watch or x is None or len(values) < self.warmup:
+            return None
+        n = len(values)
+        mean = math.fsum(values) / n
+        var = math.fsum((v - mean) ** 2 for v in values) / n
+        denom = max(math.sqrt(var), self.min_rel_std[name] * abs(mean))
+        if denom == 0.0:
+            return math.inf if x > mean else 0.0
+        return (x - mean) / denom
+
+    def _admit(self, name: str, x: Optional[float], z: Optional[float]) -> None:
+        if name not in self.watch or x is None or not math.isfinite(x):
+            return
+        if z is not None and z > self.threshold:
+            values = self._values[name]
+            n = len(values)
+            mean = math.fsum(values) / n
+            x = mean + self.threshold * ((x - mean) / z)  # the threshold value: mean + t * denom
+        self._values[name].append(x)
+
+    def decide(self, grad_norm: Optional[float], loss: Optional[float], *, overflow: bool = False) -> SpikeDecision:
+        """Judge one step from its all-reduced grad norm and loss (floats, host), update the
+        statistics and counters, and apply the policy: returns the decision (``skipped`` True
+        means the caller must skip the step); raises :class:`GradSpikeError` for policy
+        "raise". An overflow step (``overflow=True``) is recorded but not judged."""
+        if overflow:
+            self.last = SpikeDecision(overflow=True)
+            return self.last
+        self.steps_seen += 1
+        zg = self._z("grad_norm", grad_norm)
+        zl = self._z("loss", loss)
+        spike = any(z is not None and z > self.threshold for z in (zg, zl))
+        # a non-finite loss (with finite grads) is not a spike here: it is counted as a nan
+        # iteration by the logger
+        self._admit("grad_norm", grad_norm, zg)
+        self._admit("loss", loss, zl)
+        skipped = spike and self.policy == "skip"
+        self.spikes += spike
+        self.spike_skips += skipped
+        self.last = SpikeDecision(grad_norm, loss, zg, zl, spike, skipped, False)
+        if spike and self.policy == "raise":
+            raise GradSpikeError(
+                f"spike: grad norm {grad_norm!r} (z {zg!r}), loss {loss!r} (z {zl!r}) above "
+                f"{self.threshold} standard deviations of the last {self.window} values"
+            )
+        return self.last
+
+    # -- the optimizer's hooks ------------------------------------------------------------
+
+    @staticmethod
+    def _scaler_snapshot(grad_scaler):
+        """Copies of the scaler's state tensors (on its device, no host sync)."""
+        if grad_scaler is None:
+            return None
+        return {k: v.clone() for k, v in vars(grad_scaler).items() if isinstance(v, torch.Tensor)}
+
+    @staticmethod
+    def _scaler_restore(grad_scaler, snapshot) -> None:
+        for k, v in (snapshot or {}).items():
+            getattr(grad_scaler, k).copy_(v)
+
+    # -- checkpointing --------------------------------------------------------------------
+
+    def state_dict(self) -> Dict:
+        """{'windows': {series: [floats]}, 'steps_seen', 'spikes', 'spike_skips'} (plain
+        Python values) plus the settings, checked on load."""
+        return {
+            "windows": {name: list(v) for name, v in self._values.items()},
+            "steps_seen": self.steps_seen,
+            "spikes": self.spikes,
+            "spike_skips": self.spike_skips,
+            "settings": {
+                "threshold": self.threshold, "window": self.window, "warmup": self.warmup,
+                "min_rel_std": dict(self.min_rel_std), "watch": list(self.watch),
+            },
+        }
+
+    def load_state_dict(self, state_dict: Dict) -> None:
+        """Restore windows and counters. Raises KeyError for a missing key and ValueError when
+        the saved settings (threshold, window, ...) differ from this detector's: the resumed
+        run would decide differently."""
+        for key in ("windows", "steps_seen", "spikes", "spike_skips"):
+            if key not in state_dict:
+                raise KeyError(f"spike detector state_dict has no {key!r} entry")
+        saved = state_dict.get("settings")
+        mine = self.state_dict()["settings"]
+        if saved is not None and dict(saved, watch=list(saved["watch"])) != mine:
+            raise ValueError(f"spike detector settings differ: saved {saved}, this detector {mine}")
+        for name in _SERIES:
+            values = [float(v) for v in state_dict["windows"].get(name, [])]
+            self._values[name] = collections.deque(values[-self.window:], maxlen=self.window)
+        self.steps_seen = int(state_dict["steps_seen"])
+        self.spikes = int(state_dict["spikes"])
+        self.spike_skips = int(state_dict["spike_skips"])
