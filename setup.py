@@ -48,8 +48,22 @@ CPU_CAPABILITY_FLAGS = {
 }
 
 
+SKIP_NOTE = os.path.join(ROOT, "tpamp", "_kernels_not_built.txt")
+
+
 def _say(msg):
     print(f"tpamp setup: {msg}", file=sys.stderr, flush=True)
+
+
+def _note_skipped(reason):
+    """pip hides setup.py's output: the reason is also kept next to the package, where
+    tpamp/_ext.py puts it into its one warning."""
+    _say(reason)
+    try:
+        with open(SKIP_NOTE, "a", encoding="utf-8") as f:
+            f.write(reason.rstrip() + "\n")
+    except OSError:
+        pass
 
 
 def _version():
@@ -156,15 +170,18 @@ def _cpu_capabilities():
 def _extension_and_cmdclass():
     build_ext_flag = _flag("TPAMP_BUILD_EXT")
     cuda_flag = _flag("TPAMP_BUILD_CUDA")
+    if os.path.exists(SKIP_NOTE):
+        os.remove(SKIP_NOTE)
     if build_ext_flag == "0":
-        _say("TPAMP_BUILD_EXT=0: installing without the kernels tpamp._C* (PyTorch code paths only)")
+        _note_skipped("TPAMP_BUILD_EXT=0 at install: installed without the kernels tpamp._C* "
+                      "(PyTorch code paths only)")
         return [], {}
     problem = _ext_build_problem()
     if problem is not None:
         if build_ext_flag == "1" or cuda_flag == "1":
             raise SystemExit(f"tpamp setup: the kernels tpamp._C* cannot be built: {problem}")
-        _say(f"installing WITHOUT the kernels tpamp._C*: {problem}. tpamp will use its slower "
-             "PyTorch code paths (TPAMP_BUILD_EXT=1 makes this an error)")
+        _note_skipped(f"installed WITHOUT the kernels tpamp._C*: {problem}. tpamp uses its slower "
+                      "PyTorch code paths (TPAMP_BUILD_EXT=1 makes this an error)")
         return [], {}
 
     with_cuda, cuda_problem, nvcc_version = False, None, None
@@ -229,11 +246,32 @@ def _extension_and_cmdclass():
         """Objects of each extension in their own build directory: the capability modules
         compile the same csrc/cpu/*.cpp with different flags, so they must not share objects."""
 
+        failed = []
+
+        def build_extensions(self):
+            try:
+                super().build_extensions()
+            except Exception as e:  # e.g. the compiler does not run: install without kernels
+                if build_ext_flag == "1" or cuda_flag == "1":
+                    raise
+                _note_skipped(f"building the kernels tpamp._C* FAILED ({type(e).__name__}: {e}); "
+                              "installed without them (TPAMP_BUILD_EXT=1 makes this an error)")
+                self.failed.extend(self.extensions)
+            # what failed is not installed (nor copied into the source tree)
+            self.extensions = [e for e in self.extensions if e not in self.failed]
+
         def build_extension(self, ext):
             base = self.build_temp
             self.build_temp = os.path.join(base, ext.name)
             try:
                 super().build_extension(ext)
+            except Exception as e:  # a compiler error: install without this module
+                if build_ext_flag == "1" or (cuda_flag == "1" and ext.name == "tpamp._C"):
+                    raise
+                _note_skipped(f"building {ext.name} FAILED ({type(e).__name__}: {e}); installed "
+                              "without it (TPAMP_BUILD_EXT=1 makes this an error; the compiler "
+                              "output is in `pip install -v`)")
+                self.failed.append(ext)
             finally:
                 self.build_temp = base
 

@@ -62,13 +62,13 @@ from tpamp import ops
 
 from tpamp import _ext
 
+assert ops.extension_available(), _ext.status()  # loads tpamp._C and a CPU module
 for name in ("grad_stats_", "grad_stats_out", "scale_", "scale_and_copy", "dynamic_scaler_update_"):
     op = getattr(torch.ops.tpamp, name).default
     print(op._schema)
     for key in ("CUDA", "CPU", "Autograd", "ADInplaceOrView"):
         assert torch._C._dispatch_has_kernel_for_dispatch_key(op.name(), key), (name, key)
 assert tpamp._C.with_cuda == 1, "tpamp._C was built without the CUDA kernels"
-assert ops.extension_available(), _ext.status()
 print(f"tpamp {tpamp.__version__}: tpamp._C loads with torch {torch.__version__} "
       f"(CUDA {torch.version.cuda})")
 EOF

@@ -33,7 +33,10 @@ What happens:
 - After backward: grads are averaged over the DP group, the two embedding copies' grads are
   summed over the embedding group, then ``tpamp.MixedPrecisionOptimizer`` (around AdamW) unscales,
   checks inf/nan over the model-parallel group, updates the loss scale, clips, and steps or
-  skips.
+  skips. With ``--use-distributed-optimizer`` (Megatron's flag) ``tpamp.DistributedOptimizer``
+  holds fp32 main params and AdamW state for 1/DP of the params on each rank and its step
+  reduce-scatters the grads over DP itself (no hand all-reduce), checks inf/nan and takes the
+  norm over TP x PP x DP, and all-gathers the updated params.
 - Learning rate: linear warm-up, then cosine decay (``torch.optim.lr_scheduler.LambdaLR``),
   advanced only after a successful step, as in Megatron-LM's training loop: a skipped step
   (overflow or spike) does not use up the schedule.
@@ -106,6 +109,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     a("--lr-warmup-iters", type=int, default=20)
     a("--weight-decay", type=float, default=0.1)
     a("--clip-grad", type=float, default=1.0, help="max global grad norm; 0 disables")
+    a("--use-distributed-optimizer", action="store_true",
+      help="shard fp32 main params and optimizer state over DP (tpamp.DistributedOptimizer)")
     a("--seed", type=int, default=1234)
     # precision and loss scaling (Megatron's flags)
     prec = p.add_mutually_exclusive_group()
@@ -296,7 +301,10 @@ def all_reduce_embedding_grads(stage, st) -> None:
     (last stage), so both copies take the same step and stay identical (Megatron-LM)."""
     weight = stage.word_embedding_weight() if st.embedding_group is not None else None
     if weight is not None:  # both copies are Shard(0) alike: sum the local vocab rows
-        _all_reduce_grads([local_tensor(weight.grad)], st.embedding_group)
+        # the distributed optimizer has moved the grad into its main_grad buffer
+        grad = getattr(weight, "main_grad", None)
+        grad = grad if grad is not None else local_tensor(weight.grad)
+        _all_reduce_grads([grad], st.embedding_group)
 
 
 # ----------------------------------------------------------------------------- setup
@@ -375,6 +383,10 @@ def build_optimizer(stage, args, st, dtype):
             args.spike_policy, threshold=args.spike_threshold, window=args.spike_window,
             warmup=args.spike_warmup,
         )
+    if args.use_distributed_optimizer:  # it reduces the grads over DP itself, in step()
+        kwargs.update(data_parallel_group=st.dp_group, grad_stats_group=dist.group.WORLD,
+                      param_names=stage.named_parameters())
+        return tpamp.DistributedOptimizer(adamw, **kwargs)
     if dtype == torch.float32:
         return tpamp.FP32Optimizer(adamw, **kwargs)
     return tpamp.MixedPrecisionOptimizer(adamw, **kwargs)
@@ -440,6 +452,11 @@ def main(argv=None):
         raise ValueError(f"--lr must be > 0, got {args.lr}")
     if args.log_param_grad_norms < 0:
         raise ValueError(f"--log-param-grad-norms must be >= 0, got {args.log_param_grad_norms}")
+    if args.log_param_grad_norms and args.use_distributed_optimizer:
+        raise ValueError(
+            f"--log-param-grad-norms {args.log_param_grad_norms} is not supported with "
+            "--use-distributed-optimizer yet (its grads are DP-sharded flat ranges); drop one"
+        )
     tracker = None
     if args.log_param_grad_norms:  # names with the global layer index: unique across stages
         tracker = optimizer.track_param_grad_norms(stage.global_named_parameters())
@@ -513,14 +530,15 @@ def main(argv=None):
             stage, mbs, st, act_shape, act_dtype, optimizer,
             fp16_lm_cross_entropy=args.fp16_lm_cross_entropy,
         )
-        all_reduce_data_parallel_grads(stage, st)
+        if not args.use_distributed_optimizer:  # DistributedOptimizer.step reduce-scatters
+            all_reduce_data_parallel_grads(stage, st)
         all_reduce_embedding_grads(stage, st)
         if st.is_last_stage:  # the DP mean, so that every DP replica judges the same loss
             loss = mean_over_dp(losses, st)
             if optimizer.spike_detector is not None:
                 optimizer.spike_detector.observe_loss(loss)
         log_now = tracker is not None and it % args.log_interval == 0
-        result = optimizer.step(param_grad_norms=log_now)
+        result = optimizer.step(param_grad_norms=True) if log_now else optimizer.step()
         optimizer.zero_grad()
         if result.update_successful:
             scheduler.step()
@@ -577,6 +595,7 @@ def main(argv=None):
             "tp": st.dims.tp,
             "pp": st.dims.pp,
             "dp": dp,
+            "distributed_optimizer": args.use_distributed_optimizer,
         }
         say(
             f"done: {summary['iterations']} iterations in {elapsed:.1f} s "

@@ -128,10 +128,11 @@ def test_bf16_and_fp32_runs_train_without_loss_scaling(tmp_path, precision):
 
 def test_fp32_losses_and_grad_norms_do_not_depend_on_the_layout(tmp_path):
     """TP 2 x PP 2 (vocab-parallel embedding and tied head copy on the last stage, vocab-parallel
-    cross-entropy over TP) and DP 4 (pp 1, tp 1: the head is the embedding) see the same global
-    batches and the same initial model, so in fp32 they must compute the same losses and the same
-    global grad norms (tied weight counted once). The TP x PP run also has the fp16 numerics
-    flags on, which must change nothing in fp32."""
+    cross-entropy over TP), DP 4 (pp 1, tp 1: the head is the embedding) and PP 2 x DP 2 with
+    --use-distributed-optimizer see the same global batches and the same initial model, so in
+    fp32 they must compute the same losses and the same global grad norms (tied weight counted
+    once). The TP x PP run also has the fp16 numerics flags on, which must change nothing in
+    fp32."""
     tp_pp, _, _ = run_train(tmp_path / "tp2pp2", "--fp32", *NUMERICS)
     dp, summary, _ = run_train(
         tmp_path / "dp4", "--fp32", "--tensor-model-parallel-size", "1",
@@ -139,7 +140,15 @@ def test_fp32_losses_and_grad_norms_do_not_depend_on_the_layout(tmp_path):
         "--num-microbatches", "1",
     )
     assert (summary["tp"], summary["pp"], summary["dp"]) == (1, 1, 4)
-    for a, b in zip(tp_pp, dp):
+    # PP 2 x DP 2 with the distributed optimizer (grads reduce-scattered in its step, tied
+    # embedding grads summed in its main_grad buffers, fp32 state sharded over DP)
+    dist_opt, summary, _ = run_train(
+        tmp_path / "pp2dp2", "--fp32", "--tensor-model-parallel-size", "1",
+        "--micro-batch-size", "1", "--use-distributed-optimizer",
+    )
+    assert (summary["tp"], summary["pp"], summary["dp"]) == (1, 2, 2)
+    assert summary["distributed_optimizer"] is True
+    for a, b in [*zip(tp_pp, dp), *zip(tp_pp, dist_opt)]:
         assert a["loss"] == pytest.approx(b["loss"], rel=1e-5, abs=1e-5), (a, b)
         assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=1e-5), (a, b)
         if "val_loss" in a:

@@ -20,6 +20,7 @@ from tpamp.grad_stats import (
     get_grad_norm_fp32,
 )
 from tpamp.optimizer import FP32Optimizer, MixedPrecisionOptimizer, StepResult
+from tpamp.distributed_optimizer import DistributedOptimizer
 from tpamp import parallel
 from tpamp import checkpoint  # save/load_checkpoint: layout-free, torch.distributed.checkpoint
 from tpamp.logger import TrainingLogger

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
+import os
 import warnings
 from typing import Dict, Optional
 
@@ -51,10 +52,15 @@ def _load() -> None:
     if _loaded:
         return
     _loaded = True
+    note = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_kernels_not_built.txt")
+    install_note = ""
+    if os.path.exists(note):
+        with open(note, encoding="utf-8") as f:
+            install_note = " At install: " + " ".join(f.read().split())
     if importlib.util.find_spec("tpamp._C") is None:
         _frontend_error = (
-            "tpamp._C is not built (install with `pip install --no-build-isolation -e .`; the "
-            "install prints why it skipped the kernels)"
+            "tpamp._C is not built (install with `pip install --no-build-isolation -e .`)."
+            + install_note
         )
         return
     try:
@@ -83,6 +89,7 @@ def _load() -> None:
     if _cpu_module is None:
         _cpu_error = (
             f"no CPU kernel module loads for CPU capability {capability}: " + "; ".join(errors)
+            + "." + install_note
         )
 
 

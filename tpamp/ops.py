@@ -144,11 +144,15 @@ def grad_stats(
     """One pass over ``grads``: optional multiply by ``scale``, found_inf, norm statistic, zeros.
 
     Args:
-        grads: tensors of float32/float16/bfloat16, any shapes (empty allowed), one device.
+        grads: tensors of float32/float16/bfloat16, any shapes (empty allowed), one device
+            (every tensor, out and scale included, is checked: ValueError naming the first
+            elsewhere). Dense tensors of any layout go to the kernels, others (e.g. strided
+            slices) to the PyTorch path, and the results are combined.
         out: None to multiply in place, or float32 tensors of the same shapes that receive
             ``float32(grads[i]) * scale`` (the fp16/bf16 -> fp32 main-grad copy in the same pass).
             An entry may be the very tensor ``grads[i]`` (fp32): that one is done in place.
-            Statistics are taken on the values written.
+            Otherwise no written tensor may share memory with another entry (the kernels raise
+            RuntimeError). Statistics are taken on the values written.
         scale: None (no multiply) or a 1-element float32 tensor on the grads' device, e.g. the
             inverse loss scale.
         norm_mask: per tensor, True if it counts toward the norm and zeros (default: all).

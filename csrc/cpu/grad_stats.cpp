@@ -35,7 +35,7 @@ ChunkStats grad_stats_chunk(const in_t* in, out_t* out, int64_t n, float s) {
     const int64_t end = std::min(n, b0 + kSumBlock);
     StatsLanes<FVec> acc = stats_init<FVec>();
     int64_t i = b0;
-    for (; i + kVecStep <= end; i += kVecStep) {
+    for (; kUseVec && i + kVecStep <= end; i += kVecStep) {
       FVec a, b;
       VecIO<in_t>::load(in + i, a, b);
       if (kMul) {

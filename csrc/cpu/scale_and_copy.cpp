@@ -22,7 +22,7 @@ void scale_copy_chunk(const src_t* src, dst_t* dst, int64_t n, float s) {
   } else {
     const FVec sv(s);
     int64_t i = 0;
-    for (; i + kVecStep <= n; i += kVecStep) {
+    for (; kUseVec && i + kVecStep <= n; i += kVecStep) {
       FVec a, b;
       VecIO<src_t>::load(src + i, a, b);
       if (kMul) {

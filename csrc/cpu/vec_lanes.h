@@ -51,6 +51,15 @@ struct Lanes<FVec> {
   }
 };
 
+// On x86-64 the DEFAULT capability's Vectorized is a portable emulation that is slower than the
+// plain scalar loop the compiler vectorizes itself, so the launchers use only their scalar path
+// there (aarch64's DEFAULT Vectorized is NEON and is kept).
+#if defined(CPU_CAPABILITY_DEFAULT) && (defined(__x86_64__) || defined(_M_X64))
+constexpr bool kUseVec = false;
+#else
+constexpr bool kUseVec = true;
+#endif
+
 // Elements per vector step: one Vectorized of a 16-bit type = two float registers.
 constexpr int64_t kVecStep = 2 * FVec::size();
 

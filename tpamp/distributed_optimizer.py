@@ -1,0 +1,843 @@
+"""Distributed optimizer: fp32 main params and optimizer state sharded over data parallelism
+(Megatron-LM's DistributedOptimizer, megatron/core/optimizer/distrib_optimizer.py; ZeRO stage 1).
+
+Usage::
+
+    st = tpamp.parallel.initialize_model_parallel(tp, pp)
+    opt = tpamp.DistributedOptimizer(
+        torch.optim.AdamW(model.parameters(), lr=3e-4),
+        grad_scaler=tpamp.DynamicGradScaler(initial_scale=2.0**16), clip_grad=1.0,
+        data_parallel_group=st.dp_group,
+        grad_stats_group=dist.group.WORLD,        # TP x PP x DP
+        tensor_parallel_group=st.tp_group,
+        param_names=model.named_parameters())
+    opt.scale_loss(loss).backward()      # do NOT all-reduce the grads over DP yourself
+    update_successful, grad_norm, num_zeros = opt.step()
+    opt.zero_grad()
+
+Layout (as Megatron's): the model params of one dtype are laid out, in reverse order of the
+param groups (the order in which backward produces their grads), in flat buffers cut into
+buckets of about ``bucket_size`` elements. Each bucket is padded to a multiple of the DP size d
+and DP rank r owns its elements [r * n / d, (r + 1) * n / d): a contiguous range that may begin
+or end inside a param. For its range alone a rank keeps the fp32 main params (views of one fp32
+shard buffer per bucket) and the inner optimizer's state.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import numbers
+import warnings
+from dataclasses import dataclass, field
+from typing import Dict, List, Optional, Tuple
+
+import torch
+import torch.distributed as dist
+
+from tpamp import ops
+from tpamp.grad_scaler import MegatronGradScaler
+from tpamp.grad_stats import _check_group, _check_norm_type, _tp_rank, clip_coefficient
+from tpamp.grad_stats import counts_toward_norm, local_tensor
+from tpamp.optimizer import MixedPrecisionOptimizer, OptimizerWrapper, StepResult, _placed_like
+from tpamp.optimizer import _check_spike_detector
+
+__all__ = ["DistributedOptimizer"]
+
+Tensor = torch.Tensor
+_FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+# torch 2.13 renamed reduce_scatter_tensor / all_gather_into_tensor (the old names warn)
+_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
+@dataclass
+class _Piece:
+    """The part of one model param that lies in this rank's shard of one bucket.
+
+    ``param_range``: [start, end) in the param's flattened local tensor; ``shard_range``: the
+    same elements' [start, end) in the bucket's shard; ``main``: the fp32 main param (a 1-D
+    view of the bucket's main shard buffer) that the inner optimizer steps."""
+
+    param: Tensor
+    name: str
+    group_index: int
+    param_range: Tuple[int, int]
+    shard_range: Tuple[int, int]
+    bucket_range: Tuple[int, int] = (0, 0)  # the whole param's [start, end) in its bucket
+    main: Optional[Tensor] = None
+    counts: bool = True
+
+
+@dataclass
+class _Bucket:
+    """Params of one dtype laid out in one flat buffer (padded to a multiple of the DP size)."""
+
+    dtype: torch.dtype
+    params: List[Tensor]
+    offsets: List[Tuple[int, int]]  # [start, end) of each param in the bucket
+    numel: int  # padded
+    shard_size: int
+    grad_data: Tensor  # [numel], fp32 or the model dtype: main_grad views of the params
+    main_shard: Tensor  # [shard_size] fp32 main params of this rank's range
+    grad_shard: Tensor  # [shard_size] fp32 main grads (the reduce-scatter's output)
+    reduce_out: Tensor  # [shard_size] grad_shard, or a model-dtype buffer that is cast into it
+    pieces: List[_Piece] = field(default_factory=list)
+    param_data: Optional[Tensor] = None  # [numel] model dtype: the all-gather's output
+    param_shard: Optional[Tensor] = None  # [shard_size] model dtype: its input
+    handle: Optional[object] = None
+    ready: set = field(default_factory=set)
+
+
+class DistributedOptimizer(OptimizerWrapper):
+    """fp32 main params and optimizer state sharded over the data-parallel group
+    (Megatron-LM's DistributedOptimizer; SPEC.md section 8).
+
+    The interface and step order are those of :class:`tpamp.MixedPrecisionOptimizer`
+    (SPEC.md section 2), with the data-parallel gradient reduction done by ``step()`` itself:
+
+    0. during backward, each param's grad is added into its ``main_grad`` (a view of a flat,
+       bucketed buffer: fp32 with ``grad_reduce_in_fp32``, else the model dtype) and ``.grad``
+       is released; a grad set by hand (``p.grad = ...``) is added in ``step()``. With
+       ``overlap_grad_reduce`` a bucket's reduce-scatter starts as soon as the grads of all its
+       params have arrived (async; use :meth:`no_sync` for all but the last microbatch).
+    1. every bucket is reduce-scattered (SUM) over ``data_parallel_group`` (d ranks) and
+       multiplied by 1/d (in the unscale pass of step 2 for fp32 buckets; before the sum, as
+       Megatron-LM does, for fp16/bf16 ones): this rank's shard of the DP-mean gradient lands in
+       its fp32 main grads.
+       **The caller must not reduce grads over DP itself** (a caller's all-reduce cannot be
+       detected and would be applied twice).
+    2-5. unscale by 1/loss_scale and found_inf over the shard, reduced with the norm and zero
+       statistics over ``grad_stats_group`` (TP x PP x DP: an inf on one DP rank's grad makes
+       every rank skip), ``grad_scaler.update``, skip on found_inf (params unchanged).
+    6-7. grad_norm and num_zeros: each element of the model's gradient counts once (DP shards
+       are disjoint; TP duplicates count on TP rank 0; ``shared`` params not at all), so they
+       equal MixedPrecisionOptimizer's to fp32 rounding. Clip on the shard.
+    8. the inner optimizer steps the shard's main params; they are cast to the model dtype and
+       all-gathered over DP into the model params.
+
+    Differences from MixedPrecisionOptimizer: a param whose grad never arrived has a zero
+    gradient (its main_grad), not none, so it is stepped (e.g. weight decay) and its zeros are
+    counted, as in Megatron-LM; there is no ``sync_free`` mode (the step reads found_inf, the
+    norm and the zeros on the host once, after the collective); ``state_dict()`` is this rank's
+    shard and resumes on the same layout only (``tpamp.checkpoint`` changes layouts through
+    :meth:`sharded_state_dict`).
+
+    Args:
+        optimizer: a ``torch.optim.Optimizer`` over the model params (any param groups, which
+            keep their hyperparameters). Its groups are changed in place to hold this rank's
+            fp32 main-param pieces (1-D tensors); ``.optimizer`` and ``param_groups`` reach it,
+            so an LR scheduler on either changes the inner groups. Existing per-param state
+            (tensors shaped like the param) is sliced to the shard. Params with
+            requires_grad=False are left out (never stepped, never gathered).
+        grad_scaler: a tpamp loss scaler; required when any param is fp16.
+        clip_grad: max global grad norm (gradient units); 0 disables clipping.
+        norm_type: p of the norm (>= 1, or ``math.inf``).
+        log_num_zeros_in_grad: count zeros in the filtered gradient each step.
+        data_parallel_group: this rank's DP group (required; a one-rank group for DP=1).
+        grad_stats_group: the TP x PP x DP group for found_inf, norm and zeros
+            (``torch.distributed.group.WORLD`` with ``tpamp.parallel`` layouts); None means
+            ``data_parallel_group`` (a model without TP or PP).
+        tensor_parallel_group: the TP group, to count TP-replicated params once.
+        grad_reduce_in_fp32: accumulate and reduce-scatter grads in fp32 (default); False
+            accumulates and reduces in the model dtype, as Megatron-LM can.
+        overlap_grad_reduce: start each bucket's reduce-scatter from backward hooks.
+        bucket_size: elements per bucket (a bucket closes at the first param boundary at or
+            after it); None: one bucket per model dtype.
+        param_names: ``model.named_parameters()`` (pairs) or a dict param -> name, used in
+            error messages and as checkpoint keys (global names); default
+            ``"param_groups.<g>.<i>"``.
+        skip_nonfinite: without a scaler, still skip steps with non-finite grads (default).
+        check_params_across_dp: compare a float64 checksum of every param across DP once at
+            construction.
+        spike_detector: a :class:`tpamp.SpikeDetector`, as for MixedPrecisionOptimizer: it
+            judges the grad norm reduced over ``grad_stats_group`` (TP x PP x DP) and the loss;
+            a spike skip changes no shard, no state and not the loss scale.
+
+    Raises:
+        TypeError: optimizer is not a torch.optim.Optimizer; a param is not float32/16/bf16.
+        ValueError: data_parallel_group is None or this rank is not in a group; the
+            grad_stats_group is smaller than DP x TP; fp16 params without a grad_scaler; bad
+            clip_grad, norm_type or bucket_size; params that differ across DP ranks at
+            construction (the first differing param is named).
+    """
+
+    def __init__(
+        self,
+        optimizer: torch.optim.Optimizer,
+        *,
+        grad_scaler: Optional[MegatronGradScaler] = None,
+        clip_grad: float = 0.0,
+        norm_type: float = 2.0,
+        log_num_zeros_in_grad: bool = False,
+        data_parallel_group,
+        grad_stats_group=None,
+        tensor_parallel_group=None,
+        grad_reduce_in_fp32: bool = True,
+        overlap_grad_reduce: bool = False,
+        bucket_size: Optional[int] = None,
+        param_names=None,
+        skip_nonfinite: bool = True,
+        check_params_across_dp: bool = True,
+        spike_detector=None,
+    ):
+        if not isinstance(optimizer, torch.optim.Optimizer):
+            raise TypeError(
+                f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}"
+            )
+        if grad_scaler is not None and not isinstance(grad_scaler, MegatronGradScaler):
+            raise TypeError(
+                "grad_scaler must be a tpamp ConstantGradScaler or DynamicGradScaler, got "
+                f"{type(grad_scaler).__name__}"
+            )
+        if (
+            isinstance(clip_grad, bool)
+            or not isinstance(clip_grad, numbers.Real)
+            or not math.isfinite(clip_grad)
+            or clip_grad < 0
+        ):
+            raise ValueError(f"clip_grad must be a finite number >= 0, got {clip_grad!r}")
+        if bucket_size is not None and (
+            isinstance(bucket_size, bool) or not isinstance(bucket_size, int) or bucket_size < 1
+        ):
+            raise ValueError(f"bucket_size must be None or an int >= 1, got {bucket_size!r}")
+        if data_parallel_group is None:
+            raise ValueError(
+                "data_parallel_group must be this rank's data-parallel process group (a group "
+                "of one rank for DP=1), got None"
+            )
+        _check_group(data_parallel_group, "data_parallel_group")
+        if grad_stats_group is None:
+            grad_stats_group = data_parallel_group
+        _check_group(grad_stats_group, "grad_stats_group")
+        _check_group(tensor_parallel_group, "tensor_parallel_group")
+        self.norm_type = _check_norm_type(norm_type)
+        self.optimizer = optimizer
+        self.grad_scaler = grad_scaler
+        self.clip_grad = float(clip_grad)
+        self.log_num_zeros_in_grad = bool(log_num_zeros_in_grad)
+        self.data_parallel_group = data_parallel_group
+        self.grad_stats_group = grad_stats_group
+        self.tensor_parallel_group = tensor_parallel_group
+        self.grad_reduce_in_fp32 = bool(grad_reduce_in_fp32)
+        self.overlap_grad_reduce = bool(overlap_grad_reduce)
+        self.spike_detector = _check_spike_detector(spike_detector, False)
+        self.bucket_size = bucket_size
+        self.skip_nonfinite = bool(skip_nonfinite)
+        self.sync_free = False
+        self._dp_size = dist.get_world_size(data_parallel_group)
+        self._dp_rank = dist.get_rank(data_parallel_group)
+        self._tp_rank = _tp_rank(tensor_parallel_group)
+        tp_size = dist.get_world_size(tensor_parallel_group) if tensor_parallel_group else 1
+        stats_size = dist.get_world_size(grad_stats_group)
+        if stats_size % (self._dp_size * tp_size):
+            raise ValueError(
+                f"grad_stats_group has {stats_size} ranks; it must span TP x PP x DP, a multiple "
+                f"of DP {self._dp_size} x TP {tp_size} (pass torch.distributed.group.WORLD for "
+                "a tpamp.parallel layout)"
+            )
+        self._sync_disabled = False
+        self._hooks = []
+
+        names = _name_map(param_names)
+        entries, frozen, has_fp16 = [], [], False  # entries: (param, name, group index)
+        seen = set()
+        for gi, group in enumerate(optimizer.param_groups):
+            for pi, p in enumerate(group["params"]):
+                if id(p) in seen:
+                    raise ValueError(f"param {pi} of param group {gi} appears twice")
+                seen.add(id(p))
+                if p.dtype not in _FLOAT_DTYPES:
+                    raise TypeError(
+                        f"param {pi} of param group {gi} has dtype {p.dtype}; "
+                        "expected float32, float16 or bfloat16"
+                    )
+                if not p.requires_grad:
+                    frozen.append(p)  # never has a grad: left out, as MixedPrecisionOptimizer does
+                    continue
+                has_fp16 |= p.dtype == torch.float16
+                entries.append((p, names.get(id(p), f"param_groups.{gi}.{pi}"), gi))
+        if has_fp16 and grad_scaler is None:
+            raise ValueError(
+                "fp16 params need a loss scaler (grad_scaler=DynamicGradScaler() or "
+                "ConstantGradScaler(scale)); got grad_scaler=None"
+            )
+        self._names = {id(p): n for p, n, _ in entries}
+        self._device = local_tensor(entries[0][0]).device if entries else torch.device("cpu")
+        if grad_scaler is not None and grad_scaler.device != self._device:
+            grad_scaler.to(self._device)
+        self._one = torch.ones(1, dtype=torch.float32, device=self._device)
+        if check_params_across_dp and self._dp_size > 1:
+            self._check_params_match_across_dp(entries)
+        self._buckets = self._build_buckets(entries)
+        self._shard_optimizer(entries)
+        self._bucket_of = {id(p): b for b in self._buckets for p in b.params}
+        for p, _, _ in entries:
+            self._hooks.append(p.register_post_accumulate_grad_hook(self._on_grad_ready))
+
+    # -- construction ---------------------------------------------------------------------
+
+    def _check_params_match_across_dp(self, entries) -> None:
+        """A float64 checksum per param (sum and position-weighted sum), compared bitwise
+        across DP: every rank raises the same error naming the first differing param."""
+        group = self.data_parallel_group
+        header = torch.tensor(
+            [len(entries), sum(local_tensor(p).numel() for p, _, _ in entries)],
+            dtype=torch.float64, device=self._device,
+        )
+        both = torch.cat([header, -header])
+        dist.all_reduce(both, op=dist.ReduceOp.MAX, group=group)
+        if not torch.equal(both[:2], -both[2:]):
+            raise ValueError(
+                "the model differs across data-parallel ranks: (number of params, elements) "
+                f"ranges over {both[:2].tolist()} (max) and {(-both[2:]).tolist()} (min)"
+            )
+        sums = []
+        for p, _, _ in entries:
+            x = local_tensor(p).detach().reshape(-1).double()
+            w = torch.arange(1, x.numel() + 1, dtype=torch.float64, device=x.device)
+            sums.append(torch.stack([x.sum(), torch.dot(x, w)]))
+        local = torch.stack(sums) if sums else torch.zeros(0, 2, dtype=torch.float64)
+        gathered = torch.empty((self._dp_size,) + tuple(local.shape), dtype=torch.float64,
+                               device=local.device)
+        _all_gather(gathered.view(-1), local.reshape(-1).contiguous(), group=group)
+        bits = gathered.view(torch.int64)
+        differs = (bits != bits[0:1]).any(dim=2).any(dim=0)
+        if bool(differs.any()):
+            i = int(differs.nonzero()[0])
+            p, name, _ = entries[i]
+            raise ValueError(
+                f"params differ across data-parallel ranks at construction: first differing "
+                f"param is {name!r} (local shape {tuple(local_tensor(p).shape)}); every DP rank "
+                "must start from the same model (seed alike or broadcast from DP rank 0)"
+            )
+
+    def _build_buckets(self, entries) -> List[_Bucket]:
+        by_dtype: Dict[torch.dtype, list] = {}
+        for p, _, _ in reversed(entries):  # backward produces the last params' grads first
+            by_dtype.setdefault(p.dtype, []).append(p)
+        buckets = []
+        for dtype, params in by_dtype.items():
+            cur: list = []
+            size = 0
+            for p in params:
+                cur.append(p)
+                size += local_tensor(p).numel()
+                if self.bucket_size is not None and size >= self.bucket_size:
+                    buckets.append(self._make_bucket(dtype, cur))
+                    cur, size = [], 0
+            if cur:
+                buckets.append(self._make_bucket(dtype, cur))
+        return buckets
+
+    def _make_bucket(self, dtype, params) -> _Bucket:
+        d = self._dp_size
+        offsets, start = [], 0
+        for p in params:
+            n = local_tensor(p).numel()
+            offsets.append((start, start + n))
+            start += n
+        numel = max(d, -(-start // d) * d)
+        shard = numel // d
+        grad_dtype = torch.float32 if self.grad_reduce_in_fp32 else dtype
+        dev = self._device
+        grad_data = torch.zeros(numel, dtype=grad_dtype, device=dev)
+        grad_shard = torch.zeros(shard, dtype=torch.float32, device=dev)
+        reduce_out = grad_shard if grad_dtype == torch.float32 else torch.zeros(
+            shard, dtype=grad_dtype, device=dev)
+        bucket = _Bucket(
+            dtype=dtype, params=list(params), offsets=offsets, numel=numel, shard_size=shard,
+            grad_data=grad_data,
+            main_shard=torch.zeros(shard, dtype=torch.float32, device=dev),
+            grad_shard=grad_shard, reduce_out=reduce_out,
+        )
+        for p, (a, b) in zip(params, offsets):
+            # Megatron-LM's main_grad convention: the param's slot in the grad buffer
+            p.main_grad = grad_data[a:b].view(local_tensor(p).shape)
+        return bucket
+
+    def _shard_optimizer(self, entries) -> None:
+        """Create this rank's main-param pieces and put them in the inner optimizer's groups."""
+        info = {id(p): (name, gi) for p, name, gi in entries}
+        lo_hi = lambda b: (self._dp_rank * b.shard_size, (self._dp_rank + 1) * b.shard_size)
+        new_groups: List[List[Tensor]] = [[] for _ in self.optimizer.param_groups]
+        by_param: Dict[int, List[_Piece]] = {}
+        for b in self._buckets:
+            lo, hi = lo_hi(b)
+            for p, (a, e) in zip(b.params, b.offsets):
+                s, t = max(a, lo), min(e, hi)
+                if s >= t:
+                    continue
+                name, gi = info[id(p)]
+                piece = _Piece(p, name, gi, (s - a, t - a), (s - lo, t - lo), (a, e))
+                piece.counts = counts_toward_norm(p, self._tp_rank, self.tensor_parallel_group)
+                with torch.no_grad():
+                    flat = local_tensor(p).detach().reshape(-1)
+                    b.main_shard[s - lo:t - lo].copy_(flat[s - a:t - a])
+                piece.main = torch.nn.Parameter(b.main_shard[s - lo:t - lo], requires_grad=True)
+                piece.main.grad = b.grad_shard[s - lo:t - lo]
+                b.pieces.append(piece)
+                by_param.setdefault(id(p), []).append(piece)
+        # keep the user's order inside each group: params in group order, pieces in range order
+        state = self.optimizer.state
+        for p, _, gi in entries:
+            old = state.pop(p, None)
+            for piece in sorted(by_param.get(id(p), []), key=lambda q: q.param_range):
+                new_groups[gi].append(piece.main)
+                if old:
+                    state[piece.main] = _slice_state(old, p, piece.param_range)
+        for group, params in zip(self.optimizer.param_groups, new_groups):
+            group["params"] = params
+        self._pieces = [q for b in self._buckets for q in b.pieces]
+
+    # -- public interface -----------------------------------------------------------------
+
+    get_loss_scale = MixedPrecisionOptimizer.get_loss_scale
+    scale_loss = MixedPrecisionOptimizer.scale_loss
+    backward = MixedPrecisionOptimizer.backward
+    _reduce = MixedPrecisionOptimizer._reduce
+    _root = MixedPrecisionOptimizer._root
+
+    @contextlib.contextmanager
+    def no_sync(self):
+        """Within this context the backward hooks only accumulate grads and start no
+        reduce-scatter (all but the last microbatch of a step, with overlap_grad_reduce)."""
+        old, self._sync_disabled = self._sync_disabled, True
+        try:
+            yield
+        finally:
+            self._sync_disabled = old
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Zero the grad buffers (``main_grad`` of every model param) and release model
+        ``.grad`` (set_to_none) or zero it. Waits for any reduce-scatter still in flight."""
+        for b in self._buckets:
+            if b.handle is not None:
+                b.handle.wait()
+                b.handle = None
+            b.ready.clear()
+            b.grad_data.zero_()
+            for p in b.params:
+                if p.grad is not None:
+                    if set_to_none:
+                        p.grad = None
+                    else:
+                        p.grad.detach_()
+                        p.grad.zero_()
+
+    def reload_model_params(self) -> None:
+        """Copy model params -> this rank's main-param shard (after the model's weights were
+        changed, e.g. loaded from a checkpoint)."""
+        with torch.no_grad():
+            srcs, dsts = [], []
+            for q in self._pieces:
+                a, b = q.param_range
+                srcs.append(local_tensor(q.param).detach().reshape(-1)[a:b])
+                dsts.append(q.main.detach())
+            ops.scale_and_copy(srcs, dsts)
+
+    def _on_grad_ready(self, param: Tensor) -> None:
+        """Post-accumulate-grad hook: grad -> main_grad; maybe start the bucket's reduce."""
+        bucket = self._bucket_of[id(param)]
+        self._accumulate(param, bucket)
+        if self.overlap_grad_reduce and not self._sync_disabled:
+            bucket.ready.add(id(param))
+            if len(bucket.ready) == len(bucket.params):
+                self._start_reduce(bucket)
+
+    def _accumulate(self, param: Tensor, bucket: _Bucket) -> None:
+        grad = param.grad
+        if grad is None:
+            return
+        if bucket.handle is not None:
+            raise RuntimeError(
+                f"a grad of {self._names[id(param)]!r} arrived after its bucket's "
+                "reduce-scatter started; with overlap_grad_reduce=True run all but the last "
+                "microbatch's backward under optimizer.no_sync()"
+            )
+        grad = local_tensor(_placed_like(grad, param))
+        with torch.no_grad():
+            param.main_grad.add_(grad)
+        param.grad = None
+
+    def _start_reduce(self, bucket: _Bucket) -> None:
+        if self._dp_size > 1 and not self.grad_reduce_in_fp32:
+            # a half-precision sum could overflow: scale by 1/d before it, as Megatron-LM does
+            # (an fp32 sum cannot: there 1/d joins the unscale pass of step(), no extra pass)
+            bucket.grad_data.mul_(1.0 / self._dp_size)
+        bucket.handle = _reduce_scatter(
+            bucket.reduce_out, bucket.grad_data, group=self.data_parallel_group, async_op=True
+        )
+
+    def _finish_grad_sync(self) -> None:
+        """Step 1: grads set by hand go into main_grad, every bucket not yet reduced is
+        reduce-scattered, and all are waited for."""
+        for b in self._buckets:
+            if b.handle is None:
+                for p in b.params:
+                    self._accumulate(p, b)
+                self._start_reduce(b)
+            elif any(p.grad is not None for p in b.params):
+                p = next(p for p in b.params if p.grad is not None)
+                self._accumulate(p, b)  # raises: the bucket was already sent
+        for b in self._buckets:
+            b.handle.wait()
+            b.handle = None
+            b.ready.clear()
+
+    @torch.no_grad()
+    def step(self, closure=None) -> StepResult:
+        """One optimizer step (class docstring); returns :class:`tpamp.StepResult`."""
+        if closure is not None:
+            raise ValueError("closure is not supported: compute the loss before step()")
+        self._finish_grad_sync()
+        srcs, outs, mask = [], [], []
+        for b in self._buckets:
+            for q in b.pieces:
+                s, t = q.shard_range
+                q.main.grad = out = b.grad_shard[s:t]  # the inner zero_grad may drop it
+                # the same tensor object when reduced in fp32: grad_stats then works in place
+                srcs.append(out if b.reduce_out is b.grad_shard else b.reduce_out[s:t])
+                outs.append(out)
+                mask.append(q.counts)
+        scale = self.grad_scaler.inv_scale if self.grad_scaler is not None else None
+        if self.grad_reduce_in_fp32 and self._dp_size > 1:  # the mean over DP: 1/d (<= 1)
+            scale = (scale if scale is not None else self._one) * (1.0 / self._dp_size)
+        finite_p = self.norm_type != math.inf
+        stats = ops.grad_stats(
+            srcs, out=outs, scale=scale, norm_mask=mask, norm_type=self.norm_type,
+            count_zeros=self.log_num_zeros_in_grad,
+            scale_at_most_one=(self.grad_scaler is None or self.grad_scaler.never_below_one)
+            and scale is not None,
+            device=self._device,
+        )
+        found_inf, norm_stat, num_zeros = self._reduce(stats, finite_p)
+        spikes = self.spike_detector
+        scaler_before = spikes._scaler_snapshot(self.grad_scaler) if spikes is not None else None
+        at_min = None
+        if self.grad_scaler is not None:
+            self.grad_scaler.update(found_inf)
+            at_min = self.grad_scaler._overflow_at_min_scale()
+        norm = self._root(norm_stat, finite_p)
+        parts = [found_inf.reshape(1).double(), norm.reshape(1).double()]
+        if num_zeros is not None:
+            parts.append(num_zeros.reshape(1).double())
+        if at_min is not None:
+            parts.append(at_min.reshape(1).to(device=found_inf.device, dtype=torch.float64))
+        host = torch.cat(parts).tolist()  # the one host read of the step
+        found = host[0] > 0
+        if at_min is not None and host[-1] > 0:  # overflow at min_scale, or growth capped
+            self.grad_scaler._report_overflow_at_min_scale()
+        if spikes is not None:  # a spike skip: as an overflow skip, but the scaler is restored
+            loss = spikes.reduce_loss(self.grad_stats_group, self._device)
+            if spikes.decide(host[1], loss, overflow=found).skipped:
+                spikes._scaler_restore(self.grad_scaler, scaler_before)
+                return StepResult(False, None, None)
+        if found and (self.grad_scaler is not None or self.skip_nonfinite):
+            return StepResult(False, None, None)
+
+        grad_norm = host[1]
+        shards = [b.grad_shard for b in self._buckets]
+        if self.clip_grad > 0.0 and shards and math.isfinite(grad_norm):
+            if self.clip_grad / (grad_norm + 1.0e-6) < 1.0:  # Megatron: clip only when < 1
+                ops.scale_and_copy(shards, shards, clip_coefficient(self.clip_grad, norm))
+        zeros = int(round(host[2])) if num_zeros is not None else None
+
+        self.optimizer.step()
+        self._gather_model_params()
+        return StepResult(True, float(grad_norm), zeros)
+
+    def _gather_model_params(self) -> None:
+        """Step 8's second half: main shard -> model dtype, all-gather over DP, copy into the
+        model params (one cast pass, one collective per bucket, one copy pass)."""
+        for b in self._buckets:
+            if b.param_data is None:  # kept between steps: no allocation (page faults) per step
+                b.param_data = torch.empty(b.numel, dtype=b.dtype, device=self._device)
+                b.param_shard = (b.main_shard if b.dtype == torch.float32 else
+                                 torch.empty(b.shard_size, dtype=b.dtype, device=self._device))
+        casts = [b for b in self._buckets if b.param_shard is not b.main_shard]
+        ops.scale_and_copy([b.main_shard for b in casts], [b.param_shard for b in casts])
+        handles = [
+            _all_gather(b.param_data, b.param_shard, group=self.data_parallel_group, async_op=True)
+            for b in self._buckets
+        ]
+        srcs, dsts = [], []
+        for b, h in zip(self._buckets, handles):
+            h.wait()
+            full = b.param_data
+            for p, (a, e) in zip(b.params, b.offsets):
+                dst = local_tensor(p).detach()
+                srcs.append(full[a:e].view(dst.shape))
+                dsts.append(dst)
+        ops.scale_and_copy(srcs, dsts)
+
+    # -- introspection ----------------------------------------------------------------------
+
+    def shard_ranges(self) -> Dict[str, List[Tuple[int, int]]]:
+        """name -> this rank's [start, end) ranges of the param's flattened local tensor."""
+        out: Dict[str, List[Tuple[int, int]]] = {}
+        for q in self._pieces:
+            out.setdefault(q.name, []).append(q.param_range)
+        return out
+
+    def fp32_state_bytes(self) -> int:
+        """Bytes of fp32 main params and optimizer state this rank holds (for the memory
+        checks and benchmarks): the main shards plus every tensor in the inner state."""
+        total = sum(b.main_shard.numel() * 4 for b in self._buckets)
+        for st in self.optimizer.state.values():
+            for v in st.values():
+                if isinstance(v, Tensor) and v.dim() > 0:
+                    total += v.numel() * v.element_size()
+        return total
+
+    # -- sharded checkpoints (tpamp.checkpoint, torch.distributed.checkpoint) -------------
+
+    def sharded_state_dict(self, model_params) -> Dict:
+        """The hook of ``tpamp.checkpoint``: this rank's main params and inner state keyed by
+        the global names of ``model_params`` ({global name: model param}), each a 1-piece
+        ShardedTensor of the param's GLOBAL shape whose local shards are views of this rank's
+        flat range (cut into row-major boxes), so torch.distributed.checkpoint writes and reads
+        them in place and a checkpoint loads on any layout, with or without this optimizer.
+
+        Returns {"main_params": {name: ShardedTensor}, "state": {name: {key: ShardedTensor or
+        the 0-dim tensor/object as torch.optim keeps it}}, "param_groups": [hyperparameters]}.
+        A TP shard's boxes are offset by its TP position (DTensor Shard(d) or Megatron
+        ``partition_dim``, even shards); the metadata of the other ranks' boxes is computed
+        here (every rank knows the layout), so no communication happens. Raises ValueError for
+        a param of this optimizer that is missing from model_params."""
+        names = {id(p): n for n, p in model_params.items()}
+        mains, state, by_name = {}, {}, {}
+        for q in self._pieces:
+            name = names.get(id(q.param))
+            if name is None:
+                raise ValueError(
+                    f"the optimizer updates {q.name!r} (local shape "
+                    f"{tuple(local_tensor(q.param).shape)}), which is not in model_params: give "
+                    "every trained param a global name"
+                )
+            if name in by_name:
+                raise ValueError(f"{name!r}: two pieces of one param on one rank")
+            by_name[name] = q
+            mains[name] = self._sharded_view(q, q.main.detach())
+            st = self.optimizer.state.get(q.main)
+            if st:
+                state[name] = {
+                    k: self._sharded_view(q, v) if isinstance(v, Tensor) and v.shape == q.main.shape
+                    else v
+                    for k, v in st.items()
+                }
+        self._ckpt_pieces = by_name
+        groups = [{k: v for k, v in g.items() if k != "params"}
+                  for g in self.optimizer.param_groups]
+        return {"main_params": mains, "state": state, "param_groups": groups}
+
+    def load_sharded_state_dict(self, state: Dict) -> None:
+        """The hook of ``tpamp.checkpoint``: copy ``state`` (the structure of
+        :meth:`sharded_state_dict`, read into new buffers sharded like it) into the main
+        shards, the inner optimizer's state and param groups, then all-gather the model params
+        (collective over DP)."""
+        pieces = getattr(self, "_ckpt_pieces", None)
+        if pieces is None:
+            raise RuntimeError("load_sharded_state_dict needs a sharded_state_dict() call first")
+        inner = self.optimizer
+        with torch.no_grad():
+            for name, q in pieces.items():
+                q.main.copy_(_flat_local(state["main_params"][name]))
+                new = {}
+                for k, v in state["state"].get(name, {}).items():
+                    if _is_sharded(v):
+                        v = _flat_local(v).float()
+                    elif isinstance(v, Tensor):
+                        v = v.to(_scalar_device(k, inner.state.get(q.main, {}), q,
+                                                inner.param_groups[q.group_index]))
+                    new[k] = v
+                if new:
+                    inner.state[q.main] = new
+                else:
+                    inner.state.pop(q.main, None)
+            for g, saved in zip(inner.param_groups, state["param_groups"]):
+                g.update({k: v for k, v in saved.items() if k != "params"})
+            self._gather_model_params()
+
+    def _sharded_view(self, q: _Piece, flat: Tensor):
+        """``flat`` (1-D, the piece's elements) as a ShardedTensor of the param's global shape."""
+        from torch.distributed._shard.metadata import ShardMetadata
+        from torch.distributed._shard.sharded_tensor import Shard, ShardedTensor
+        from torch.distributed._shard.sharded_tensor.metadata import (
+            ShardedTensorMetadata, TensorProperties,
+        )
+        from tpamp.checkpoint import flat_range_chunks
+
+        local = local_tensor(q.param)
+        global_shape, tp_peers = _tp_layout(q.param, self.tensor_parallel_group)
+        dp_ranks = dist.get_process_group_ranks(self.data_parallel_group)
+        me = dist.get_rank()
+        bucket = self._bucket_of[id(q.param)]
+        a, e = q.bucket_range
+        shards_md, local_shards = [], []
+        dev = flat.device
+        for peer, tp_off in tp_peers:
+            for i in range(self._dp_size):
+                lo = max(a, i * bucket.shard_size)
+                hi = min(e, (i + 1) * bucket.shard_size)
+                if lo >= hi:
+                    continue
+                rank = peer + dp_ranks[i] - me  # the grid position (TP peer, DP rank i)
+                mine = peer == me and i == self._dp_rank
+                for off, sizes, fo in flat_range_chunks(local.shape, lo - a, hi - a):
+                    md = ShardMetadata([o + t for o, t in zip(off, tp_off)], list(sizes),
+                                       f"rank:{rank}/{dev}")
+                    shards_md.append(md)
+                    if mine:
+                        start = fo - q.param_range[0]
+                        box = flat[start:start + math.prod(sizes)].view(sizes)
+                        local_shards.append(Shard(box, md))
+        props = TensorProperties(dtype=flat.dtype, layout=torch.strided, requires_grad=False,
+                                 memory_format=torch.contiguous_format, pin_memory=False)
+        md = ShardedTensorMetadata(shards_md, torch.Size(global_shape), props)
+        return ShardedTensor._init_from_local_shards_and_global_metadata(local_shards, md)
+
+    # -- checkpointing (same layout: torch.save of each rank's dict) ----------------------
+
+    def state_dict(self) -> Dict:
+        """This rank's shard: {'optimizer': inner state dict, 'grad_scaler': scaler state,
+        'shard_main_params': per bucket its fp32 main shard, 'layout': DP size and rank and
+        each bucket's padded size}. For another layout use the sharded checkpoint path."""
+        return {
+            "optimizer": self.optimizer.state_dict(),
+            "grad_scaler": self.grad_scaler.state_dict() if self.grad_scaler is not None else None,
+            "shard_main_params": [b.main_shard.detach().clone() for b in self._buckets],
+            "layout": self._layout(),
+            **({"spike_detector": self.spike_detector.state_dict()}
+               if self.spike_detector is not None else {}),
+        }
+
+    def _layout(self) -> Dict:
+        return {
+            "dp_size": self._dp_size,
+            "dp_rank": self._dp_rank,
+            "bucket_numels": [b.numel for b in self._buckets],
+        }
+
+    def load_state_dict(self, state_dict: Dict) -> None:
+        """Restore this rank's shard saved by :meth:`state_dict` on the same layout, then
+        all-gather the model params. Raises KeyError for a missing key, ValueError for a
+        different layout (DP size, rank or buckets)."""
+        for key in ("optimizer", "shard_main_params", "layout"):
+            if key not in state_dict:
+                raise KeyError(f"distributed optimizer state_dict has no {key!r} entry")
+        if state_dict["layout"] != self._layout():
+            raise ValueError(
+                f"state_dict was saved on layout {state_dict['layout']}, this optimizer has "
+                f"{self._layout()}; load a sharded (torch.distributed.checkpoint) checkpoint "
+                "to change layouts"
+            )
+        if self.spike_detector is not None and "spike_detector" in state_dict:
+            self.spike_detector.load_state_dict(state_dict["spike_detector"])  # checks first
+        self.optimizer.load_state_dict(state_dict["optimizer"])
+        _load_scaler(self.grad_scaler, state_dict.get("grad_scaler"))
+        with torch.no_grad():
+            for b, s in zip(self._buckets, state_dict["shard_main_params"]):
+                b.main_shard.copy_(s)
+            self._gather_model_params()
+
+
+def _is_sharded(t) -> bool:
+    from torch.distributed._shard.sharded_tensor import ShardedTensor
+
+    return isinstance(t, ShardedTensor)
+
+
+def _flat_local(view) -> Tensor:
+    """This rank's elements of a ShardedTensor built by ``_sharded_view``, in flat order."""
+    parts = [s.tensor.reshape(-1) for s in view.local_shards()]
+    return parts[0] if len(parts) == 1 else torch.cat(parts)
+
+
+def _scalar_device(key, old, piece, group):
+    """Where torch.optim keeps a non-param-shaped state tensor (AdamW's step: on the CPU
+    unless capturable or fused)."""
+    if key in old and isinstance(old[key], Tensor):
+        return old[key].device
+    if group.get("capturable") or group.get("fused"):
+        return piece.main.device
+    return torch.device("cpu")
+
+
+def _tp_layout(param: Tensor, tp_group):
+    """(global shape, [(global rank of TP peer j, offsets of its local tensor)]) of a param:
+    a TP shard (DTensor with one Shard(d) placement, or Megatron ``tensor_model_parallel``
+    with ``partition_dim`` d and stride 1; even shards) lists every TP peer in TP rank order;
+    anything else is replicated and lists this rank only, at offset 0."""
+    local = tuple(local_tensor(param).shape)
+    me = dist.get_rank()
+    dim, peers = None, [me]
+    if local_tensor(param) is not param:  # DTensor
+        shard_dims = [pl.dim for pl in param.placements if pl.is_shard()]
+        if len(shard_dims) > 1 or param.device_mesh.ndim != 1:
+            raise ValueError(f"a DTensor param with placements {param.placements} on a "
+                             f"{param.device_mesh.ndim}-D mesh cannot be saved by flat range")
+        if shard_dims:
+            dim = shard_dims[0]
+            peers = param.device_mesh.mesh.flatten().tolist()
+            if tuple(param.shape)[dim] != local[dim] * param.device_mesh.size():
+                raise ValueError(f"uneven DTensor shards (global {tuple(param.shape)}, local "
+                                 f"{local}) cannot be saved by flat range")
+    elif getattr(param, "tensor_model_parallel", False):
+        if getattr(param, "partition_stride", 1) != 1:
+            raise ValueError("a Megatron TP param with partition_stride != 1 cannot be saved")
+        dim = param.partition_dim
+        if tp_group is not None:
+            peers = dist.get_process_group_ranks(tp_group)
+    if dim is None:
+        return local, [(me, (0,) * len(local))]
+    shape = list(local)
+    shape[dim] *= len(peers)
+    return tuple(shape), [
+        (r, tuple(j * local[dim] if d == dim else 0 for d in range(len(local))))
+        for j, r in enumerate(peers)
+    ]
+
+
+def _load_scaler(scaler, state) -> None:
+    if scaler is None:
+        return
+    if state is None:
+        warnings.warn(
+            "the checkpoint has no grad_scaler state; the loss scaler starts afresh",
+            RuntimeWarning, stacklevel=3,
+        )
+    else:
+        scaler.load_state_dict(state)
+
+
+def _name_map(param_names) -> Dict[int, str]:
+    if param_names is None:
+        return {}
+    if isinstance(param_names, dict):
+        items = [(n, p) for p, n in param_names.items()]
+    else:
+        items = list(param_names)
+    out = {}
+    for n, p in items:
+        if not isinstance(n, str) or not isinstance(p, Tensor):
+            raise TypeError(
+                "param_names must be model.named_parameters() ((name, param) pairs) or a dict "
+                f"param -> name; got an entry ({type(n).__name__}, {type(p).__name__})"
+            )
+        out.setdefault(id(p), n)
+    return out
+
+
+def _slice_state(old: dict, param: Tensor, param_range: Tuple[int, int]) -> dict:
+    """Existing optimizer state of a model param, cut to one piece (fp32)."""
+    a, b = param_range
+    shape = local_tensor(param).shape
+    out = {}
+    for k, v in old.items():
+        if isinstance(v, Tensor) and v.shape == shape:
+            out[k] = local_tensor(v).detach().reshape(-1)[a:b].float().clone()
+        else:
+            out[k] = v.clone() if isinstance(v, Tensor) else v
+    return out
