@@ -37,8 +37,10 @@ struct Tail {
 
 template <typename G, typename M>
 void adam_chunk(const G* g, float* p, float* m, float* v, M* model, int64_t n,
-                const AdamScalars& s) {
+                const AdamScalars& scalars) {
   constexpr bool kModel = !std::is_same_v<M, NoModel>;
+  // a local copy: the stores below cannot alias it, so the scalars stay in registers
+  const AdamScalars s = scalars;
   auto step = [&](const G* gp, float* pp, float* mp, float* vp, M* modelp) {
     FVec g0, g1, p0, p1, m0, m1, v0, v1;
     VecIO<G>::load(gp, g0, g1);
@@ -79,8 +81,9 @@ void adam_chunk(const G* g, float* p, float* m, float* v, M* model, int64_t n,
 
 template <typename G, typename M, bool kMomentum>
 void sgd_chunk(const G* g, float* p, float* buf, M* model, int64_t n, bool first,
-               const SgdScalars& s) {
+               const SgdScalars& scalars) {
   constexpr bool kModel = !std::is_same_v<M, NoModel>;
+  const SgdScalars s = scalars;  // in registers (see adam_chunk)
   auto step = [&](const G* gp, float* pp, float* bp, M* modelp) {
     FVec g0, g1, p0, p1, b0, b1;
     VecIO<G>::load(gp, g0, g1);
