@@ -515,3 +515,33 @@ def test_fused_wrapper_matches_megatron_core_after_steps_with_skips_and_clipping
     for a, b in zip(model_t, model_m):
         # fp16 copies of mains equal to fp32 rounding: at most one fp16 rounding step apart
         assert (a - b).abs().max() <= torch.finfo(torch.float16).eps * b.abs().max()
+
+
+def test_spike_skip_on_the_fused_path_leaves_every_bit_unchanged(path, monkeypatch):
+    """The main job's configuration (a SpikeDetector) takes the one-pass path; a skipped spike
+    changes nothing and restores the loss scale, as an overflow skip does."""
+    calls = []
+    real = ops.fused_adam_step_
+    monkeypatch.setattr(ops, "fused_adam_step_", lambda *a, **k: (calls.append(1), real(*a, **k)))
+    gen = torch.Generator().manual_seed(10)
+    params = list(_model(torch.float16).parameters())
+    scaler = tpamp.DynamicGradScaler(initial_scale=8.0, growth_interval=1)
+    opt = tpamp.MixedPrecisionOptimizer(
+        torch.optim.AdamW(params, lr=1e-2), grad_scaler=scaler, clip_grad=1.0,
+        spike_detector=tpamp.SpikeDetector("skip", window=4, warmup=3, watch=("grad_norm",)),
+    )
+    for k in range(4):
+        for p in params:
+            p.grad = _randn(p.shape, gen, 1.0 * float(scaler.scale), torch.float16)
+        assert opt.step().update_successful
+    assert len(calls) == 4
+    mains = [m for g in opt.param_groups for m in g["params"]]
+    state = lambda: _bits([*mains, *params] + [v for m in mains for v in opt.state[m].values()])  # noqa: E731
+    before, scale_before = state(), float(scaler.scale)
+    for p in params:  # a grad-norm spike: 50x the usual grads, still finite in fp16
+        p.grad = _randn(p.shape, gen, 50.0 * float(scaler.scale), torch.float16)
+        assert torch.isfinite(p.grad).all()  # so the skip is the spike's, not an overflow's
+    assert not opt.step().update_successful
+    assert all(torch.equal(a, b) for a, b in zip(before, state()))
+    assert float(scaler.scale) == scale_before  # growth_interval=1 would have grown it
+    assert len(calls) == 4

@@ -135,7 +135,7 @@ class MixedPrecisionOptimizer(OptimizerWrapper):
             (``main.grad`` stays None); the statistics pass before it only reads the grads.
             Results equal the inner optimizer's to float32 rounding. False: always the
             generic path (inner ``optimizer.step()``). Other optimizers, subclasses and
-            options, a spike_detector and step(param_grad_norms=True) take the generic path
+            options and step(param_grad_norms=True) take the generic path
             whatever this flag says.
 
     Raises:
@@ -478,8 +478,8 @@ class MixedPrecisionOptimizer(OptimizerWrapper):
         per step: param groups and hooks may change), and a scaler whose 1/scale is <= 1 (so
         the statistics of the raw grads, scaled afterwards, equal those of the unscaled ones)."""
         kind = self._fused_kind
-        if kind is None or self.spike_detector is not None:
-            return False  # the spike detector's skip and restore live in the generic path
+        if kind is None:
+            return False
         if self.grad_scaler is not None and not self.grad_scaler.never_below_one:
             return False
         inner = self.optimizer
@@ -511,6 +511,8 @@ class MixedPrecisionOptimizer(OptimizerWrapper):
         )
         stats = self._unscaled_stats(stats, inv_scale, finite_p)
         found_inf, norm_stat, num_zeros = self._reduce(stats, finite_p)
+        spikes = self.spike_detector
+        scaler_before = spikes._scaler_snapshot(self.grad_scaler) if spikes is not None else None
         at_min = None
         if self.grad_scaler is not None:
             self.grad_scaler.update(found_inf)
@@ -541,6 +543,12 @@ class MixedPrecisionOptimizer(OptimizerWrapper):
         found = host[0] > 0
         if at_min is not None and host[-1] > 0:  # overflow at min_scale, or growth capped
             self.grad_scaler._report_overflow_at_min_scale()
+        if spikes is not None:  # a spike skip: as an overflow skip, but the scaler is restored
+            loss = spikes.reduce_loss(self.grad_stats_group, self._device)
+            if spikes.decide(host[1], loss, overflow=found).skipped:
+                spikes._scaler_restore(self.grad_scaler, scaler_before)
+                self._release_model_grads()
+                return StepResult(False, None, None)
         if found and (self.grad_scaler is not None or self.skip_nonfinite):
             self._release_model_grads()
             return StepResult(False, None, None)
