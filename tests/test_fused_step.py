@@ -545,3 +545,25 @@ def test_spike_skip_on_the_fused_path_leaves_every_bit_unchanged(path, monkeypat
     assert all(torch.equal(a, b) for a, b in zip(before, state()))
     assert float(scaler.scale) == scale_before  # growth_interval=1 would have grown it
     assert len(calls) == 4
+
+
+@pytest.mark.parametrize("op", ["fused_adam_step_", "fused_sgd_step_"])
+def test_opcheck_fused_step_ops(op):
+    """torch.library.opcheck: the schema marks exactly what the kernels write; the fake impl,
+    autograd registration and AOT dispatch agree (SPEC.md section 4)."""
+    if not _kernel_built():
+        pytest.skip("tpamp._C with the fused step kernels is not built")
+    gen = torch.Generator().manual_seed(11)
+    shapes = [(5,), (33,), (0,)]
+    params = [_randn(s, gen) for s in shapes]
+    models = [p.half() for p in params]
+    grads = [_randn(s, gen, 1.0, torch.float16) for s in shapes]
+    scale, skip = torch.tensor([0.5]), torch.zeros(1)
+    if op == "fused_adam_step_":
+        args = (params, [_randn(s, gen).abs() for s in shapes], [_randn(s, gen).abs() for s in shapes],
+                [torch.tensor(3.0) for _ in shapes], models, grads, scale, skip, None, 1e-3, 0.9,
+                0.999, 1e-8, 0.01, True, False)
+    else:
+        args = (params, [_randn(s, gen) for s in shapes], models, grads, [False, True, False], scale,
+                skip, torch.tensor([0.1]), 0.0, 0.9, 0.1, 0.01, True, False)
+    torch.library.opcheck(getattr(torch.ops.tpamp, op), args)
