@@ -135,8 +135,12 @@ class MixedPrecisionOptimizer(OptimizerWrapper):
             (``main.grad`` stays None); the statistics pass before it only reads the grads.
             Results equal the inner optimizer's to float32 rounding. False: always the
             generic path (inner ``optimizer.step()``). Other optimizers, subclasses and
-            options and step(param_grad_norms=True) take the generic path
-            whatever this flag says.
+            options and step(param_grad_norms=True) take the generic path whatever this flag
+            says; both paths keep the same state, so they can alternate. The step count of a
+            new state lives on the params' device (as torch.optim's fused Adam keeps it; a
+            plain torch optimizer loads it as it is). With sync_free, SGD with momentum reads
+            found_inf on the host once, at its buffers' first step (a skipped first step must
+            leave no buffer behind).
 
     Raises:
         TypeError: optimizer is not a torch.optim.Optimizer, or a param has a dtype other than
