@@ -224,6 +224,11 @@ def _extension_and_cmdclass():
         )
     exts = [frontend]
     cpu_sources = _sources("cpu/*.cpp")
+    # at::parallel_for is inline: with torch's OpenMP backend it runs in parallel only in code
+    # compiled with -fopenmp (libgomp.so.1 then resolves to the copy torch has already loaded).
+    import torch
+
+    omp = ["-fopenmp"] if torch.backends.openmp.is_available() else []
     caps = _cpu_capabilities()
     _say(f"building the CPU kernels for the CPU capabilities {caps}")
     for cap in caps:
@@ -238,7 +243,8 @@ def _extension_and_cmdclass():
                     (f"CPU_CAPABILITY_{cap.upper()}", None),
                     ("TPAMP_CPU_MODULE", module),
                 ],
-                extra_compile_args={"cxx": cxx_flags + CPU_CAPABILITY_FLAGS[cap]},
+                extra_compile_args={"cxx": cxx_flags + omp + CPU_CAPABILITY_FLAGS[cap]},
+                extra_link_args=omp,
             )
         )
 

@@ -181,8 +181,14 @@ def test_grad_stats_squares_beyond_fp32_give_the_finite_fp64_norm(dtype):
     ref = float(sum(np.sum(v * v) for v in values))
     assert math.isfinite(ref) and float(res[0]) == 0.0
     assert float(res[1]) == pytest.approx(ref, rel=RTOL_SUMSQ)
-    # and through the public function: a finite L2 norm
+    # and through the public function: a finite L2 norm, on the kernels and on the PyTorch path
     norm = tpamp_clip_norm(big)
+    assert math.isfinite(norm) and norm == pytest.approx(math.sqrt(ref), rel=1e-6)
+    ops._force_fallback = True
+    try:
+        norm = tpamp_clip_norm(big)
+    finally:
+        ops._force_fallback = False
     assert math.isfinite(norm) and norm == pytest.approx(math.sqrt(ref), rel=1e-6)
 
 

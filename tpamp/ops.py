@@ -265,24 +265,31 @@ def _grad_stats_torch(
     return GradStats(found_inf, norm_stat, num_zeros, pt)
 
 
+def _acc_dtype(p: float) -> torch.dtype:
+    """Accumulation dtype of a p-norm: float64 for finite p, so a sum of |g|^p beyond the float32
+    range (|g| > ~1.8e19 for p = 2) stays finite, as in the kernels; a max is exact in float32."""
+    return torch.float32 if p == math.inf else torch.float64
+
+
 def _norms(tensors, p: float) -> Optional[Tensor]:
-    """float32 [n] p-norms of the non-empty tensors (None if there are none): _foreach_norm
-    rejects empty tensors for p = inf, and an empty tensor contributes 0 to any norm."""
+    """[n] p-norms of the non-empty tensors (float64 for finite p, float32 for inf; None if
+    there are none): _foreach_norm rejects empty tensors for p = inf, and an empty tensor
+    contributes 0 to any norm."""
     tensors = [t for t in tensors if t.numel() > 0]
     if not tensors:
         return None
-    return torch.stack(torch._foreach_norm(tensors, p, dtype=torch.float32))
+    return torch.stack(torch._foreach_norm(tensors, p, dtype=_acc_dtype(p)))
 
 
 def _per_tensor_norms(targets, p: float, device) -> Tensor:
     """float32 [len(targets)] p-norm of each tensor, 0 for an empty one. Built with stack, so
     no index tensor is made on the host (no host-to-device copy in a step)."""
     nonempty = [t for t in targets if t.numel() > 0]
-    norms = iter(torch._foreach_norm(nonempty, p, dtype=torch.float32) if nonempty else ())
-    zero = torch.zeros((), dtype=torch.float32, device=device)
+    norms = iter(torch._foreach_norm(nonempty, p, dtype=_acc_dtype(p)) if nonempty else ())
+    zero = torch.zeros((), dtype=_acc_dtype(p), device=device)
     if not targets:
         return torch.zeros(0, dtype=torch.float32, device=device)
-    return torch.stack([next(norms) if t.numel() > 0 else zero for t in targets])
+    return torch.stack([next(norms) if t.numel() > 0 else zero for t in targets]).float()
 
 
 def _grad_stats_ext(

@@ -58,8 +58,7 @@ ChunkStats grad_stats_chunk(const in_t* in, out_t* out, int64_t n, float s) {
     const float sq = L::sum(acc.sq) + tail.sq;
     const float amax = max_propagate_nan(L::max_all(acc.amax), tail.amax);
     const float zeros = L::sum(acc.zeros) + tail.zeros;
-    const float nonfinite = L::sum(acc.nonfinite) + tail.nonfinite;
-    if (!fold_block(c, sq, amax, zeros, nonfinite)) {
+    if (!fold_block(c, sq, amax, zeros)) {
       // The fp32 sum of squares overflowed with every value finite: sum the block in fp64,
       // reading the values as stored.
       for (int64_t j = b0; j < end; ++j) {

@@ -27,6 +27,8 @@ struct Lanes<FVec> {
   static inline FVec abs(const FVec& x) { return x.abs(); }
   // at::vec::maximum propagates NaN from either side, as max_propagate_nan does.
   static inline FVec max_nan(const FVec& a, const FVec& b) { return at::vec::maximum(a, b); }
+  // One max instruction (clamp_min(b, a) = max(a, b)); NaN handling unspecified.
+  static inline FVec max_plain(const FVec& a, const FVec& b) { return at::vec::clamp_min(b, a); }
   // le/eq return 1.0f / 0.0f per lane (not bit masks); |NaN| <= FLT_MAX is false.
   static inline FVec is_finite(const FVec& x) { return x.abs().le(FVec(FLT_MAX)); }
   static inline FVec is_zero(const FVec& x) { return x.eq(FVec(0.0f)); }

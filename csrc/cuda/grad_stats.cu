@@ -56,7 +56,7 @@ struct GradStatsFunctor {
       return w;
     });
     ChunkStats cs = chunk_stats_init();
-    const bool ok = fold_block(cs, acc.sq, acc.amax, acc.zeros, acc.nonfinite);
+    const bool ok = fold_block(cs, acc.sq, acc.amax, acc.zeros);
     // A thread's fp32 sum of squares overflowed with every value finite: the block sums the
     // chunk again in fp64 from the values as stored (the barrier makes the writes visible).
     if (__syncthreads_or(ok ? 0 : 1)) {

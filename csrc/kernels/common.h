@@ -52,6 +52,8 @@ struct Lanes<float> {
   static TPAMP_INLINE float splat(float x) { return x; }
   static TPAMP_INLINE float abs(float x) { return fabsf(x); }
   static TPAMP_INLINE float max_nan(float a, float b) { return max_propagate_nan(a, b); }
+  // One instruction where possible; NaN handling unspecified (callers detect NaN otherwise).
+  static TPAMP_INLINE float max_plain(float a, float b) { return a < b ? b : a; }
   // 1.0f where |x| <= FLT_MAX (finite), 0.0f for +-inf and NaN.
   static TPAMP_INLINE float is_finite(float x) { return fabsf(x) <= FLT_MAX ? 1.0f : 0.0f; }
   // 1.0f where x == 0 (-0.0 included), else 0.0f.

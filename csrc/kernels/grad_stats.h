@@ -2,15 +2,16 @@
 // csrc/cuda/grad_stats.cu.
 //
 // Per element (lane type V, see common.h): r = the value as stored (float(cast<out_t>(g * s)));
-//   nonfinite += !(|r| <= FLT_MAX)        -> found_inf (an overflow in the multiply or in the
-//                                            cast to fp16/bf16 counts, so a clean step's grads
-//                                            are finite as written)
-//   sq        += r * r  (fp32, per lane, over at most kSumBlock elements of a chunk)
-//   amax       = max(amax, |r|), NaN wins
-//   zeros     += (r == 0), -0.0 included
-// Per block of kSumBlock elements: the fp32 lane sums are added into an fp64 total. When a block's
-// fp32 sum overflowed while every value of it was finite (|g| > ~1.8e19), the launcher sums that
-// block again in fp64 (add_sq_fp64), so a norm whose fp64 value is finite is never inf.
+//   sq    += r * r  (fp32, per lane, over at most kSumBlock elements of a chunk)
+//   amax   = max(amax, |r|)  (a plain max: what it does with NaN does not matter, see below)
+//   zeros += (r == 0), -0.0 included
+// Per block (fold_block), found_inf and NaN come from those two accumulators, with no per-element
+// test: a sum of squares of non-negative terms is NaN exactly when some r is NaN, and max |r| is
+// > FLT_MAX exactly when some r is +-inf (an overflow in the multiply or in the cast to fp16/bf16
+// counts, so a clean step's grads are finite as written). NaN makes the block's max NaN ("NaN
+// wins", as torch.max). The block's fp32 lane sums are added into an fp64 total; when they
+// overflowed while every value was finite (|g| > ~1.8e19), the launcher sums the block again in
+// fp64 (add_sq_fp64), so a norm whose fp64 value is finite is never inf.
 // Per chunk: a ChunkStats; chunks are combined in chunk order (combine) in fp64.
 
 #pragma once
@@ -29,22 +30,19 @@ struct StatsLanes {
   V sq;
   V amax;
   V zeros;
-  V nonfinite;
 };
 
 template <typename V>
 TPAMP_INLINE StatsLanes<V> stats_init() {
-  return {Lanes<V>::splat(0.0f), Lanes<V>::splat(0.0f), Lanes<V>::splat(0.0f),
-          Lanes<V>::splat(0.0f)};
+  return {Lanes<V>::splat(0.0f), Lanes<V>::splat(0.0f), Lanes<V>::splat(0.0f)};
 }
 
 // Statistics of one value r as stored. kZeros: count zeros too.
 template <bool kZeros, typename V>
 TPAMP_INLINE void stats_add(StatsLanes<V>& a, const V& r) {
   using L = Lanes<V>;
-  a.nonfinite = a.nonfinite + (L::splat(1.0f) - L::is_finite(r));
   a.sq = L::fmadd(r, r, a.sq);
-  a.amax = L::max_nan(a.amax, L::abs(r));
+  a.amax = L::max_plain(a.amax, L::abs(r));
   if (kZeros) a.zeros = a.zeros + L::is_zero(r);
 }
 
@@ -58,16 +56,16 @@ struct ChunkStats {
 
 TPAMP_INLINE ChunkStats chunk_stats_init() { return {0.0, 0.0f, 0, 0}; }
 
-// Folds one block's lane accumulators (reduced to scalars by the launcher) into the chunk.
-// Returns false when the fp32 sum of squares overflowed with every value finite: the caller then
-// adds that block's squares with add_sq_fp64 instead of sq_fp32.
-TPAMP_INLINE bool fold_block(ChunkStats& c, float sq_fp32, float amax, float zeros,
-                             float nonfinite) {
-  c.amax = max_propagate_nan(c.amax, amax);
+// Folds one block's lane accumulators (reduced to scalars by the launcher: sq summed, amax by a
+// plain max) into the chunk. Returns false when the fp32 sum of squares overflowed with every
+// value finite: the caller then adds that block's squares with add_sq_fp64 instead of sq_fp32.
+TPAMP_INLINE bool fold_block(ChunkStats& c, float sq_fp32, float amax, float zeros) {
+  const bool has_nan = sq_fp32 != sq_fp32;
+  const bool has_inf = !has_nan && !(amax <= FLT_MAX);  // amax may be NaN-free even with NaN
+  c.amax = max_propagate_nan(c.amax, has_nan ? sq_fp32 : amax);
   c.zeros += static_cast<int32_t>(zeros);
-  const bool bad = nonfinite != 0.0f;
-  c.found |= bad ? 1 : 0;
-  if (!bad && !(sq_fp32 <= FLT_MAX)) return false;
+  c.found |= (has_nan || has_inf) ? 1 : 0;
+  if (!has_nan && !has_inf && !(sq_fp32 <= FLT_MAX)) return false;
   c.sumsq += static_cast<double>(sq_fp32);
   return true;
 }
