@@ -48,21 +48,30 @@ def _scaler(dtype):
     return tpamp.DynamicGradScaler(initial_scale=2.0**8, hysteresis=1, growth_interval=2)
 
 
+def _inner(kind, params):
+    if kind == "sgd":
+        return torch.optim.SGD(_groups(params), lr=1e-2, momentum=0.9, nesterov=True)
+    return torch.optim.AdamW(_groups(params), lr=1e-2)
+
+
 def _vs_reference(rank, world, cases, steps, inf_step):
-    return [_vs_reference_one(rank, world, *case, steps, inf_step) for case in cases]
+    return [_vs_reference_one(rank, world, *case, steps, inf_step, fused)
+            for case in cases for fused in (True, False)]
 
 
-def _vs_reference_one(rank, world, dtype, bucket_size, reduce_in_fp32, steps, inf_step):
+def _vs_reference_one(rank, world, dtype, bucket_size, reduce_in_fp32, kind, steps, inf_step,
+                      fused):
     vals = _values(dtype)
     mine = {k: torch.nn.Parameter(v.clone()) for k, v in vals.items()}
     ref = {k: torch.nn.Parameter(v.clone()) for k, v in vals.items()}
     kw = dict(clip_grad=4.0, log_num_zeros_in_grad=True)
     opt = tpamp.DistributedOptimizer(
-        torch.optim.AdamW(_groups(mine), lr=1e-2), grad_scaler=_scaler(dtype),
+        _inner(kind, mine), grad_scaler=_scaler(dtype),
         data_parallel_group=dist.group.WORLD, bucket_size=bucket_size,
-        grad_reduce_in_fp32=reduce_in_fp32, param_names=mine.items(), **kw)
+        grad_reduce_in_fp32=reduce_in_fp32, param_names=mine.items(), fused_step=fused, **kw)
     ref_cls = tpamp.FP32Optimizer if dtype == torch.float32 else tpamp.MixedPrecisionOptimizer
-    ref_opt = ref_cls(torch.optim.AdamW(_groups(ref), lr=1e-2), grad_scaler=_scaler(dtype), **kw)
+    # the reference is torch.optim's own step (not the one-pass kernel)
+    ref_opt = ref_cls(_inner(kind, ref), grad_scaler=_scaler(dtype), fused_step=False, **kw)
     results, ref_results = [], []
     for step in range(steps):
         scale = float(opt.get_loss_scale())
@@ -83,23 +92,29 @@ def _vs_reference_one(rank, world, dtype, bucket_size, reduce_in_fp32, steps, in
                     group["lr"] *= 0.5
         results.append(tuple(opt.step()))
         ref_results.append(tuple(ref_opt.step()))
+        # the fused path fills no fp32 main grads; the generic one steps through them
+        took_fused = all(p.grad is None for g in opt.param_groups for p in g["params"])
+        assert took_fused == fused or not results[-1][0], (fused, step)
         opt.zero_grad()
         ref_opt.zero_grad()
     return (results, ref_results, {k: _np(p) for k, p in mine.items()},
             {k: _np(p) for k, p in ref.items()})
 
 
-# (model dtype, bucket_size, grad_reduce_in_fp32) per DP size
+# (model dtype, bucket_size, grad_reduce_in_fp32, inner optimizer) per DP size; each case runs
+# with fused_step True and False
 CASES = {
-    2: [(torch.float16, None, True), (torch.float32, 25, True)],
-    4: [(torch.float16, 40, False), (torch.bfloat16, 40, True)],
+    2: [(torch.float16, None, True, "adamw"), (torch.float32, 25, True, "adamw"),
+        (torch.bfloat16, 30, True, "sgd")],
+    4: [(torch.float16, 40, False, "adamw"), (torch.bfloat16, 40, True, "adamw")],
 }
 
 
 @pytest.mark.parametrize("world", sorted(CASES))
 def test_matches_mixed_precision_optimizer_fed_dp_averaged_grads(world):
     per_rank = run_workers(_vs_reference, world, CASES[world], 5, 2)
-    for case, out in zip(CASES[world], zip(*per_rank)):
+    runs = [(case, fused) for case in CASES[world] for fused in (True, False)]
+    for (case, fused), out in zip(runs, zip(*per_rank)):
         _check_vs_reference(case[0], out)
 
 
@@ -331,6 +346,10 @@ def test_state_dict_resume_on_the_same_layout_is_bit_identical():
 
 
 def _spike_skip(rank, world):
+    return [_spike_skip_one(rank, fused) for fused in (True, False)]
+
+
+def _spike_skip_one(rank, fused):
     vals = _values(torch.float16)
     mine = {k: torch.nn.Parameter(v.clone()) for k, v in vals.items()}
     scaler = tpamp.DynamicGradScaler(initial_scale=2.0**4, hysteresis=1, growth_interval=1)
@@ -338,7 +357,8 @@ def _spike_skip(rank, world):
         torch.optim.AdamW(_groups(mine), lr=1e-2), grad_scaler=scaler,
         data_parallel_group=dist.group.WORLD, param_names=mine.items(),
         spike_detector=tpamp.SpikeDetector("skip", threshold=3.0, window=4, warmup=3,
-                                           watch=("grad_norm",)))
+                                           watch=("grad_norm",)),
+        fused_step=fused)
     skipped = []
     for step in range(5):
         scale = float(opt.get_loss_scale())
@@ -361,6 +381,6 @@ def _spike_skip(rank, world):
 def test_a_grad_norm_spike_is_skipped_on_every_dp_rank_with_the_scale_untouched():
     # growth_interval=1: a clean step doubles the scale, so a restored scaler shows
     out = run_workers(_spike_skip, 2)
-    for skipped, params_same, scale_same, spike_skips in out:
+    for skipped, params_same, scale_same, spike_skips in (r for rank in out for r in rank):
         assert skipped == [False, False, False, False, True]
         assert params_same and scale_same and spike_skips == 1

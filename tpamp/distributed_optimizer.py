@@ -40,7 +40,7 @@ from tpamp.grad_scaler import MegatronGradScaler
 from tpamp.grad_stats import _check_group, _check_norm_type, _tp_rank, clip_coefficient
 from tpamp.grad_stats import counts_toward_norm, local_tensor
 from tpamp.optimizer import MixedPrecisionOptimizer, OptimizerWrapper, StepResult, _placed_like
-from tpamp.optimizer import _check_spike_detector
+from tpamp.optimizer import _FUSED_KINDS, _check_spike_detector
 
 __all__ = ["DistributedOptimizer"]
 
@@ -154,6 +154,19 @@ class DistributedOptimizer(OptimizerWrapper):
         spike_detector: a :class:`tpamp.SpikeDetector`, as for MixedPrecisionOptimizer: it
             judges the grad norm reduced over ``grad_stats_group`` (TP x PP x DP) and the loss;
             a spike skip changes no shard, no state and not the loss scale.
+        fused_step: when MixedPrecisionOptimizer's fused path would apply (the same rule: an
+            exact torch.optim Adam, AdamW or SGD with options the one-pass kernel supports, no
+            step hooks, a scaler that never drops below 1), steps 2 and 6-8 run on the shard
+            views with the kernels (``tpamp.ops.grad_stats`` read-only over the reduced grad
+            shards, then ``tpamp.ops.fused_adam_step_``/``fused_sgd_step_``): the grads are
+            multiplied by ONE device factor, 1/d (fp32 reduce) x 1/loss scale x clip
+            coefficient, the fp32 shard main params and torch.optim's state (same keys, so
+            state_dict and sharded checkpoints are unchanged) are updated, and the model-dtype
+            shard that is all-gathered is written in the same pass (no separate cast). No
+            fp32 main grads are filled (the inner params' ``.grad`` is None after the step).
+            Results equal the generic path's to float32 rounding; the skip decisions are the
+            same (found_inf, the norm and the zeros are still read on the host once, before
+            the update). False: always the generic path (inner ``optimizer.step()``).
 
     Raises:
         TypeError: optimizer is not a torch.optim.Optimizer; a param is not float32/16/bf16.
@@ -181,6 +194,7 @@ class DistributedOptimizer(OptimizerWrapper):
         skip_nonfinite: bool = True,
         check_params_across_dp: bool = True,
         spike_detector=None,
+        fused_step: bool = True,
     ):
         if not isinstance(optimizer, torch.optim.Optimizer):
             raise TypeError(
@@ -226,6 +240,8 @@ class DistributedOptimizer(OptimizerWrapper):
         self.bucket_size = bucket_size
         self.skip_nonfinite = bool(skip_nonfinite)
         self.sync_free = False
+        self.fused_step = bool(fused_step)
+        self._fused_kind = _FUSED_KINDS.get(type(optimizer)) if self.fused_step else None
         self._dp_size = dist.get_world_size(data_parallel_group)
         self._dp_rank = dist.get_rank(data_parallel_group)
         self._tp_rank = _tp_rank(tensor_parallel_group)
@@ -398,6 +414,13 @@ class DistributedOptimizer(OptimizerWrapper):
     backward = MixedPrecisionOptimizer.backward
     _reduce = MixedPrecisionOptimizer._reduce
     _root = MixedPrecisionOptimizer._root
+    # the one-pass step: the same eligibility rule and kernel calls (on the shard pieces)
+    _fused_step_usable = MixedPrecisionOptimizer._fused_step_usable
+    _unscaled_stats = MixedPrecisionOptimizer._unscaled_stats
+    _grad_multiplier = MixedPrecisionOptimizer._grad_multiplier
+    _fused_update = MixedPrecisionOptimizer._fused_update
+    _fused_adam = MixedPrecisionOptimizer._fused_adam
+    _fused_sgd = MixedPrecisionOptimizer._fused_sgd
 
     @contextlib.contextmanager
     def no_sync(self):
@@ -492,26 +515,15 @@ class DistributedOptimizer(OptimizerWrapper):
         if closure is not None:
             raise ValueError("closure is not supported: compute the loss before step()")
         self._finish_grad_sync()
-        srcs, outs, mask = [], [], []
-        for b in self._buckets:
-            for q in b.pieces:
-                s, t = q.shard_range
-                q.main.grad = out = b.grad_shard[s:t]  # the inner zero_grad may drop it
-                # the same tensor object when reduced in fp32: grad_stats then works in place
-                srcs.append(out if b.reduce_out is b.grad_shard else b.reduce_out[s:t])
-                outs.append(out)
-                mask.append(q.counts)
+        fused = self._fused_step_usable()
         scale = self.grad_scaler.inv_scale if self.grad_scaler is not None else None
         if self.grad_reduce_in_fp32 and self._dp_size > 1:  # the mean over DP: 1/d (<= 1)
             scale = (scale if scale is not None else self._one) * (1.0 / self._dp_size)
         finite_p = self.norm_type != math.inf
-        stats = ops.grad_stats(
-            srcs, out=outs, scale=scale, norm_mask=mask, norm_type=self.norm_type,
-            count_zeros=self.log_num_zeros_in_grad,
-            scale_at_most_one=(self.grad_scaler is None or self.grad_scaler.never_below_one)
-            and scale is not None,
-            device=self._device,
-        )
+        if fused:
+            entries, stats = self._fused_shard_stats(scale, finite_p)
+        else:
+            stats = self._unscale_shards(scale)
         found_inf, norm_stat, num_zeros = self._reduce(stats, finite_p)
         spikes = self.spike_detector
         scaler_before = spikes._scaler_snapshot(self.grad_scaler) if spikes is not None else None
@@ -538,26 +550,87 @@ class DistributedOptimizer(OptimizerWrapper):
             return StepResult(False, None, None)
 
         grad_norm = host[1]
-        shards = [b.grad_shard for b in self._buckets]
-        if self.clip_grad > 0.0 and shards and math.isfinite(grad_norm):
-            if self.clip_grad / (grad_norm + 1.0e-6) < 1.0:  # Megatron: clip only when < 1
-                ops.scale_and_copy(shards, shards, clip_coefficient(self.clip_grad, norm))
+        clip = (
+            self.clip_grad > 0.0
+            and math.isfinite(grad_norm)
+            and self.clip_grad / (grad_norm + 1.0e-6) < 1.0  # Megatron: clip only when < 1
+        )
         zeros = int(round(host[2])) if num_zeros is not None else None
-
-        self.optimizer.step()
-        self._gather_model_params()
+        if fused:  # one pass: unscale x clip, update main shard + state, write model dtype
+            scale = scale.reshape(1) if scale is not None else None
+            self._fused_update(entries, self._grad_multiplier(scale, norm, clip), None)
+            self._gather_model_params(cast=False)
+        else:
+            shards = [b.grad_shard for b in self._buckets]
+            if clip and shards:
+                ops.scale_and_copy(shards, shards, clip_coefficient(self.clip_grad, norm))
+            self.optimizer.step()
+            self._gather_model_params()
         return StepResult(True, float(grad_norm), zeros)
 
-    def _gather_model_params(self) -> None:
-        """Step 8's second half: main shard -> model dtype, all-gather over DP, copy into the
-        model params (one cast pass, one collective per bucket, one copy pass)."""
+    def _unscale_shards(self, scale: Optional[Tensor]) -> ops.GradStats:
+        """Generic path, step 2: reduced grad shards x ``scale`` (1/d x 1/loss scale) into the
+        fp32 main grads (in place for fp32 reduces), with found_inf, norm and zero statistics."""
+        srcs, outs, mask = [], [], []
         for b in self._buckets:
-            if b.param_data is None:  # kept between steps: no allocation (page faults) per step
-                b.param_data = torch.empty(b.numel, dtype=b.dtype, device=self._device)
-                b.param_shard = (b.main_shard if b.dtype == torch.float32 else
-                                 torch.empty(b.shard_size, dtype=b.dtype, device=self._device))
-        casts = [b for b in self._buckets if b.param_shard is not b.main_shard]
-        ops.scale_and_copy([b.main_shard for b in casts], [b.param_shard for b in casts])
+            for q in b.pieces:
+                s, t = q.shard_range
+                q.main.grad = out = b.grad_shard[s:t]  # the inner zero_grad may drop it
+                # the same tensor object when reduced in fp32: grad_stats then works in place
+                srcs.append(out if b.reduce_out is b.grad_shard else b.reduce_out[s:t])
+                outs.append(out)
+                mask.append(q.counts)
+        return ops.grad_stats(
+            srcs, out=outs, scale=scale, norm_mask=mask, norm_type=self.norm_type,
+            count_zeros=self.log_num_zeros_in_grad,
+            scale_at_most_one=(self.grad_scaler is None or self.grad_scaler.never_below_one)
+            and scale is not None,
+            device=self._device,
+        )
+
+    def _fused_shard_stats(self, scale: Optional[Tensor], finite_p: bool):
+        """Fused path, step 2: the read-only statistics pass over the reduced grad shards
+        (fp32 or model dtype), rescaled by ``scale`` (<= 1: found_inf and zeros unchanged).
+        Returns the one-pass step's entries per inner param group, (main piece, its slice of
+        the model-dtype all-gather input or None for fp32 buckets, reduced grad slice, counts
+        toward the norm), and the statistics."""
+        entries: List[list] = [[] for _ in self.optimizer.param_groups]
+        grads, mask = [], []
+        for b in self._buckets:
+            half = self._gather_buffers(b) is not b.main_shard
+            for q in b.pieces:
+                s, t = q.shard_range
+                q.main.grad = None  # no fp32 main grads on this path
+                g = b.reduce_out[s:t]
+                entries[q.group_index].append(
+                    (q.main, b.param_shard[s:t] if half else None, g, q.counts))
+                grads.append(g)
+                mask.append(q.counts)
+        stats = ops.grad_stats(
+            grads, norm_mask=mask, norm_type=self.norm_type,
+            count_zeros=self.log_num_zeros_in_grad, device=self._device,
+        )
+        inv = scale.reshape(1) if scale is not None else None
+        return entries, self._unscaled_stats(stats, inv, finite_p)
+
+    def _gather_buffers(self, b: _Bucket) -> Tensor:
+        """The bucket's all-gather output and input (kept between steps: no allocation, no
+        page faults per step); returns the input, ``b.main_shard`` itself for fp32 params."""
+        if b.param_data is None:
+            b.param_data = torch.empty(b.numel, dtype=b.dtype, device=self._device)
+            b.param_shard = (b.main_shard if b.dtype == torch.float32 else
+                             torch.empty(b.shard_size, dtype=b.dtype, device=self._device))
+        return b.param_shard
+
+    def _gather_model_params(self, cast: bool = True) -> None:
+        """Step 8's second half: main shard -> model dtype (skipped with cast=False: the
+        one-pass step wrote it), all-gather over DP, copy into the model params (one cast
+        pass, one collective per bucket, one copy pass)."""
+        for b in self._buckets:
+            self._gather_buffers(b)
+        if cast:
+            casts = [b for b in self._buckets if b.param_shard is not b.main_shard]
+            ops.scale_and_copy([b.main_shard for b in casts], [b.param_shard for b in casts])
         handles = [
             _all_gather(b.param_data, b.param_shard, group=self.data_parallel_group, async_op=True)
             for b in self._buckets
