@@ -414,6 +414,7 @@ class DistributedOptimizer(OptimizerWrapper):
     backward = MixedPrecisionOptimizer.backward
     _reduce = MixedPrecisionOptimizer._reduce
     _root = MixedPrecisionOptimizer._root
+    _read_and_decide = MixedPrecisionOptimizer._read_and_decide
     # the one-pass step: the same eligibility rule and kernel calls (on the shard pieces)
     _fused_step_usable = MixedPrecisionOptimizer._fused_step_usable
     _unscaled_stats = MixedPrecisionOptimizer._unscaled_stats
@@ -532,30 +533,15 @@ class DistributedOptimizer(OptimizerWrapper):
             self.grad_scaler.update(found_inf)
             at_min = self.grad_scaler._overflow_at_min_scale()
         norm = self._root(norm_stat, finite_p)
-        parts = [found_inf.reshape(1).double(), norm.reshape(1).double()]
-        if num_zeros is not None:
-            parts.append(num_zeros.reshape(1).double())
-        if at_min is not None:
-            parts.append(at_min.reshape(1).to(device=found_inf.device, dtype=torch.float64))
-        host = torch.cat(parts).tolist()  # the one host read of the step
-        found = host[0] > 0
-        if at_min is not None and host[-1] > 0:  # overflow at min_scale, or growth capped
-            self.grad_scaler._report_overflow_at_min_scale()
-        if spikes is not None:  # a spike skip: as an overflow skip, but the scaler is restored
-            loss = spikes.reduce_loss(self.grad_stats_group, self._device)
-            if spikes.decide(host[1], loss, overflow=found).skipped:
-                spikes._scaler_restore(self.grad_scaler, scaler_before)
-                return StepResult(False, None, None)
-        if found and (self.grad_scaler is not None or self.skip_nonfinite):
+        skip, grad_norm, zeros = self._read_and_decide(found_inf, norm, num_zeros, at_min, scaler_before)
+        if skip:  # overflow or spike: no shard, state or model param changes
             return StepResult(False, None, None)
 
-        grad_norm = host[1]
         clip = (
             self.clip_grad > 0.0
             and math.isfinite(grad_norm)
             and self.clip_grad / (grad_norm + 1.0e-6) < 1.0  # Megatron: clip only when < 1
         )
-        zeros = int(round(host[2])) if num_zeros is not None else None
         if fused:  # one pass: unscale x clip, update main shard + state, write model dtype
             scale = scale.reshape(1) if scale is not None else None
             self._fused_update(entries, self._grad_multiplier(scale, norm, clip), None)

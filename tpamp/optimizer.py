@@ -352,7 +352,24 @@ class MixedPrecisionOptimizer(OptimizerWrapper):
         if self.sync_free:
             return self._finish_on_device(found_inf, norm_stat, num_zeros, all_main, finite_p)
         norm = self._root(norm_stat, finite_p)
-        # The one host read of the step: found_inf, norm and zeros together.
+        skip, grad_norm, zeros = self._read_and_decide(found_inf, norm, num_zeros, at_min, scaler_before)
+        if skip:
+            return StepResult(False, None, None)
+
+        if self.clip_grad > 0.0 and all_main and math.isfinite(grad_norm):
+            if self.clip_grad / (grad_norm + 1.0e-6) < 1.0:  # Megatron: clip only when < 1
+                ops.scale_and_copy(all_main, all_main, clip_coefficient(self.clip_grad, norm))
+
+        self.optimizer.step()
+        mains, models = self._pair_locals()
+        ops.scale_and_copy(mains, models)
+        return StepResult(True, float(grad_norm), zeros)
+
+    def _read_and_decide(self, found_inf, norm, num_zeros, at_min, scaler_before):
+        """The one host read of a step (found_inf, norm, zeros and the scaler's stall flag in one
+        transfer) and step 5's decision: returns (skip, grad_norm float, num_zeros int or None).
+        An overflow (with a scaler, or skip_nonfinite) or a spike-detector skip is a skip; a
+        spike skip puts the loss scaler back to ``scaler_before``."""
         parts = [found_inf.reshape(1).double(), norm.reshape(1).double()]
         if num_zeros is not None:
             parts.append(num_zeros.reshape(1).double())
@@ -362,24 +379,16 @@ class MixedPrecisionOptimizer(OptimizerWrapper):
         found = host[0] > 0
         if at_min is not None and host[-1] > 0:  # overflow at min_scale, or growth capped
             self.grad_scaler._report_overflow_at_min_scale()
+        spikes = self.spike_detector
         if spikes is not None:  # a spike skip: as an overflow skip, but the scaler is restored
             loss = spikes.reduce_loss(self.grad_stats_group, self._device)
             if spikes.decide(host[1], loss, overflow=found).skipped:
                 spikes._scaler_restore(self.grad_scaler, scaler_before)
-                return StepResult(False, None, None)
+                return True, None, None
         if found and (self.grad_scaler is not None or self.skip_nonfinite):
-            return StepResult(False, None, None)
-
-        grad_norm = host[1]
-        if self.clip_grad > 0.0 and all_main and math.isfinite(grad_norm):
-            if self.clip_grad / (grad_norm + 1.0e-6) < 1.0:  # Megatron: clip only when < 1
-                ops.scale_and_copy(all_main, all_main, clip_coefficient(self.clip_grad, norm))
+            return True, None, None
         zeros = int(round(host[2])) if num_zeros is not None else None
-
-        self.optimizer.step()
-        mains, models = self._pair_locals()
-        ops.scale_and_copy(mains, models)
-        return StepResult(True, float(grad_norm), zeros)
+        return False, host[1], zeros
 
     def _root(self, norm_stat: Tensor, finite_p: bool) -> Tensor:
         """Reduced norm statistic -> norm, float32 on the device (p-th root taken in float64)."""
@@ -537,26 +546,10 @@ class MixedPrecisionOptimizer(OptimizerWrapper):
                 zeros = num_zeros.reshape(()).to(torch.int64)
                 zeros = torch.where(skipped, torch.full_like(zeros, -1), zeros)
             return StepResult(~skipped, norm, zeros)
-        # The one host read of the step: found_inf, norm and zeros together.
-        parts = [found_inf.reshape(1).double(), norm.reshape(1).double()]
-        if num_zeros is not None:
-            parts.append(num_zeros.reshape(1).double())
-        if at_min is not None:
-            parts.append(at_min.reshape(1).to(device=found_inf.device, dtype=torch.float64))
-        host = torch.cat(parts).tolist()
-        found = host[0] > 0
-        if at_min is not None and host[-1] > 0:  # overflow at min_scale, or growth capped
-            self.grad_scaler._report_overflow_at_min_scale()
-        if spikes is not None:  # a spike skip: as an overflow skip, but the scaler is restored
-            loss = spikes.reduce_loss(self.grad_stats_group, self._device)
-            if spikes.decide(host[1], loss, overflow=found).skipped:
-                spikes._scaler_restore(self.grad_scaler, scaler_before)
-                self._release_model_grads()
-                return StepResult(False, None, None)
-        if found and (self.grad_scaler is not None or self.skip_nonfinite):
+        skip, grad_norm, zeros = self._read_and_decide(found_inf, norm, num_zeros, at_min, scaler_before)
+        if skip:
             self._release_model_grads()
             return StepResult(False, None, None)
-        grad_norm = host[1]
         clip = (
             self.clip_grad > 0.0
             and bool(grads)
@@ -565,7 +558,6 @@ class MixedPrecisionOptimizer(OptimizerWrapper):
         )
         self._fused_update(entries, self._grad_multiplier(inv_scale, norm, clip), None)
         self._release_model_grads()
-        zeros = int(round(host[2])) if num_zeros is not None else None
         return StepResult(True, float(grad_norm), zeros)
 
     def _fused_collect(self):
