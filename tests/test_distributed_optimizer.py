@@ -297,6 +297,17 @@ def _errors(rank, world):
             data_parallel_group=dist.group.WORLD, tensor_parallel_group=dist.group.WORLD)
     except ValueError as e:
         msgs["stats"] = str(e)
+    inner = torch.optim.SGD([torch.nn.Parameter(torch.zeros(3).half())], lr=1.0)
+    tpamp.DistributedOptimizer(inner, grad_scaler=tpamp.ConstantGradScaler(1.0),
+                               data_parallel_group=dist.group.WORLD)
+    for key, wrap in {"twice": tpamp.DistributedOptimizer,
+                      "then_mpo": tpamp.MixedPrecisionOptimizer}.items():
+        kw = dict(data_parallel_group=dist.group.WORLD) if key == "twice" else {}
+        try:
+            wrap(inner, grad_scaler=tpamp.ConstantGradScaler(1.0), **kw)
+            msgs[key] = None
+        except ValueError as e:
+            msgs[key] = str(e)
     return msgs
 
 
@@ -308,6 +319,9 @@ def test_bad_input_gets_clear_errors():
         assert "loss scaler" in msgs["fp16"]
         assert "data_parallel_group" in msgs["none"] and "None" in msgs["none"]
         assert "grad_stats_group has 2 ranks" in msgs["stats"]
+        # one inner optimizer, one wrapper: a second would step copies that never reach the model
+        assert "already wrapped by a tpamp DistributedOptimizer" in (msgs["twice"] or "")
+        assert "already wrapped by a tpamp DistributedOptimizer" in (msgs["then_mpo"] or "")
 
 
 def _resume_same_layout(rank, world):

@@ -202,8 +202,13 @@ def check_wrappable(optimizer) -> None:
 def register_wrapper(wrapper) -> None:
     """After construction: mark the inner optimizer as wrapped and remember its param groups
     (a group added later would be stepped with still-scaled, unchecked grads)."""
-    setattr(wrapper.optimizer, _WRAPPED_ATTR, type(wrapper).__name__)
+    mark_wrapped(wrapper)
     snapshot_param_groups(wrapper)
+
+
+def mark_wrapped(wrapper) -> None:
+    """Mark the inner optimizer as wrapped, so :func:`check_wrappable` refuses a second wrapper."""
+    setattr(wrapper.optimizer, _WRAPPED_ATTR, type(wrapper).__name__)
 
 
 def snapshot_param_groups(wrapper) -> None:

@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import contextlib
 import math
-import numbers
 import warnings
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Tuple
@@ -35,12 +34,12 @@ from typing import Dict, List, Optional, Tuple
 import torch
 import torch.distributed as dist
 
-from tpamp import ops
+from tpamp import _validation, ops
 from tpamp.grad_scaler import MegatronGradScaler
 from tpamp.grad_stats import _check_group, _check_norm_type, _tp_rank, clip_coefficient
 from tpamp.grad_stats import counts_toward_norm, local_tensor
 from tpamp.optimizer import MixedPrecisionOptimizer, OptimizerWrapper, StepResult, _placed_like
-from tpamp.optimizer import _FUSED_KINDS, _check_spike_detector
+from tpamp.optimizer import _FUSED_KINDS, _check_spike_detector, check_wrapper_args
 
 __all__ = ["DistributedOptimizer"]
 
@@ -196,22 +195,7 @@ class DistributedOptimizer(OptimizerWrapper):
         spike_detector=None,
         fused_step: bool = True,
     ):
-        if not isinstance(optimizer, torch.optim.Optimizer):
-            raise TypeError(
-                f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}"
-            )
-        if grad_scaler is not None and not isinstance(grad_scaler, MegatronGradScaler):
-            raise TypeError(
-                "grad_scaler must be a tpamp ConstantGradScaler or DynamicGradScaler, got "
-                f"{type(grad_scaler).__name__}"
-            )
-        if (
-            isinstance(clip_grad, bool)
-            or not isinstance(clip_grad, numbers.Real)
-            or not math.isfinite(clip_grad)
-            or clip_grad < 0
-        ):
-            raise ValueError(f"clip_grad must be a finite number >= 0, got {clip_grad!r}")
+        check_wrapper_args(optimizer, grad_scaler, clip_grad)
         if bucket_size is not None and (
             isinstance(bucket_size, bool) or not isinstance(bucket_size, int) or bucket_size < 1
         ):
@@ -291,6 +275,7 @@ class DistributedOptimizer(OptimizerWrapper):
         self._bucket_of = {id(p): b for b in self._buckets for p in b.params}
         for p, _, _ in entries:
             self._hooks.append(p.register_post_accumulate_grad_hook(self._on_grad_ready))
+        _validation.mark_wrapped(self)  # wrapping the same inner optimizer again is refused
 
     # -- construction ---------------------------------------------------------------------
 

@@ -169,23 +169,7 @@ class MixedPrecisionOptimizer(OptimizerWrapper):
         spike_detector=None,
         fused_step: bool = True,
     ):
-        if not isinstance(optimizer, torch.optim.Optimizer):
-            raise TypeError(
-                f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}"
-            )
-        if grad_scaler is not None and not isinstance(grad_scaler, MegatronGradScaler):
-            raise TypeError(
-                "grad_scaler must be a tpamp ConstantGradScaler or DynamicGradScaler, got "
-                f"{type(grad_scaler).__name__}"
-            )
-        _validation.check_wrappable(optimizer)
-        if (
-            isinstance(clip_grad, bool)
-            or not isinstance(clip_grad, numbers.Real)
-            or not math.isfinite(clip_grad)
-            or clip_grad < 0
-        ):
-            raise ValueError(f"clip_grad must be a finite number >= 0, got {clip_grad!r}")
+        check_wrapper_args(optimizer, grad_scaler, clip_grad)
         self.norm_type = _check_norm_type(norm_type)
         _check_group(grad_stats_group, "grad_stats_group")
         _check_group(tensor_parallel_group, "tensor_parallel_group")
@@ -789,6 +773,30 @@ def _check_spike_detector(detector, sync_free: bool):
     if detector is not None and sync_free:
         raise ValueError("spike_detector decides on the host: it cannot be used with sync_free=True")
     return detector
+
+
+def check_wrapper_args(optimizer, grad_scaler, clip_grad) -> None:
+    """The arguments every tpamp optimizer wrapper shares, checked before anything changes:
+    a torch.optim.Optimizer not wrapped yet whose params have supported dtypes (TypeError /
+    ValueError), a tpamp scaler or None (TypeError), clip_grad a finite number >= 0
+    (ValueError)."""
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        raise TypeError(
+            f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}"
+        )
+    if grad_scaler is not None and not isinstance(grad_scaler, MegatronGradScaler):
+        raise TypeError(
+            "grad_scaler must be a tpamp ConstantGradScaler or DynamicGradScaler, got "
+            f"{type(grad_scaler).__name__}"
+        )
+    _validation.check_wrappable(optimizer)
+    if (
+        isinstance(clip_grad, bool)
+        or not isinstance(clip_grad, numbers.Real)
+        or not math.isfinite(clip_grad)
+        or clip_grad < 0
+    ):
+        raise ValueError(f"clip_grad must be a finite number >= 0, got {clip_grad!r}")
 
 
 def _placed_like(grad: Tensor, param: Tensor) -> Tensor:
