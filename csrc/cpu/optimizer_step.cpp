@@ -156,6 +156,30 @@ std::vector<int64_t> numels_of(at::TensorList ts) {
   return n;
 }
 
+// Every chunk of every param with its grad and model-param slices typed by their dtypes
+// (model: a null NoModel* when there are no model params), run by at::parallel_for: the loop
+// both optimizer steps share. f(const G* grad, M* model, const Chunk& chunk).
+template <typename F>
+void for_each_step_chunk(at::TensorList params, at::TensorList grads, at::TensorList model_params,
+                         const F& f) {
+  const bool has_model = !model_params.empty();
+  const ChunkPlan plan = plan_chunks(numels_of(params));
+  for_each_chunk(plan, [&](int64_t, const Chunk& c) {
+    const int64_t e = c.entry;
+    dispatch_grad_model(
+        grads[e].scalar_type(), has_model, has_model ? model_params[e].scalar_type() : at::kFloat,
+        [&](auto g_tag, auto m_tag) {
+          using G = decltype(g_tag);
+          using M = decltype(m_tag);
+          M* model = nullptr;
+          if constexpr (!std::is_same_v<M, NoModel>) {
+            model = static_cast<M*>(model_params[e].data_ptr()) + c.offset;
+          }
+          f(static_cast<const G*>(grads[e].const_data_ptr()) + c.offset, model, c);
+        });
+  });
+}
+
 }  // namespace
 
 void fused_adam_step_(at::TensorList params, at::TensorList exp_avgs, at::TensorList exp_avg_sqs,
@@ -178,24 +202,11 @@ void fused_adam_step_(at::TensorList params, at::TensorList exp_avgs, at::Tensor
   std::vector<AdamScalars> scalars;
   scalars.reserve(params.size());
   for (const auto& st : steps) scalars.push_back(adam_scalars(h, read_step(st) + 1.0, scale, maximize));
-  const bool has_model = !model_params.empty();
-  const ChunkPlan plan = plan_chunks(numels_of(params));
-  for_each_chunk(plan, [&](int64_t, const Chunk& c) {
+  for_each_step_chunk(params, grads, model_params, [&](const auto* g, auto* model, const Chunk& c) {
     const int64_t e = c.entry;
-    dispatch_grad_model(
-        grads[e].scalar_type(), has_model, has_model ? model_params[e].scalar_type() : at::kFloat,
-        [&](auto g_tag, auto m_tag) {
-          using G = decltype(g_tag);
-          using M = decltype(m_tag);
-          M* model = nullptr;
-          if constexpr (!std::is_same_v<M, NoModel>) {
-            model = static_cast<M*>(model_params[e].data_ptr()) + c.offset;
-          }
-          adam_chunk<G, M>(static_cast<const G*>(grads[e].const_data_ptr()) + c.offset,
-                           params[e].data_ptr<float>() + c.offset,
-                           exp_avgs[e].data_ptr<float>() + c.offset,
-                           exp_avg_sqs[e].data_ptr<float>() + c.offset, model, c.n, scalars[e]);
-        });
+    adam_chunk(g, params[e].data_ptr<float>() + c.offset,
+               exp_avgs[e].data_ptr<float>() + c.offset,
+               exp_avg_sqs[e].data_ptr<float>() + c.offset, model, c.n, scalars[e]);
   });
   for (const auto& st : steps) increment_step(st);
 }
@@ -218,29 +229,18 @@ void fused_sgd_step_(at::TensorList params, at::TensorList momentum_buffers,
   if (a.has_lr_tensor) lr = static_cast<double>(lr_tensor->item<float>());
   const SgdScalars s = sgd_scalars(SgdHyper{lr, momentum, dampening, weight_decay, nesterov},
                                    scale, maximize);
-  const bool has_model = !model_params.empty();
   const bool has_momentum = momentum != 0.0;
-  const ChunkPlan plan = plan_chunks(numels_of(params));
-  for_each_chunk(plan, [&](int64_t, const Chunk& c) {
+  for_each_step_chunk(params, grads, model_params, [&](const auto* g, auto* model, const Chunk& c) {
+    using G = std::remove_const_t<std::remove_pointer_t<decltype(g)>>;
+    using M = std::remove_pointer_t<decltype(model)>;
     const int64_t e = c.entry;
-    dispatch_grad_model(
-        grads[e].scalar_type(), has_model, has_model ? model_params[e].scalar_type() : at::kFloat,
-        [&](auto g_tag, auto m_tag) {
-          using G = decltype(g_tag);
-          using M = decltype(m_tag);
-          M* model = nullptr;
-          if constexpr (!std::is_same_v<M, NoModel>) {
-            model = static_cast<M*>(model_params[e].data_ptr()) + c.offset;
-          }
-          const G* g = static_cast<const G*>(grads[e].const_data_ptr()) + c.offset;
-          float* p = params[e].data_ptr<float>() + c.offset;
-          if (has_momentum) {
-            sgd_chunk<G, M, true>(g, p, momentum_buffers[e].data_ptr<float>() + c.offset, model,
-                                  c.n, first_step.get(e), s);
-          } else {
-            sgd_chunk<G, M, false>(g, p, nullptr, model, c.n, false, s);
-          }
-        });
+    float* p = params[e].data_ptr<float>() + c.offset;
+    if (has_momentum) {
+      sgd_chunk<G, M, true>(g, p, momentum_buffers[e].data_ptr<float>() + c.offset, model, c.n,
+                            first_step.get(e), s);
+    } else {
+      sgd_chunk<G, M, false>(g, p, nullptr, model, c.n, false, s);
+    }
   });
 }
 
