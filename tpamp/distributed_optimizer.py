@@ -86,6 +86,7 @@ class _Bucket:
     param_shard: Optional[Tensor] = None  # [shard_size] model dtype: its input
     handle: Optional[object] = None
     ready: set = field(default_factory=set)
+    deferred: bool = False  # reduce-scattered by step(), never by the backward hooks
 
 
 class DistributedOptimizer(OptimizerWrapper):
@@ -141,6 +142,12 @@ class DistributedOptimizer(OptimizerWrapper):
         grad_reduce_in_fp32: accumulate and reduce-scatter grads in fp32 (default); False
             accumulates and reduces in the model dtype, as Megatron-LM can.
         overlap_grad_reduce: start each bucket's reduce-scatter from backward hooks.
+        deferred_reduce_params: params whose gradient the caller changes after backward and
+            before ``step()`` -- the tied word embedding, whose two copies' grads (first and
+            last pipeline stage) must be summed over the embedding group before the DP
+            reduce-scatter, on their ``main_grad``. Each gets a bucket of its own that the
+            backward hooks never start (so every other bucket still overlaps); step() reduces
+            it. Without overlap_grad_reduce every bucket waits for step() anyway.
         bucket_size: elements per bucket (a bucket closes at the first param boundary at or
             after it); None: one bucket per model dtype.
         param_names: ``model.named_parameters()`` (pairs) or a dict param -> name, used in
@@ -187,6 +194,7 @@ class DistributedOptimizer(OptimizerWrapper):
         tensor_parallel_group=None,
         grad_reduce_in_fp32: bool = True,
         overlap_grad_reduce: bool = False,
+        deferred_reduce_params=None,
         bucket_size: Optional[int] = None,
         param_names=None,
         skip_nonfinite: bool = True,
@@ -257,6 +265,7 @@ class DistributedOptimizer(OptimizerWrapper):
                     continue
                 has_fp16 |= p.dtype == torch.float16
                 entries.append((p, names.get(id(p), f"param_groups.{gi}.{pi}"), gi))
+        self._deferred = self._check_deferred(deferred_reduce_params, entries)
         if has_fp16 and grad_scaler is None:
             raise ValueError(
                 "fp16 params need a loss scaler (grad_scaler=DynamicGradScaler() or "
@@ -316,6 +325,22 @@ class DistributedOptimizer(OptimizerWrapper):
                 "must start from the same model (seed alike or broadcast from DP rank 0)"
             )
 
+    @staticmethod
+    def _check_deferred(params, entries) -> set:
+        """ids of ``deferred_reduce_params``: trainable params of this optimizer (TypeError /
+        ValueError naming the position otherwise)."""
+        if params is None:
+            return set()
+        params = _validation.check_tensor_list("deferred_reduce_params", params)
+        mine = {id(p) for p, _, _ in entries}
+        for i, p in enumerate(params):
+            if id(p) not in mine:
+                raise ValueError(
+                    f"deferred_reduce_params[{i}] (shape {tuple(p.shape)}) is not a trainable "
+                    "param of this optimizer's param groups"
+                )
+        return {id(p) for p in params}
+
     def _build_buckets(self, entries) -> List[_Bucket]:
         by_dtype: Dict[torch.dtype, list] = {}
         for p, _, _ in reversed(entries):  # backward produces the last params' grads first
@@ -325,6 +350,13 @@ class DistributedOptimizer(OptimizerWrapper):
             cur: list = []
             size = 0
             for p in params:
+                if id(p) in self._deferred:  # a bucket of its own, reduced by step()
+                    if cur:
+                        buckets.append(self._make_bucket(dtype, cur))
+                        cur, size = [], 0
+                    buckets.append(self._make_bucket(dtype, [p]))
+                    buckets[-1].deferred = True
+                    continue
                 cur.append(p)
                 size += local_tensor(p).numel()
                 if self.bucket_size is not None and size >= self.bucket_size:
@@ -454,7 +486,7 @@ class DistributedOptimizer(OptimizerWrapper):
         """Post-accumulate-grad hook: grad -> main_grad; maybe start the bucket's reduce."""
         bucket = self._bucket_of[id(param)]
         self._accumulate(param, bucket)
-        if self.overlap_grad_reduce and not self._sync_disabled:
+        if self.overlap_grad_reduce and not self._sync_disabled and not bucket.deferred:
             bucket.ready.add(id(param))
             if len(bucket.ready) == len(bucket.params):
                 self._start_reduce(bucket)
