@@ -177,8 +177,17 @@ class DistributedOptimizer(OptimizerWrapper):
         TypeError: optimizer is not a torch.optim.Optimizer; a param is not float32/16/bf16.
         ValueError: data_parallel_group is None or this rank is not in a group; the
             grad_stats_group is smaller than DP x TP; fp16 params without a grad_scaler; bad
-            clip_grad, norm_type or bucket_size; params that differ across DP ranks at
-            construction (the first differing param is named).
+            clip_grad, norm_type or bucket_size; an inner optimizer already wrapped or a
+            spike_detector used by another optimizer; params that differ across DP ranks at
+            construction (the first differing param is named); settings that differ across
+            the grad-stats group or a bucket layout that differs across DP (checked at
+            construction, a collective over both groups, and again at the first step after a
+            load; every rank raises the same error, and the inner optimizer is left as it
+            was).
+        From ``step()``: the shared step guard (tpamp._validation.guard_step), as
+        MixedPrecisionOptimizer's: RuntimeError when the inner param groups changed after
+        wrapping or no backward (or zero_grad) ran since the last step; TypeError/ValueError
+        for a grad of the wrong dtype, shape or device -- all before anything changes.
     """
 
     def __init__(
@@ -279,7 +288,21 @@ class DistributedOptimizer(OptimizerWrapper):
         self._one = torch.ones(1, dtype=torch.float32, device=self._device)
         if check_params_across_dp and self._dp_size > 1:
             self._check_params_match_across_dp(entries)
+        old_main_grads = {id(p): getattr(p, "main_grad", None) for p, _, _ in entries}
         self._buckets = self._build_buckets(entries)
+        try:
+            # the shared cross-rank settings check, here rather than at the first step: a
+            # different overlap_grad_reduce or bucket layout would already mismatch the
+            # collectives of the first backward
+            _validation.agree_on_settings(self)
+        except BaseException:
+            for p, _, _ in entries:  # _build_buckets' only change to the params
+                if old_main_grads[id(p)] is None:
+                    del p.main_grad
+                else:
+                    p.main_grad = old_main_grads[id(p)]
+            raise
+        self._tpamp_settings_agreed = True
         self._shard_optimizer(entries)
         self._bucket_of = {id(p): b for b in self._buckets for p in b.params}
         for p, _, _ in entries:
