@@ -46,8 +46,10 @@ class StepResult(NamedTuple):
     update_successful: False when the step was skipped for an inf/nan gradient on any rank.
     grad_norm: global norm of the filtered, unscaled main grads before clipping (float, gradient
         units), None when skipped.
-    num_zeros_in_grad: zeros in the filtered main grads over the grad-stats group (int), None when
-        skipped or not requested (log_num_zeros_in_grad=False).
+    num_zeros_in_grad: zeros in the filtered grads over the grad-stats group (int), None when
+        skipped or not requested (log_num_zeros_in_grad=False). Counted on the raw (loss-scaled)
+        grads on every step path, so an fp32/bf16 element that only underflows to 0 at
+        x / loss scale is not a zero.
     """
 
     update_successful: bool
@@ -118,7 +120,9 @@ class MixedPrecisionOptimizer(OptimizerWrapper):
             ``grad_scaler._overflow_at_min_scale()`` when convenient).
         spike_detector: a :class:`tpamp.SpikeDetector` judging each step's reduced grad norm
             and loss after step 5 (log, skip or raise; tpamp/spikes.py); its state is saved in
-            state_dict()["spike_detector"]. Not with sync_free (it decides on the host).
+            state_dict()["spike_detector"]. Not with sync_free (it decides on the host). Bound
+            to this optimizer: another optimizer given the same detector is refused. Policy
+            "raise" puts the scaler back as it was before step 4 (as "skip" does) and raises.
         fused_step: for a torch.optim.Adam, AdamW or SGD whose options the one-pass kernel
             supports (no amsgrad/capturable/differentiable, float betas, no step hooks; lr a
             float or a tensor) and a scaler that never drops below 1, steps 1, 6 (clip) and 8
@@ -140,12 +144,20 @@ class MixedPrecisionOptimizer(OptimizerWrapper):
         TypeError: optimizer is not a torch.optim.Optimizer, or a param has a dtype other than
             float32/float16/bfloat16 (checked for every group before anything is converted).
         ValueError: fp16 params without a grad_scaler; bad clip_grad or norm_type; a group that
-            this rank is not a member of; an inner optimizer that is already wrapped.
-        From ``step()``: RuntimeError when the inner optimizer's param groups changed after
-        wrapping, or when no backward ran since the last step (as torch.amp.GradScaler
-        refuses a second step); on the first step, ValueError on every rank of the grad-stats
-        group when the ranks' norm_type, log_num_zeros_in_grad, clip_grad, skip_nonfinite or
-        loss-scaler settings differ (one small all-gather, tpamp._validation).
+            this rank is not a member of; an inner optimizer that is already wrapped; a
+            spike_detector already used by another optimizer.
+        From ``step()``, the step guard shared with DistributedOptimizer
+        (tpamp._validation.guard_step), all before the scaler or any state moves:
+        RuntimeError when the inner optimizer's param groups changed after wrapping, or when
+        no gradient changed (no backward, no zero_grad) since the last step consumed
+        gradients -- also with plain fp16/bf16 ``.grad``, which the step releases (as
+        torch.amp.GradScaler refuses a second step); TypeError/ValueError for a grad (or
+        ``main_grad``) of the wrong dtype, shape or device, naming the param; on the first
+        step (and the first after a load), ValueError on every rank of the grad-stats group
+        when the ranks' norm_type, log_num_zeros_in_grad, clip_grad, skip_nonfinite,
+        loss-scaler or spike-detector settings differ (one small all-gather,
+        tpamp._validation.agree_on_settings). GradSpikeError for a spike with policy "raise"
+        (the scaler as before the step; the grads count as consumed).
     """
 
     def __init__(
@@ -735,12 +747,16 @@ class MixedPrecisionOptimizer(OptimizerWrapper):
         """Restore the inner optimizer, the scaler and the main params, then copy the main
         params to the model params, so a resumed run continues bit-identically.
 
-        All or nothing: everything is checked before anything changes (inner optimizer state
-        against this optimizer: group and param counts, the optimizer class's hyperparameters,
-        state shapes, finite values; scaler state against the scaler's config; main params
-        float32, of the right shapes and finite). Raises TypeError for a non-dict or a value of
-        the wrong type, KeyError for a missing key, ValueError for a value that does not fit,
-        each naming the key; a failed load leaves the optimizer, scaler and params unchanged."""
+        All or nothing, through the load path shared with DistributedOptimizer
+        (tpamp._validation.load_wrapper_state): everything is checked before anything changes
+        (inner optimizer state against this optimizer: group and param counts, the optimizer
+        class's hyperparameters, state shapes, finite values; scaler state against the
+        scaler's config; the spike detector's state, SpikeDetector.check_state_dict; main
+        params float32, of the right shapes and finite). Raises TypeError for a non-dict (None
+        included) or a value of the wrong type, KeyError for a missing key, ValueError for a
+        value that does not fit, each naming the key; a failed load leaves the optimizer,
+        scaler, detector and params unchanged. The next step compares the settings across
+        ranks again."""
         _validation.load_wrapper_state(
             self, state_dict, mains_key="fp32_from_fp16_params",
             match_mains=lambda saved: _validation.match_saved_tensors(

@@ -17,7 +17,15 @@ Policies (``policy=``):
   step, params, optimizer state and its step count do not change -- but the loss scaler is left
   exactly as it was before the step (scale and trackers: a spike is not an overflow), and the
   skip is counted in :attr:`SpikeDetector.spike_skips`, apart from overflow skips;
-* ``"raise"``: raise :class:`GradSpikeError` (on every rank, before anything is changed).
+* ``"raise"``: raise :class:`GradSpikeError` on every rank; the optimizer puts the loss scaler
+  back as it was before the step (as for "skip"), so no param, optimizer state or scaler
+  state changes; the detector records the spike in its counters and window.
+
+One detector judges one optimizer: the wrapper built with it binds it (:meth:`SpikeDetector.bind`)
+and a second wrapper given the same detector is refused (it would feed two values per
+iteration). Its settings (policy, watched series, threshold, window, warm-up, floors) are part
+of the optimizers' cross-rank settings check: a detector on some ranks only, or one watching
+the loss on some ranks only, would make some ranks join its loss all-reduce and others not.
 
 Usage with :class:`tpamp.MixedPrecisionOptimizer`::
 
@@ -127,8 +135,9 @@ class SpikeDetector:
     scripts/train_gpt.py's default run (its largest z-scores are about 3; README).
 
     State (counters and windows) is in :meth:`state_dict`, which
-    :class:`tpamp.MixedPrecisionOptimizer` saves under ``"spike_detector"``, so a resumed run
-    decides identically.
+    :class:`tpamp.MixedPrecisionOptimizer` and :class:`tpamp.DistributedOptimizer` save under
+    ``"spike_detector"``, so a resumed run decides identically; :meth:`load_state_dict` is
+    validated and all or nothing (:meth:`check_state_dict`).
 
     Raises ValueError for bad arguments (naming the value).
     """
