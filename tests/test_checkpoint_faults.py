@@ -662,3 +662,50 @@ def test_the_checksums_cover_every_byte_of_every_data_file(good):
         assert spans[0][0] == 0 and spans[-1][1] == entry["size"], name
         assert all(a[1] == b[0] for a, b in zip(spans, spans[1:])), name
         assert len(np.unique([w for *_, w in entry["items"]])) == len(entry["items"])
+
+
+def _one_rank_faults(rank, world, root):
+    """Faults on rank 1 alone: every rank must refuse together (no rank left waiting in a
+    collective), with its state unchanged and nothing written."""
+    out = {}
+    params, opt = _live(detector=None)
+    before = _snapshot(params, opt)
+    path = iteration_dir(root, 3)
+    # load: rank 1 forgets a trained param (its optimizer's hook raises ValueError there)
+    mine = dict(params) if rank == 0 else {n: p for n, p in params.items() if n != "b"}
+    try:
+        load_checkpoint(path, mine, opt)
+        out["load"] = "loaded"
+    except CheckpointError as e:
+        out["load"] = str(e)
+    _assert_same(_snapshot(params, opt), before)
+    # save: an unpicklable extra on rank 1 only
+    listing = sorted(os.listdir(path))
+    try:
+        save_checkpoint(path, params, opt, extra={f"r{rank}": (lambda: 0) if rank else 0})
+        out["save"] = "saved"
+    except CheckpointError as e:
+        out["save"] = str(e)
+    # save: another directory on rank 1
+    try:
+        save_checkpoint(path if rank == 0 else path + "x", params, opt)
+        out["dirs"] = "saved"
+    except CheckpointError as e:
+        out["dirs"] = str(e)
+    out["same_files"] = sorted(os.listdir(path)) == listing
+    out["others"] = sorted(os.listdir(root))
+    return out
+
+
+def test_a_fault_on_one_rank_is_refused_on_every_rank(tmp_path):
+    root = str(tmp_path)
+    want = run_workers(_first_save, WORLD, root, timeout=30)
+    outs = run_workers(_one_rank_faults, WORLD, root, timeout=30)
+    for r, out in enumerate(outs):
+        assert "rank 1: ValueError: the optimizer updates a param" in out["load"], (r, out)
+        assert "rank 1: extra['r1'] cannot be saved" in out["save"], (r, out)
+        assert "nothing was written" in out["save"]
+        assert "rank 1: checkpoint_dir" in out["dirs"] and "iter_0000003x" in out["dirs"], (r, out)
+        assert out["same_files"]
+        assert out["others"] == ["iter_0000003", "latest_checkpointed_iteration.txt"], out
+    _bit_identical_in_one_process(root, want[0])

@@ -24,6 +24,8 @@ What a checkpoint holds (flat DCP keys; ``{name}`` is a global parameter name):
 ``optimizer.state.{name}.{key}``   the inner optimizer's state of that param (AdamW: exp_avg,
                                    exp_avg_sq in the param's global shape; step, 0-dim)
 ``optimizer.param_groups``         the hyperparameters of each param group (no ``params``)
+``optimizer.meta``                 the inner optimizer's class and each param group's
+                                   hyperparameter keys and param names (checked at load)
 ``optimizer.grad_scaler.{key}``    the loss scaler's state_dict: scale (float32 [1]) and the
                                    growth/hysteresis trackers
 ``optimizer.spike_detector``       the optimizer's ``spike_detector`` state_dict (windows and
@@ -41,20 +43,47 @@ the same key; DCP keeps one copy). A param marked ``shared=True`` (a tied copy s
 PP stage's output-embedding copy, SPEC section 3) is not written: its original, under the same
 global name, is; it is read back from there.
 
-Loading is all-or-nothing. First, without touching anything: the DCP metadata must exist, hold
-every key this rank needs with the right global shape, and (checked over all ranks) hold
-exactly this model's params; then everything is read into new buffers and checked again (main
-params and model params finite, the scaler state accepted by a copy of the scaler). Only when
-every rank found no fault is anything copied into the model, the main params, the optimizer
-state, the scaler and returned to the caller; otherwise every rank raises
-:class:`CheckpointError` naming the first faults. The new buffers double the state's memory
-for the duration of the load.
+Saving is atomic. All ranks write into a new hidden directory beside the target
+(``.NAME.saving-TOKEN``); when every rank's data file and DCP's ``.metadata`` are written, the
+ranks checksum the data (sha256 of every tensor and object DCP wrote, and of every whole file,
+each file hashed by one rank) into ``tpamp_checksums.json``; only then is the directory renamed
+to its name (a checkpoint already there is swapped out in one atomic ``renameat2`` exchange,
+then deleted), and only then does :func:`save_checkpoint` return on any rank. So a save that
+raises (any rank: an unpicklable ``extra``, a full disk, a DCP error) or is killed part-way
+leaves the directory of that name as it was: the previous checkpoint still loads,
+bit-identically. A trainer writes the latest-iteration marker (:func:`write_latest_iteration`,
+itself an atomic rename) after the save returned, so the marker always names a whole
+checkpoint. Every fault of a save is a :class:`CheckpointError` on every rank, naming the
+rank and the fault (a rank that dies makes the others' collectives fail: they raise too).
+
+Loading is all-or-nothing, each stage agreed over all ranks before the next: (1) the manifest
+and ``.metadata`` are read (``.metadata`` against its checksum); (2) every data file and every
+tensor and object in it is verified against its checksum (each file by one rank), so a
+truncated, extended, missing or overwritten file (finite garbage included) is refused, naming
+the file and the tensor; (3) without reading data, every key this rank needs must exist with
+the right global shape, the checkpoint must hold exactly this model's params (over all
+ranks), and it must have been written by an optimizer of this inner optimizer's class (e.g.
+``torch.optim.adamw.AdamW``) with the same param-group structure (every param in the same
+group index, no hyperparameter this optimizer's groups lack); ``reset_optimizer_state=True``
+is the deliberate way past this (the params, masters, scaler and detector load, the optimizer
+state starts afresh); (4) everything is read into new buffers and checked (model params, main
+params and optimizer state finite, hyperparameters of the live kinds, the scaler and spike
+detector states accepted by copies of them, the caller's ``check_extra`` accepts the extras).
+Only when every rank found no fault is anything copied into the model, the main params, the
+optimizer state and groups, the scaler and the detector; otherwise every rank raises
+:class:`CheckpointError` naming the first faults (rank, file, key), with nothing changed. Every
+error of torch.distributed.checkpoint (whose ``CheckpointException`` is a BaseException) is
+turned into that CheckpointError. Should the copying itself fail on any rank (e.g. in an
+optimizer's ``load_sharded_state_dict``), every rank restores what it had from a host copy
+taken just before and raises CheckpointError. The new buffers double the state's memory for
+the duration of the load; the host copy takes as much host memory again.
 
 Hook for other optimizers (e.g. a data-parallel-sharded ``tpamp.DistributedOptimizer``)
 --------------------------------------------------------------------------------------------
 :class:`tpamp.MixedPrecisionOptimizer` and :class:`tpamp.FP32Optimizer` are handled here. Any
 other optimizer plugs in by exposing two methods; this module then does everything else
-(keys, shared-param skipping, validation, the scaler, all-or-nothing loading)::
+(keys, shared-param skipping, validation, the scaler, checksums, the optimizer class and
+param-group check, all-or-nothing loading with rollback)::
 
     def sharded_state_dict(self, model_params: Mapping[str, Tensor]) -> dict:
         '''model_params: {global name: model param}, as given to save/load_checkpoint.
@@ -78,15 +107,22 @@ other optimizer plugs in by exposing two methods; this module then does everythi
         (built with torch.empty_like / the same ShardedTensor metadata), other state as
         saved. "state" holds exactly the checkpoint's state of each name in "main_params"
         (a name with no entry had no state when saved). Copy into the live buffers; every
-        shape and key has already been checked, and the values are finite.'''
+        shape and key has already been checked, and the values are finite. With
+        load_checkpoint(reset_optimizer_state=True), "state" is empty (drop the params'
+        state) and "param_groups" are the optimizer's own. Should this raise part-way,
+        load_checkpoint restores everything it had (host copies), on every rank.'''
 
 The loss scaler (``optimizer.grad_scaler``, None: none) and a spike detector
 (``optimizer.spike_detector``, if any) are saved and loaded here, and so are the model params
 from ``model_params`` (copied in before ``load_sharded_state_dict`` is called). Param-group
 hyperparameters are restored by group index; the group counts must match.
 
+The param-group structure is found without the hook's help: each main param (or DP shard
+box) lies in the memory of one tensor of one of the inner optimizer's param groups.
+
 Megatron-LM's iteration directories (``iter_0000100``) and ``latest_checkpointed_iteration.txt``
-tracker: :func:`iteration_dir`, :func:`read_latest_iteration`, :func:`write_latest_iteration`.
+tracker (:data:`TRACKER_FILENAME`): :func:`iteration_dir`, :func:`read_latest_iteration`,
+:func:`write_latest_iteration`.
 """
 
 from __future__ import annotations
@@ -880,7 +916,7 @@ def save_checkpoint(
     groups_here: Dict[str, int] = {}
     try:
         sd, groups_here = _save_state_dict(model_params, optimizer, hooks, tp_group, extra)
-    except (TypeError, ValueError) as e:
+    except Exception as e:  # noqa: BLE001 -- reported on every rank, nothing written
         problems.append(f"{type(e).__name__}: {e}")
     for k, v in (extra or {}).items():
         if not isinstance(v, Tensor):
@@ -1157,21 +1193,18 @@ def load_checkpoint(
     params, optimizer (main params, state, param-group hyperparameters, loss scaler, spike
     detector); returns the requested ``extra`` values. Collective over ``process_group``.
 
-    All-or-nothing, in this order, every step agreed over all ranks before the next: (1) the
-    checksum manifest and DCP's ``.metadata`` are read (``.metadata`` checked against its
-    checksum); (2) without reading data, every key this rank needs must exist with the right
-    global shape, the checkpoint must hold exactly this model's params (``strict``), and its
-    optimizer must be of this optimizer's class with the same param-group structure (every
-    param in the same group index, the same hyperparameter keys); (3) the ranks verify the
-    checksum of every data file and of every tensor and object in it (each file by one rank);
-    (4) everything is read into new buffers and checked (model, main params and optimizer
-    state finite; hyperparameters of the live types; the scaler and spike detector states
-    accepted by copies of them; ``check_extra`` accepts the extras); (5) only then is anything
-    copied in. A fault on any rank raises CheckpointError on every rank before (5). Should
-    step (5) raise on any rank (e.g. in an optimizer's ``load_sharded_state_dict``), every
-    rank restores the state it had from a host copy taken before (5) and raises
-    CheckpointError. The new buffers double the state's memory for the load; the host copy
-    takes as much host memory again.
+    All-or-nothing, in this order, every stage agreed over all ranks before the next (module
+    docstring): (1) the checksum manifest and DCP's ``.metadata`` (against its checksum); (2)
+    the checksum of every data file and of every tensor and object in it (each file verified
+    by one rank); (3) without reading data: every key, global shape, the model's param names
+    (``strict``), the optimizer's class and param-group structure; (4) everything read into
+    new buffers and checked (finite model params, main params and optimizer state;
+    hyperparameters of the live kinds; scaler and spike detector states accepted by copies;
+    ``check_extra``); (5) only then is anything copied in. A fault on any rank raises
+    CheckpointError on every rank before (5). Should (5) raise on any rank (e.g. in an
+    optimizer's ``load_sharded_state_dict``), every rank restores the state it had from a host
+    copy taken before (5) and raises CheckpointError. The new buffers double the state's
+    memory for the load; the host copy takes as much host memory again.
 
     Args:
         checkpoint_dir, model_params, optimizer, tensor_parallel_group, process_group: as in
@@ -1226,9 +1259,6 @@ def load_checkpoint(
     plan = _Plan(metadata)
 
     # (3) keys, shapes, optimizer class and groups
-    views = {n: global_view(p, tp_group, name=n) for n, p in model_params.items()}
-    for n, v in views.items():
-        plan.tensor(_MODEL + n, v)
     plan.meta = None
     if _META in plan.md:  # every rank reads it (a collective), whether it has an optimizer or not
         meta = {_META: None}
@@ -1238,44 +1268,13 @@ def load_checkpoint(
             plan.meta = meta[_META][0] if isinstance(meta[_META], tuple) else meta[_META]
         except _dcp_errors() as e:
             plan.problems.append(f"reading the optimizer record failed: {_describe(e, process_group)}")
-    osd = scaler = detector = None
-    if hooks is not None:
-        osd = hooks.sharded_state_dict(model_params)
-        for n, v in osd["main_params"].items():
-            plan.tensor(_MAIN + n, v, torch.float32)
-            if not reset_optimizer_state:
-                for k in plan.under(f"{_STATE}{n}."):
-                    plan.saved(f"{_STATE}{n}.{k}", like=v)
-        if not reset_optimizer_state:
-            plan.saved(_GROUPS)
-            _check_optimizer_meta(plan, optimizer, osd, _shared_names(model_params))
-        scaler = getattr(optimizer, "grad_scaler", None)
-        if scaler is not None:
-            saved_keys = set(plan.under(_SCALER))
-            want = set(scaler.state_dict())
-            if saved_keys != want:
-                plan.problems.append(
-                    f"the checkpoint's loss scaler state has keys {sorted(saved_keys)}, "
-                    f"{type(scaler).__name__} expects {sorted(want)}"
-                )
-            for k in sorted(want & saved_keys):
-                plan.saved(_SCALER + k)
-        detector = getattr(optimizer, "spike_detector", None)
-        if detector is not None:
-            if _SPIKES in plan.md:
-                plan.saved(_SPIKES)
-            else:
-                warnings.warn(
-                    f"{path!r} has no spike detector state; the detector starts afresh",
-                    RuntimeWarning,
-                    stacklevel=2,
-                )
-                detector = None
-    for k, tmpl in (extra or {}).items():
-        if isinstance(tmpl, Tensor):
-            plan.tensor(_EXTRA + k, global_view(tmpl, tp_group, name=k))
-        else:
-            plan.saved(_EXTRA + k)
+    views = osd = scaler = detector = None
+    try:  # a fault found on one rank alone must not leave the others in the next collective
+        views, osd, scaler, detector = _plan_reads(
+            plan, path, model_params, optimizer, hooks, tp_group, extra, reset_optimizer_state
+        )
+    except Exception as e:  # noqa: BLE001 -- reported on every rank
+        plan.problems.append(f"{type(e).__name__}: {e}")
     if strict:
         names = set().union(*_gather(sorted(model_params), process_group))
         unknown = sorted(set(k[len(_MODEL):] for k in plan.md if k.startswith(_MODEL)) - names)
@@ -1299,7 +1298,11 @@ def load_checkpoint(
         )
     got = plan.targets
     if not problems:
-        problems = _check_loaded(got, views, osd, scaler, detector, optimizer, reset_optimizer_state)
+        try:
+            problems = _check_loaded(got, views, osd, scaler, detector, optimizer,
+                                     reset_optimizer_state)
+        except Exception as e:  # noqa: BLE001 -- reported on every rank
+            problems = [f"checking the loaded values failed: {type(e).__name__}: {e}"]
     result: Dict[str, Any] = {}
     if not problems:
         result = {  # objects were saved as 1-tuples; tensors as they are
@@ -1336,6 +1339,53 @@ def load_checkpoint(
             f"{'; '.join(fault) or _describe(e)}"
         ) from None
     return result
+
+
+def _plan_reads(plan, path, model_params, optimizer, hooks, tp_group, extra, reset):
+    """Plan every key this rank reads (no communication); returns (views of model_params,
+    the optimizer's sharded state dict, scaler, detector) as far as they are loaded."""
+    views = {n: global_view(p, tp_group, name=n) for n, p in model_params.items()}
+    for n, v in views.items():
+        plan.tensor(_MODEL + n, v)
+    osd = scaler = detector = None
+    if hooks is not None:
+        osd = hooks.sharded_state_dict(model_params)
+        for n, v in osd["main_params"].items():
+            plan.tensor(_MAIN + n, v, torch.float32)
+            if not reset:
+                for k in plan.under(f"{_STATE}{n}."):
+                    plan.saved(f"{_STATE}{n}.{k}", like=v)
+        if not reset:
+            plan.saved(_GROUPS)
+            _check_optimizer_meta(plan, optimizer, osd, _shared_names(model_params))
+        scaler = getattr(optimizer, "grad_scaler", None)
+        if scaler is not None:
+            saved_keys = set(plan.under(_SCALER))
+            want = set(scaler.state_dict())
+            if saved_keys != want:
+                plan.problems.append(
+                    f"the checkpoint's loss scaler state has keys {sorted(saved_keys)}, "
+                    f"{type(scaler).__name__} expects {sorted(want)}"
+                )
+            for k in sorted(want & saved_keys):
+                plan.saved(_SCALER + k)
+        detector = getattr(optimizer, "spike_detector", None)
+        if detector is not None:
+            if _SPIKES in plan.md:
+                plan.saved(_SPIKES)
+            else:
+                warnings.warn(
+                    f"{path!r} has no spike detector state; the detector starts afresh",
+                    RuntimeWarning,
+                    stacklevel=4,
+                )
+                detector = None
+    for k, tmpl in (extra or {}).items():
+        if isinstance(tmpl, Tensor):
+            plan.tensor(_EXTRA + k, global_view(tmpl, tp_group, name=k))
+        else:
+            plan.saved(_EXTRA + k)
+    return views, osd, scaler, detector
 
 
 def _check_optimizer_meta(plan: _Plan, optimizer, osd, shared) -> None:
