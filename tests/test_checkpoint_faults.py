@@ -495,7 +495,10 @@ def test_bad_save_arguments_write_nothing(tmp_path, kw, error, match):
     assert os.listdir(tmp_path) == []
 
 
-def test_a_resave_replaces_the_checkpoint_whole_and_leaves_nothing_behind(good, tmp_path):
+@pytest.mark.parametrize("exchange", [True, False], ids=["renameat2", "two_renames"])
+def test_a_resave_replaces_the_checkpoint_whole_and_leaves_nothing_behind(good, tmp_path, monkeypatch, exchange):
+    if not exchange:  # an OS or file system without the atomic exchange
+        monkeypatch.setattr(tpamp.checkpoint, "_rename_exchange", lambda a, b: False)
     path = _copy(good, tmp_path)
     # a killed earlier save left its staging directory: the next save of the name removes it
     os.makedirs(os.path.join(tmp_path, ".copy.saving-deadbeef"))
@@ -555,7 +558,7 @@ def _rank_entry(rank, world, port, root, fault, queue):
         params, opt = _build_dist(rank, seed=5)
         load_checkpoint(iteration_dir(root, 3), params, opt)
         _dist_steps(params, opt, 3, 2)
-        if rank == 1:
+        if rank == int(fault[-1]):
             import torch.distributed.checkpoint.filesystem as fs
 
             original = fs._write_item
@@ -563,7 +566,7 @@ def _rank_entry(rank, world, port, root, fault, queue):
             def write_item(transforms, stream, data, *args, **kw):
                 out = original(transforms, stream, data, *args, **kw)
                 stream.flush()  # part of this rank's data is on disk
-                if fault == "kill":
+                if fault.startswith("kill"):
                     os.kill(os.getpid(), signal.SIGKILL)
                 raise OSError(28, "No space left on device")
 
@@ -609,15 +612,19 @@ def _bit_identical_in_one_process(root, want):
     _assert_same(_snapshot(params, opt), want)
 
 
-@pytest.mark.parametrize("fault", ["kill", "raise"])
+@pytest.mark.parametrize("fault", ["kill1", "kill0", "raise1"])
 def test_a_two_rank_save_killed_or_failing_on_one_rank_keeps_the_previous_checkpoint(tmp_path, fault):
+    """kill1 / kill0: kill -9 of rank 1 (or of rank 0, which would publish) after part of its
+    data is on disk; raise1: a write error on rank 1. The save overwrites the checkpoint of
+    the same name: the most exposed case."""
     root = str(tmp_path)
     want = run_workers(_first_save, WORLD, root, timeout=30)
     _same(want[0], want[1], "replicas")
     reports, codes = _second_run(root, fault)
-    if fault == "kill":
-        assert codes[1] == -signal.SIGKILL and 1 not in reports, (codes, reports)
-        kind, text = reports[0]
+    victim = int(fault[-1])
+    if fault.startswith("kill"):
+        assert codes[victim] == -signal.SIGKILL and victim not in reports, (codes, reports)
+        kind, text = reports[1 - victim]
         assert kind == "CheckpointError", text
         assert "saving" in text and "the checkpoint directory is as it was" in text
     else:
@@ -626,8 +633,17 @@ def test_a_two_rank_save_killed_or_failing_on_one_rank_keeps_the_previous_checkp
             assert kind == "CheckpointError", text
             assert "rank 1: OSError: [Errno 28] No space left on device" in text
     assert read_latest_iteration(root) == 3
-    assert sorted(os.listdir(root)) == ["iter_0000003", "latest_checkpointed_iteration.txt"]
-    _bit_identical_in_one_process(root, want[0])
+    left = sorted(os.listdir(root))
+    if fault == "kill0":  # nobody was left to remove the staging directory: hidden, unused
+        assert len(left) == 3 and left[0].startswith(".iter_0000003.saving-"), left
+        assert not os.path.exists(os.path.join(root, left[0], MANIFEST))
+        _bit_identical_in_one_process(root, want[0])
+        params, opt = _live(detector=None)  # the next save of that name removes it
+        save_checkpoint(iteration_dir(root, 3), params, opt, extra={"iteration": 3, "rank1": None})
+        left = sorted(os.listdir(root))
+    else:
+        _bit_identical_in_one_process(root, want[0])
+    assert left == ["iter_0000003", "latest_checkpointed_iteration.txt"]
 
 
 def _load_corrupted(rank, world, path):
