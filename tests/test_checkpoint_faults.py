@@ -725,3 +725,21 @@ def test_a_fault_on_one_rank_is_refused_on_every_rank(tmp_path):
         assert out["same_files"]
         assert out["others"] == ["iter_0000003", "latest_checkpointed_iteration.txt"], out
     _bit_identical_in_one_process(root, want[0])
+
+
+def test_a_checkpoint_set_aside_by_a_killed_two_rename_publish_is_put_back(good, tmp_path):
+    """Without renameat2 a publish renames the old checkpoint aside, then the new one in; a
+    kill between the two leaves the old one at .NAME.old-TOKEN: the next save puts it back
+    (here that save itself fails inside DCP, so the old checkpoint is what remains)."""
+    path = _copy(good, tmp_path)
+    aside = os.path.join(tmp_path, ".copy.old-0123456789ab")
+    os.rename(path, aside)
+    os.makedirs(os.path.join(tmp_path, ".copy.saving-0123456789ab"))  # the new, unpublished
+    params, opt = _live(seed=4)
+    _PicklesOnce.count[0] = 0
+    with pytest.raises(CheckpointError, match="No space left on device"):
+        save_checkpoint(path, params, opt, extra={"x": _PicklesOnce()})
+    assert sorted(os.listdir(tmp_path)) == ["copy"]
+    got, extra = _loaded(path)
+    assert extra == {"iteration": 3}
+    _assert_same(got, good[2])

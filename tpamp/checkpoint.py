@@ -960,10 +960,8 @@ def save_checkpoint(
 
     coordinator = _group_rank(process_group) == 0
     staging = os.path.join(parent, f".{base}.saving-{gathered[0][3]}")
-    if coordinator:  # earlier saves of this name that were killed part-way
-        for name in os.listdir(parent):
-            if name.startswith(f".{base}.saving-") or name.startswith(f".{base}.old-"):
-                shutil.rmtree(os.path.join(parent, name), ignore_errors=True)
+    if coordinator:
+        _clean_up_after_killed_saves(parent, base)
     _gather(None, process_group)  # nobody writes before the stale directories are gone
     try:
         _write_and_publish(sd, staging, final, coordinator, process_group)
@@ -971,6 +969,18 @@ def save_checkpoint(
         if coordinator:
             shutil.rmtree(staging, ignore_errors=True)
         raise
+
+
+def _clean_up_after_killed_saves(parent: str, base: str) -> None:
+    """Remove the staging directories of earlier saves of ``base`` that were killed part-way;
+    a previous checkpoint set aside by a publish killed between its two renames (only where
+    the OS has no atomic exchange) is put back first."""
+    for name in sorted(os.listdir(parent)):
+        path = os.path.join(parent, name)
+        if name.startswith(f".{base}.old-") and not os.path.lexists(os.path.join(parent, base)):
+            os.rename(path, os.path.join(parent, base))
+        elif name.startswith(f".{base}.saving-") or name.startswith(f".{base}.old-"):
+            shutil.rmtree(path, ignore_errors=True)
 
 
 def _save_state_dict(model_params, optimizer, hooks, tp_group, extra):
@@ -1016,7 +1026,7 @@ def _write_and_publish(sd, staging, final, coordinator, process_group) -> None:
     what = f"saving {final!r} failed"
     untouched = "the checkpoint directory is as it was"
 
-    def agree(problems):
+    def agree(problems, lost=untouched):
         try:
             _agree(problems, process_group, what, untouched)
         except CheckpointError:
@@ -1024,7 +1034,7 @@ def _write_and_publish(sd, staging, final, coordinator, process_group) -> None:
         except _dcp_errors() as e:  # a peer died: the collective itself fails
             raise CheckpointError(
                 _faults_message(what, [f"rank {_rank()}: {_describe(e)} (did a rank die?)"] +
-                                [f"rank {_rank()}: {m}" for m in problems], untouched)
+                                [f"rank {_rank()}: {m}" for m in problems], lost)
             ) from None
 
     problems = []
@@ -1065,7 +1075,8 @@ def _write_and_publish(sd, staging, final, coordinator, process_group) -> None:
             _publish(staging, final)
         except OSError as e:
             problems.append(f"publishing {staging} as {final}: {type(e).__name__}: {e}")
-    agree(problems)  # returns on no rank before the checkpoint is in place
+    # returns on no rank before the checkpoint is in place
+    agree(problems, lost="the checkpoint may be in place already (rank 0 was publishing it)")
 
 
 def _rename_exchange(a: str, b: str) -> bool:
