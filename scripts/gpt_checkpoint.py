@@ -93,18 +93,51 @@ def save_training_state(
     return path
 
 
+def _check_training_state(extra, path, it, global_batch, scheduler) -> None:
+    """Raise ValueError naming the first of ``extra``'s values this run cannot take."""
+    if extra["global_batch_size"] != global_batch:
+        raise ValueError(
+            f"{path} was written with global batch size {extra['global_batch_size']}, this run "
+            f"has {global_batch}: the data position would not match (pass --global-batch-size "
+            f"{extra['global_batch_size']})"
+        )
+    if extra["iteration"] != it:
+        raise ValueError(f"{path} holds iteration {extra['iteration']!r}, expected {it}")
+    torch.Generator().set_state(extra["train_generator"])  # raises for a bad state
+    rng, want = extra["torch_rng_state"], torch.get_rng_state()
+    if not (isinstance(rng, torch.Tensor) and rng.dtype == want.dtype and rng.shape == want.shape):
+        raise ValueError(f"torch_rng_state is not a {want.dtype} tensor of {tuple(want.shape)}")
+    sched = extra["lr_scheduler"]
+    if scheduler is not None and sched is not None and (
+        not isinstance(sched, dict) or set(sched) != set(scheduler.state_dict())
+    ):
+        raise ValueError(
+            f"lr_scheduler state has keys {sorted(sched) if isinstance(sched, dict) else sched!r}, "
+            f"{type(scheduler).__name__} has {sorted(scheduler.state_dict())}"
+        )
+    counters = extra["logger"]
+    if not isinstance(counters, dict) or "skipped_iters" not in counters \
+            or not set(counters) <= set(_COUNTERS):
+        raise ValueError(f"logger counters {counters!r} are not {_COUNTERS}")
+    layout = extra["layout"]
+    if not isinstance(layout, dict) or set(layout) != {"tp", "pp", "dp"}:
+        raise ValueError(f"layout {layout!r} is not {{'tp', 'pp', 'dp'}}")
+
+
 def load_training_state(
     args, stage, optimizer, st, train_gen, logger, global_batch, say, scheduler=None
 ) -> int:
     """Resume from ``--load`` (``--ckpt-step`` or the latest); returns the iteration to
     continue after (0: no checkpoint there yet, train from scratch, as Megatron-LM does).
 
+    All-or-nothing: the data position, RNG state, scheduler state and log counters are checked
+    (``check_extra``) together with the model and optimizer state before anything changes.
     Raises tpamp.checkpoint.CheckpointError (nothing changed) for a checkpoint that does not
-    fit this model, ValueError for a missing --ckpt-step, another global batch size, or a
-    checkpoint at or beyond --train-iters."""
+    fit this model or run (another global batch size, iteration or scheduler), ValueError for
+    a missing --ckpt-step or a checkpoint at or beyond --train-iters."""
     it = args.ckpt_step if args.ckpt_step is not None else ckpt.read_latest_iteration(args.load)
     if it is None:
-        say(f" no checkpoint in {args.load} (no {ckpt._TRACKER}): training from scratch", flush=True)
+        say(f" no checkpoint in {args.load} (no {ckpt.TRACKER_FILENAME}): training from scratch", flush=True)
         return 0
     path = ckpt.iteration_dir(args.load, it)
     if args.ckpt_step is not None and not os.path.isdir(path):
@@ -114,19 +147,15 @@ def load_training_state(
             f"the checkpoint is at iteration {it}, not before --train-iters {args.train_iters}: "
             "nothing to train"
         )
-    # the trainer's own check first, before anything is loaded
-    saved_batch = ckpt.load_checkpoint(path, {}, extra={"global_batch_size": None}, strict=False)
-    if saved_batch["global_batch_size"] != global_batch:
-        raise ValueError(
-            f"{path} was written with global batch size {saved_batch['global_batch_size']}, "
-            f"this run has {global_batch}: the data position would not match (pass "
-            f"--global-batch-size {saved_batch['global_batch_size']})"
-        )
+
+    def check_extra(extra):  # the trainer's own values, checked before anything changes
+        _check_training_state(extra, path, it, global_batch, scheduler)
+
     extra = ckpt.load_checkpoint(
-        path, stage.checkpoint_named_parameters(), optimizer, extra={k: None for k in _EXTRA_KEYS}
+        path, stage.checkpoint_named_parameters(), optimizer, extra={k: None for k in _EXTRA_KEYS},
+        check_extra=check_extra,
     )
-    if extra["iteration"] != it:
-        raise ValueError(f"{path} holds iteration {extra['iteration']}, expected {it}")
+    # nothing below can fail: every value was checked by check_extra
     train_gen.set_state(extra["train_generator"])
     torch.set_rng_state(extra["torch_rng_state"])
     if scheduler is not None:

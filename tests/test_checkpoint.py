@@ -236,6 +236,10 @@ def test_iteration_directories_and_tracker(tmp_path):
     root = str(tmp_path)
     assert read_latest_iteration(root) is None
     assert iteration_dir(root, 120) == os.path.join(root, "iter_0000120")
+    with pytest.raises(ValueError, match="iter_0000120 is not a saved checkpoint"):
+        write_latest_iteration(root, 120)  # the marker names complete checkpoints only
+    assert read_latest_iteration(root) is None
+    save_checkpoint(iteration_dir(root, 120), _model())
     write_latest_iteration(root, 120)
     assert read_latest_iteration(root) == 120
     with pytest.raises(ValueError, match="iteration must be an int >= 0, got -1"):

@@ -100,6 +100,11 @@ def test_checkpoint_directories_follow_megatron(saved_run):
     assert open(ckpt_dir / "latest_checkpointed_iteration.txt").read().strip() == str(ITERS)
     for it in (K, ITERS):
         assert (ckpt_dir / f"iter_{it:07d}" / ".metadata").is_file()
+        assert (ckpt_dir / f"iter_{it:07d}" / "tpamp_checksums.json").is_file()
+    # the saves' staging directories were renamed into place: nothing else is left
+    assert sorted(os.listdir(ckpt_dir)) == [
+        f"iter_{K:07d}", f"iter_{ITERS:07d}", "latest_checkpointed_iteration.txt"
+    ]
 
 
 def test_the_pp_stages_save_the_names_of_the_unsplit_model(saved_run):
@@ -149,3 +154,13 @@ def test_resume_on_another_layout_continues(saved_run, tmp_path, layout, world):
     # the tolerance is far below what training moved: an untrained model's loss is not in it
     fresh_loss = ref[0]["loss"]
     assert abs(got[0]["loss"] - fresh_loss) > 100 * fp16_eps * fresh_loss, "weights not loaded?"
+
+
+def test_a_resume_that_does_not_fit_the_run_is_refused_before_anything_loads(saved_run, tmp_path):
+    """The trainer's own values (global batch size, data position, RNG, scheduler) are checked
+    inside the all-or-nothing load (check_extra), so the refusal is a CheckpointError."""
+    ckpt_dir, _ = saved_run
+    one = ["--tensor-model-parallel-size", "1", "--pipeline-model-parallel-size", "1"]
+    with pytest.raises(AssertionError, match=r"CheckpointError: .*global batch size 4, this run has 8"):
+        train(tmp_path, "--load", str(ckpt_dir), "--ckpt-step", str(K), *one,
+              "--global-batch-size", "8", world=1)
