@@ -178,8 +178,12 @@ char g_sync_warp[kMaxThreadsPerBlock / kWarpSize];
 
 TPAMP_SIMT_NO_TSAN const char* short_path(const char* file) {
   if (file == nullptr) return "?";
-  const char* p = std::strstr(file, "csrc/");
-  return p != nullptr ? p : file;
+  // from the last "csrc/" on: the repository-relative path of every tpamp source
+  const char* last = nullptr;
+  for (const char* p = std::strstr(file, "csrc/"); p != nullptr; p = std::strstr(p + 1, "csrc/")) {
+    last = p;
+  }
+  return last != nullptr ? last : file;
 }
 
 TPAMP_SIMT_NO_TSAN std::string where(Site s) {
