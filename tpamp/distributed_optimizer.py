@@ -36,6 +36,7 @@ import torch.distributed as dist
 
 from tpamp import _validation, ops
 from tpamp.grad_scaler import MegatronGradScaler
+from tpamp.nonfinite import rank_coords
 from tpamp.grad_stats import _check_group, _check_norm_type, _tp_rank, clip_coefficient
 from tpamp.grad_stats import counts_toward_norm, local_tensor
 from tpamp.optimizer import MixedPrecisionOptimizer, OptimizerWrapper, StepResult, _placed_like
@@ -194,6 +195,7 @@ class DistributedOptimizer(OptimizerWrapper):
         check_params_across_dp: bool = True,
         spike_detector=None,
         fused_step: bool = True,
+        parallel_state=None,
     ):
         check_wrapper_args(optimizer, grad_scaler, clip_grad)
         if bucket_size is not None and (
@@ -239,6 +241,9 @@ class DistributedOptimizer(OptimizerWrapper):
             )
         self._sync_disabled = False
         self._hooks = []
+        self._coords = rank_coords(parallel_state, tensor_parallel_group=tensor_parallel_group,
+                                   data_parallel_group=data_parallel_group)
+        self.last_nonfinite: Optional[list] = []
 
         names = _name_map(param_names)
         entries, frozen, has_fp16 = [], [], False  # entries: (param, name, group index)
@@ -400,6 +405,7 @@ class DistributedOptimizer(OptimizerWrapper):
     _reduce = MixedPrecisionOptimizer._reduce
     _root = MixedPrecisionOptimizer._root
     _read_and_decide = MixedPrecisionOptimizer._read_and_decide
+    _note_nonfinite = MixedPrecisionOptimizer._note_nonfinite
     # the one-pass step: the same eligibility rule and kernel calls (on the shard pieces)
     _fused_step_usable = MixedPrecisionOptimizer._fused_step_usable
     _unscaled_stats = MixedPrecisionOptimizer._unscaled_stats
@@ -519,6 +525,7 @@ class DistributedOptimizer(OptimizerWrapper):
             at_min = self.grad_scaler._overflow_at_min_scale()
         norm = self._root(norm_stat, finite_p)
         skip, grad_norm, zeros = self._read_and_decide(found_inf, norm, num_zeros, at_min, scaler_before)
+        self._note_nonfinite(found_inf, skip, self._local_grads_by_param)
         if skip:  # overflow or spike: no shard, state or model param changes
             return StepResult(False, None, None)
 
@@ -538,6 +545,17 @@ class DistributedOptimizer(OptimizerWrapper):
             self.optimizer.step()
             self._gather_model_params()
         return StepResult(True, float(grad_norm), zeros)
+
+    def _local_grads_by_param(self):
+        """(names, tensors): each param's local gradient as this rank accumulated it, before the
+        DP reduce-scatter (its slot of the grad buffer, which the reduce-scatter only reads), so
+        a non-finite value is attributed to the DP rank where it arose (``last_nonfinite``)."""
+        names, tensors = [], []
+        for b in self._buckets:
+            for p, (a, e) in zip(b.params, b.offsets):
+                names.append(self._names[id(p)])
+                tensors.append(b.grad_data[a:e])
+        return names, tensors
 
     def _unscale_shards(self, scale: Optional[Tensor]) -> ops.GradStats:
         """Generic path, step 2: reduced grad shards x ``scale`` (1/d x 1/loss scale) into the

@@ -726,14 +726,13 @@ class MixedPrecisionOptimizer(OptimizerWrapper):
             names += [self._param_name[id(p)] for p in fp32s if p.grad is not None]
         return names
 
-    def _note_nonfinite(self, found_inf, skip: bool, local_grads, reduced_grads=None) -> None:
+    def _note_nonfinite(self, found_inf, skip: bool, local_grads) -> None:
         """``last_nonfinite`` after the step's host read: [] on a clean step (no extra work:
         a step that is not skipped had no inf/nan unless non-finite steps are taken,
         skip_nonfinite=False without a scaler); when found_inf is set, every rank counts inf
         and NaN per local grad (``local_grads()`` -> (names, tensors)) and the records are
         gathered over the grad-stats group (tpamp.nonfinite). found_inf is agreed over the
-        group, so every rank joins or none does. ``reduced_grads``: a second (names, tensors)
-        to count when no rank's local grads held any (an overflow made by the reduction)."""
+        group, so every rank joins or none does."""
         if not skip and (self.grad_scaler is not None or self.skip_nonfinite):
             self.last_nonfinite = []
             return
@@ -741,11 +740,9 @@ class MixedPrecisionOptimizer(OptimizerWrapper):
             self.last_nonfinite = []
             return
         names, tensors = local_grads()
-        records = gather_nonfinite(local_records(names, tensors, self._coords), self.grad_stats_group)
-        if not records and reduced_grads is not None:
-            names, tensors = reduced_grads()
-            records = gather_nonfinite(local_records(names, tensors, self._coords), self.grad_stats_group)
-        self.last_nonfinite = records
+        self.last_nonfinite = gather_nonfinite(
+            local_records(names, tensors, self._coords), self.grad_stats_group
+        )
 
     # -- checkpointing --------------------------------------------------------------------
 
