@@ -48,13 +48,13 @@ def test_skipped_step_names_the_param_and_counts(fused):
     before = [p.detach().clone() for p in model.parameters()]
     ok, norm, zeros = opt.step()  # still Megatron's 3-tuple
     assert (ok, norm, zeros) == (False, None, None)
-    # the optimizer's param order (model order), no parallel state: tp 0, pp and dp unknown
+    # backward order (the last layer first); no parallel state: tp 0, pp and dp unknown
     assert opt.last_nonfinite == [
-        NonFiniteGrad("0.bias", 0, None, None, 0, 1, 0),
         NonFiniteGrad("1.weight", 0, None, None, 2, 0, 0),
+        NonFiniteGrad("0.bias", 0, None, None, 0, 1, 0),
     ]
     assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
-    assert describe(opt.last_nonfinite) == "nan in 0.bias [tp 0, pp ?, dp ?] and 1 more"
+    assert describe(opt.last_nonfinite) == "inf in 1.weight [tp 0, pp ?, dp ?] and 1 more"
 
 
 def test_unnamed_params_get_group_and_index_names():

@@ -60,15 +60,23 @@ def _mpo_worker(rank, world, fused, target, name, n_inf, n_nan):
         fused_step=fused, param_names=named, parallel_state=st,
     )
     reports = []
-    for step in range(3):  # clean, injected, clean
-        here = step == 1 and (st.tp_rank, st.pp_rank, st.dp_rank) == target
-        grads = _grads_like(named, 10 * step + rank, (name, range(0, 2 * n_inf, 2), range(1, 2 * n_nan, 2)) if here else None)
+    me = (st.tp_rank, st.pp_rank, st.dp_rank)
+    for step in range(4):  # clean, injected, clean, two ranks injected
+        here = step == 1 and me == target
+        inject = (name, range(0, 2 * n_inf, 2), range(1, 2 * n_nan, 2)) if here else None
+        if step == 3 and me in TWO_SITES:
+            inject = TWO_SITES[me]
+        grads = _grads_like(named, 10 * step + rank, inject)
         for pname, p in named:
             p.grad = grads[pname]
         result = opt.step()
         opt.zero_grad()
         reports.append((bool(result.update_successful), [tuple(r) for r in opt.last_nonfinite]))
     return reports
+
+
+# step 4 of the MixedPrecisionOptimizer runs: one inf on stage 0, one nan on stage 1
+TWO_SITES = {(0, 0, 1): ("layers.0.fc.weight", [4], []), (1, 1, 0): ("layers.1.ln.weight", [], [5])}
 
 
 def _dist_opt_worker(rank, world, overlap, fp32_reduce, target, name, n_inf, n_nan):
@@ -113,6 +121,11 @@ def _check(reports, target, name, n_inf, n_nan):
 def test_mixed_precision_optimizer_names_param_and_rank(fused, target, name, n_inf, n_nan):
     reports = run_workers(_mpo_worker, WORLD, fused, target, name, n_inf, n_nan, timeout=60)
     _check(reports, target, name, n_inf, n_nan)
+    # backward order: the later pipeline stage's record first, on every rank
+    expected = [("layers.1.ln.weight", 1, 1, 0, 0, 1, _rank_of(1, 1, 0)),
+                ("layers.0.fc.weight", 0, 0, 1, 1, 0, _rank_of(0, 0, 1))]
+    for rank, rep in enumerate(reports):
+        assert rep[3] == (False, expected), f"rank {rank}: {rep[3]}"
 
 
 @pytest.mark.parametrize(

@@ -547,14 +547,15 @@ class DistributedOptimizer(OptimizerWrapper):
         return StepResult(True, float(grad_norm), zeros)
 
     def _local_grads_by_param(self):
-        """(names, tensors): each param's local gradient as this rank accumulated it, before the
+        """(names, tensors) in model order: each param's local gradient as this rank accumulated it, before the
         DP reduce-scatter (its slot of the grad buffer, which the reduce-scatter only reads), so
         a non-finite value is attributed to the DP rank where it arose (``last_nonfinite``)."""
+        slot = {id(p): (b, a, e) for b in self._buckets for p, (a, e) in zip(b.params, b.offsets)}
         names, tensors = [], []
-        for b in self._buckets:
-            for p, (a, e) in zip(b.params, b.offsets):
-                names.append(self._names[id(p)])
-                tensors.append(b.grad_data[a:e])
+        for pid, name in self._names.items():  # model (param group) order
+            b, a, e = slot[pid]
+            names.append(name)
+            tensors.append(b.grad_data[a:e])
         return names, tensors
 
     def _unscale_shards(self, scale: Optional[Tensor]) -> ops.GradStats:

@@ -190,15 +190,26 @@ def local_records(names: Sequence[str], tensors: Sequence[Tensor], coords: RankC
 
 
 def gather_nonfinite(records: Sequence[NonFiniteGrad], group) -> List[NonFiniteGrad]:
-    """Every rank's records, in group-rank order (each rank's in its own order): the same list
-    on every rank of ``group`` (one ``all_gather_object``; every rank of the group must call it,
-    also one with no records). ``group`` None: the records themselves."""
-    records = [NonFiniteGrad(*r) for r in records]
-    if group is None or not (dist.is_available() and dist.is_initialized()):
-        return records
-    gathered: List[Optional[list]] = [None] * dist.get_world_size(group)
-    dist.all_gather_object(gathered, [tuple(r) for r in records], group=group)
-    return [NonFiniteGrad(*r) for rank_records in gathered for r in rank_records]
+    """Every rank's records, the same list on every rank of ``group`` (one
+    ``all_gather_object``; every rank of the group must call it, also one with no records), in
+    backward order: the last pipeline stage first, and each rank's records in reverse of the
+    order given (pass them in model order: backward produces the last layers' grads first), then
+    by TP and DP rank. So the first record is the most downstream parameter, where an overflow
+    in the backward pass usually arises before it spreads upstream as inf/NaN. ``group`` None:
+    this rank's records only, in that order."""
+    mine = [(i, tuple(NonFiniteGrad(*r))) for i, r in enumerate(records)]
+    gathered = [mine]
+    if group is not None and dist.is_available() and dist.is_initialized():
+        gathered = [None] * dist.get_world_size(group)
+        dist.all_gather_object(gathered, mine, group=group)
+    flat = [(i, NonFiniteGrad(*r)) for rank_records in gathered for i, r in rank_records]
+
+    def key(item):
+        i, r = item
+        return (-(r.pp_rank or 0), r.rank if r.pp_rank is None else 0, -i,
+                r.tp_rank or 0, r.dp_rank or 0, r.rank)
+
+    return [r for _, r in sorted(flat, key=key)]
 
 
 # -- activation tracing ------------------------------------------------------------------------
