@@ -143,12 +143,31 @@ class MixedPrecisionOptimizer(OptimizerWrapper):
             plain torch optimizer loads it as it is). With sync_free, SGD with momentum reads
             found_inf on the host once, at its buffers' first step (a skipped first step must
             leave no buffer behind).
+        param_names: ``model.named_parameters()`` ((name, param) pairs) or a dict param ->
+            name, as DistributedOptimizer takes: the names of ``last_nonfinite`` records (and
+            the default of :meth:`track_param_grad_norms`). Under pipeline parallelism give
+            global names (e.g. the global layer index); unnamed params are
+            ``"group<g>.param<i>"`` (param group g, index i).
+        parallel_state: a :class:`tpamp.parallel.ParallelState`: this rank's TP, PP and DP
+            ranks for ``last_nonfinite`` records; without it the TP rank comes from
+            tensor_parallel_group and the PP and DP ranks are None.
+
+    Attributes:
+        last_nonfinite: after each step, the :class:`tpamp.NonFiniteGrad` records of every
+            param whose grad held inf or NaN on some rank of the grad-stats group (name, that
+            rank's TP/PP/DP coordinates, counts), the same list on every rank, in backward
+            order (the last pipeline stage and layer first; tpamp/nonfinite.py); [] after a
+            clean step; None after a ``sync_free`` step (no host read to decide on). A clean
+            step does no extra work for it; a step with found_inf counts inf/NaN per local
+            grad and gathers the records in one ``all_gather_object`` over the group.
 
     Raises:
         TypeError: optimizer is not a torch.optim.Optimizer, or a param has a dtype other than
             float32/float16/bfloat16 (checked for every group before anything is converted).
         ValueError: fp16 params without a grad_scaler; bad clip_grad or norm_type; a group that
             this rank is not a member of; an inner optimizer that is already wrapped.
+            TypeError for param_names that are not (str, Tensor) pairs or a dict, or a
+            parallel_state that is not a ParallelState.
         From ``step()``: RuntimeError when the inner optimizer's param groups changed after
         wrapping, or when no backward ran since the last step (as torch.amp.GradScaler
         refuses a second step); on the first step, ValueError on every rank of the grad-stats
