@@ -167,6 +167,15 @@ class DistributedOptimizer(OptimizerWrapper):
             Results equal the generic path's to float32 rounding; the skip decisions are the
             same (found_inf, the norm and the zeros are still read on the host once, before
             the update). False: always the generic path (inner ``optimizer.step()``).
+        parallel_state: a :class:`tpamp.parallel.ParallelState`: this rank's TP, PP and DP
+            ranks for ``last_nonfinite`` records (default: TP rank from tensor_parallel_group,
+            DP rank from data_parallel_group, PP rank None).
+
+    Attributes:
+        last_nonfinite: as MixedPrecisionOptimizer's (tpamp/nonfinite.py), but each param's
+            inf/NaN is counted in this rank's LOCAL gradient, before the reduce-scatter mixes
+            the DP ranks (the grad buffer, which the reduce-scatter only reads): the record's
+            dp_rank is the rank where the value arose. Names are ``param_names``.
 
     Raises:
         TypeError: optimizer is not a torch.optim.Optimizer; a param is not float32/16/bf16.
