@@ -278,6 +278,7 @@ class DistributedOptimizer(OptimizerWrapper):
                 "ConstantGradScaler(scale)); got grad_scaler=None"
             )
         self._names = {id(p): n for p, n, _ in entries}
+        self._name_position = {n: i for i, n in enumerate(names.values())}  # param_names' order
         self._device = local_tensor(entries[0][0]).device if entries else torch.device("cpu")
         if grad_scaler is not None and grad_scaler.device != self._device:
             grad_scaler.to(self._device)

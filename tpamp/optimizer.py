@@ -730,6 +730,8 @@ class MixedPrecisionOptimizer(OptimizerWrapper):
                 self._param_name[id(p)] = name
                 self._named_model_params.append((name, model))
         self._coords = coords
+        # model order for the records: the order of param_names (named params), then the rest
+        self._name_position = {n: i for i, n in enumerate(names.values())}
         self.last_nonfinite: Optional[list] = []
 
     def named_model_params(self) -> List[tuple]:
@@ -759,9 +761,10 @@ class MixedPrecisionOptimizer(OptimizerWrapper):
             self.last_nonfinite = []
             return
         names, tensors = local_grads()
-        self.last_nonfinite = gather_nonfinite(
-            local_records(names, tensors, self._coords), self.grad_stats_group
-        )
+        records = local_records(names, tensors, self._coords)
+        position = self._name_position  # model order (param_names'), as backward order needs
+        records.sort(key=lambda r: position.get(r.name, len(position)))
+        self.last_nonfinite = gather_nonfinite(records, self.grad_stats_group)
 
     # -- checkpointing --------------------------------------------------------------------
 
