@@ -36,7 +36,10 @@ What happens:
   skips. With ``--use-distributed-optimizer`` (Megatron's flag) ``tpamp.DistributedOptimizer``
   holds fp32 main params and AdamW state for 1/DP of the params on each rank and its step
   reduce-scatters the grads over DP itself (no hand all-reduce), checks inf/nan and takes the
-  norm over TP x PP x DP, and all-gathers the updated params.
+  norm over TP x PP x DP, and all-gathers the updated params. ``--overlap-grad-reduce`` starts
+  those reduce-scatters from backward hooks during the last microbatch's backward; the tied
+  word embedding has a bucket of its own that waits for step(), since its two copies' grads
+  are summed over the embedding group after backward, before they may be reduced over DP.
 - Learning rate: linear warm-up, then cosine decay (``torch.optim.lr_scheduler.LambdaLR``),
   advanced only after a successful step, as in Megatron-LM's training loop: a skipped step
   (overflow or spike) does not use up the schedule.
@@ -46,7 +49,8 @@ What happens:
   raise stops the run.
 - Per-parameter grad norms (``--log-param-grad-norms K``): at every log interval the top-K
   parameters by grad norm (names with the global layer index) follow the line, go into the
-  JSONL record as ``param_grad_norms`` and into TensorBoard as ``grad-norm/NAME``.
+  JSONL record as ``param_grad_norms`` and into TensorBoard as ``grad-norm/NAME``; also with
+  ``--use-distributed-optimizer`` (a param split across DP shards is summed over DP).
 - Non-finite attribution: a skipped step's log line and JSONL record name the parameters whose
   grads held the inf/NaN, with their TP, PP and DP ranks (``optimizer.last_nonfinite``, global
   names; tpamp/nonfinite.py). ``--trace-nonfinite after-skip`` arms ``tpamp.NonFiniteTracer`` on
@@ -117,6 +121,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     a("--clip-grad", type=float, default=1.0, help="max global grad norm; 0 disables")
     a("--use-distributed-optimizer", action="store_true",
       help="shard fp32 main params and optimizer state over DP (tpamp.DistributedOptimizer)")
+    a("--overlap-grad-reduce", action="store_true",
+      help="with --use-distributed-optimizer: start each grad bucket's reduce-scatter during "
+           "the last microbatch's backward (the tied embedding's bucket waits for its sum)")
     a("--seed", type=int, default=1234)
     # precision and loss scaling (Megatron's flags)
     prec = p.add_mutually_exclusive_group()
@@ -168,6 +175,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     gpt_checkpoint.add_arguments(p)  # --save, --save-interval, --load, --ckpt-step
     args = p.parse_args(argv)
     gpt_checkpoint.check_arguments(args)
+    if args.overlap_grad_reduce and not args.use_distributed_optimizer:
+        p.error("--overlap-grad-reduce needs --use-distributed-optimizer (the grads are "
+                "reduce-scattered by its backward hooks)")
     return args
 
 
@@ -221,7 +231,7 @@ def microbatches(data: ByteData, split: str, gen, st, micro_batch_size, num_micr
 
 
 def forward_backward(stage, batches, st, act_shape, dtype, optimizer=None, *,
-                     fp16_lm_cross_entropy=False):
+                     fp16_lm_cross_entropy=False, overlap_grad_reduce=False):
     """One GPipe pass over ``batches`` (list of (x, y) [mb, T]): all forwards, then all
     backwards (only when ``optimizer`` is given: it scales the loss).
 
@@ -231,6 +241,9 @@ def forward_backward(stage, batches, st, act_shape, dtype, optimizer=None, *,
     ``tpamp.vocab_parallel_cross_entropy`` of its [mb, T, V/tp] logits over the TP group (in
     the logits' dtype with ``fp16_lm_cross_entropy``, else fp32), averaged in fp32. Returns the
     per-microbatch losses (fp32 0-dim, detached) on the last stage, [] elsewhere.
+    With ``overlap_grad_reduce`` (a DistributedOptimizer built with it) all but the last
+    microbatch's backward run under ``optimizer.no_sync()``: the grad buckets' reduce-scatters
+    start during the last backward.
     """
     train = optimizer is not None
     prev_rank = None if st.is_first_stage else st.pp_ranks[st.pp_rank - 1]
@@ -258,13 +271,16 @@ def forward_backward(stage, batches, st, act_shape, dtype, optimizer=None, *,
             dist.send(out.detach().contiguous(), dst=next_rank)
         if train:
             saved.append((inp, out))
-    for inp, out in saved:
-        if st.is_last_stage:
-            optimizer.scale_loss(out).backward()
-        else:
-            grad = torch.empty(act_shape, dtype=dtype, device=device)
-            dist.recv(grad, src=next_rank)
-            torch.autograd.backward(out, grad)
+    for i, (inp, out) in enumerate(saved):
+        last = i == len(saved) - 1
+        sync = optimizer.no_sync() if overlap_grad_reduce and not last else contextlib.nullcontext()
+        with sync:
+            if st.is_last_stage:
+                optimizer.scale_loss(out).backward()
+            else:
+                grad = torch.empty(act_shape, dtype=dtype, device=device)
+                dist.recv(grad, src=next_rank)
+                torch.autograd.backward(out, grad)
         if not st.is_first_stage:
             dist.send(inp.grad.contiguous(), dst=prev_rank)
     return losses
@@ -393,8 +409,14 @@ def build_optimizer(stage, args, st, dtype):
             warmup=args.spike_warmup,
         )
     if args.use_distributed_optimizer:  # it reduces the grads over DP itself, in step()
+        # the tied embedding's grad is summed over the embedding group (first + last stage)
+        # after backward, on its main_grad: its bucket must wait for that sum, so it is
+        # reduce-scattered by step(), never by the overlapping backward hooks
+        tied = stage.word_embedding_weight() if st.embedding_group is not None else None
         kwargs.update(data_parallel_group=st.dp_group, grad_stats_group=dist.group.WORLD,
-                      param_names=stage.global_named_parameters(), parallel_state=st)
+                      param_names=stage.global_named_parameters(), parallel_state=st,
+                      overlap_grad_reduce=args.overlap_grad_reduce,
+                      deferred_reduce_params=[tied] if tied is not None else None)
         return tpamp.DistributedOptimizer(adamw, **kwargs)
     # global names (layer index) and the rank's coordinates for optimizer.last_nonfinite
     kwargs.update(param_names=stage.global_named_parameters(), parallel_state=st)
@@ -478,11 +500,6 @@ def main(argv=None):
         raise ValueError(f"--lr must be > 0, got {args.lr}")
     if args.log_param_grad_norms < 0:
         raise ValueError(f"--log-param-grad-norms must be >= 0, got {args.log_param_grad_norms}")
-    if args.log_param_grad_norms and args.use_distributed_optimizer:
-        raise ValueError(
-            f"--log-param-grad-norms {args.log_param_grad_norms} is not supported with "
-            "--use-distributed-optimizer yet (its grads are DP-sharded flat ranges); drop one"
-        )
     tracker = None
     if args.log_param_grad_norms:  # names with the global layer index: unique across stages
         tracker = optimizer.track_param_grad_norms(stage.global_named_parameters())
@@ -559,6 +576,7 @@ def main(argv=None):
             losses = forward_backward(
                 stage, mbs, st, act_shape, act_dtype, optimizer,
                 fp16_lm_cross_entropy=args.fp16_lm_cross_entropy,
+                overlap_grad_reduce=args.overlap_grad_reduce,
             )
         if not args.use_distributed_optimizer:  # DistributedOptimizer.step reduce-scatters
             all_reduce_data_parallel_grads(stage, st)

@@ -79,6 +79,9 @@ def _empty_ranks(rank, world):
         tensor_parallel_group=st.tp_group,
     )
     first = opt.step()
+    # zero_grad as a training loop does: without it the ranks that consumed grads in the first
+    # step and have no new ones would be refused by the step guard (no backward since the step)
+    opt.zero_grad()
     # an overflow on the last stage only: the empty ranks skip too
     if st.pp_rank == 3:
         params[0].grad = torch.full_like(params[0], math.inf)

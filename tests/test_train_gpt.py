@@ -210,3 +210,30 @@ def test_stage_explicit_attention_matches_sdpa(softmax_in_fp32):
         y = y.transpose(1, 2).reshape(2, 16, -1)
         want = gm.linear(y, attn.proj.weight.float(), attn.proj.bias.float())
         assert torch.allclose(got, want, rtol=tol, atol=tol), (dtype, (got - want).abs().max())
+
+
+def test_distributed_optimizer_with_overlap_logs_the_same_param_grad_norms(tmp_path):
+    """PP 2 x DP 2 in fp32: MixedPrecisionOptimizer (hand DP all-reduce) and
+    DistributedOptimizer with --overlap-grad-reduce (reduce-scatters started in backward; the
+    tied embedding's bucket waits for its sum over the embedding group) see the same batches
+    and model, so they log the same losses, grad norms and per-parameter grad norms (a param
+    split across DP shards summed over DP), and the per-parameter norms add up to the grad
+    norm (the tied copy counted once)."""
+    flags = ["--fp32", "--tensor-model-parallel-size", "1", "--micro-batch-size", "1",
+             "--log-param-grad-norms", "1000"]
+    mpo, _, _ = run_train(tmp_path / "mpo", *flags)
+    dist_opt, summary, _ = run_train(tmp_path / "dist", *flags, "--use-distributed-optimizer",
+                                     "--overlap-grad-reduce")
+    assert summary["distributed_optimizer"] is True
+    logged = 0
+    for a, b in zip(mpo, dist_opt):
+        assert a["loss"] == pytest.approx(b["loss"], rel=1e-5, abs=1e-5), (a, b)
+        assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=1e-5), (a, b)
+        if a.get("param_grad_norms"):
+            logged += 1
+            na, nb = a["param_grad_norms"], b["param_grad_norms"]
+            assert set(na) == set(nb) and len(na) > 4
+            for name in na:
+                assert nb[name] == pytest.approx(na[name], rel=1e-4, abs=1e-7), name
+            assert math.sqrt(sum(v * v for v in nb.values())) == pytest.approx(b["grad_norm"], rel=1e-4)
+    assert logged == ITERS // 2  # every --log-interval 2

@@ -11,12 +11,15 @@ import functools
 import math
 import numbers
 import struct
+import warnings
 import weakref
 from collections.abc import Mapping
 from typing import Iterable, List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
+
+from tpamp.common import collective_device, local_tensor
 
 Tensor = torch.Tensor
 _F32_MAX = float(torch.finfo(torch.float32).max)
@@ -163,6 +166,50 @@ def check_group_member(group, name: str) -> None:
         )
 
 
+def tp_rank(tensor_parallel_group) -> int:
+    """This rank's position in ``tensor_parallel_group`` (0 for None). Raises TypeError for a
+    non-group and ValueError when this rank is not a member."""
+    if tensor_parallel_group is None:
+        return 0
+    check_group_member(tensor_parallel_group, "tensor_parallel_group")
+    return dist.get_rank(tensor_parallel_group)
+
+
+def check_norm_type(norm_type) -> float:
+    """p of a grad norm: a real number >= 1 or ``math.inf`` (ValueError otherwise, as
+    Megatron-LM's callers expect)."""
+    if isinstance(norm_type, bool) or not isinstance(norm_type, numbers.Real):
+        raise ValueError(f"norm_type must be a number >= 1 or inf, got {norm_type!r}")
+    norm_type = float(norm_type)
+    if not norm_type >= 1.0:
+        raise ValueError(f"norm_type must be >= 1 or inf, got {norm_type}")
+    return norm_type
+
+
+def check_spike_detector(detector, sync_free: bool):
+    """A wrapper's ``spike_detector`` argument: None or a :class:`tpamp.SpikeDetector` that no
+    other live optimizer uses (TypeError / ValueError). Binding happens in
+    :func:`register_wrapper`, once the wrapper is built."""
+    from tpamp.spikes import SpikeDetector
+
+    if detector is None:
+        return None
+    if not isinstance(detector, SpikeDetector):
+        raise TypeError(
+            f"spike_detector must be a tpamp.SpikeDetector, got {type(detector).__name__}"
+        )
+    if sync_free:
+        raise ValueError("spike_detector decides on the host: it cannot be used with sync_free=True")
+    owner = detector.owner
+    if owner is not None:
+        raise ValueError(
+            f"spike_detector is already used by a {type(owner).__name__}: one detector judges "
+            "one optimizer's steps (a second one would feed it two values per iteration); "
+            "make a SpikeDetector per optimizer"
+        )
+    return detector
+
+
 def check_mapping(name: str, value) -> Mapping:
     if not isinstance(value, Mapping):
         raise TypeError(f"{name} must be a dict, got {value!r:.80} ({type(value).__name__})")
@@ -200,10 +247,15 @@ def check_wrappable(optimizer) -> None:
 
 
 def register_wrapper(wrapper) -> None:
-    """After construction: mark the inner optimizer as wrapped and remember its param groups
-    (a group added later would be stepped with still-scaled, unchecked grads)."""
+    """After construction, shared by every tpamp optimizer wrapper: mark the inner optimizer as
+    wrapped, remember its param groups (a group added later would be stepped with still-scaled,
+    unchecked grads) and bind the wrapper's ``spike_detector`` to it (one detector judges one
+    optimizer's steps)."""
     mark_wrapped(wrapper)
     snapshot_param_groups(wrapper)
+    detector = getattr(wrapper, "spike_detector", None)
+    if detector is not None:
+        detector.bind(wrapper)
 
 
 def mark_wrapped(wrapper) -> None:
@@ -217,7 +269,9 @@ def snapshot_param_groups(wrapper) -> None:
     wrapper._tpamp_param_groups = [list(g["params"]) for g in wrapper.optimizer.param_groups]
 
 
-def _check_param_groups(wrapper) -> None:
+def check_param_groups(wrapper) -> None:
+    """RuntimeError when the inner optimizer's param groups are not the ones it was wrapped
+    with (a group or param added or removed after wrapping)."""
     saved = getattr(wrapper, "_tpamp_param_groups", None)
     if saved is None:
         return
@@ -236,74 +290,158 @@ def _check_param_groups(wrapper) -> None:
         )
 
 
+_check_param_groups = check_param_groups
+
+
 # ---- optimizer wrappers: the step guard -----------------------------------------------------
+#
+# The one step guard of MixedPrecisionOptimizer, DistributedOptimizer and TorchAMPOptimizer
+# (``@guard_step`` on their ``step``). Before the step body runs, and so before the loss scaler
+# or any other state moves:
+#   1. the inner optimizer's param groups are the wrapped ones (check_param_groups);
+#   2. every gradient the step will read has the param's shape, a float dtype (float32 for a
+#      float32 param) and the param's device (check_step_grads);
+#   3. a gradient changed since the last step consumed gradients: a backward, zero_grad() or a
+#      grad assignment ran (check_new_backward);
+#   4. on the first step (and the first after a load), the settings agree over the grad-stats
+#      group (agree_on_settings).
+# The wrapper names the gradients its step reads with a ``grad_sources()`` method returning
+# (name, param, grad) triples; without one, every param's ``.grad`` of the inner optimizer.
+
+_GRAD_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+_local = local_tensor
 
 
-def _local(t: Tensor) -> Tensor:
-    from tpamp.grad_stats import local_tensor
-
-    return local_tensor(t)
-
-
-def _inplace_grads(wrapper) -> List[Tensor]:
-    """The gradient tensors a step modifies in place (unscale, clip): fp32 grads and main_grad
-    buffers. A new backward (or zero_grad) replaces them or bumps their version counter."""
+def step_grad_sources(wrapper) -> List[Tuple[str, Tensor, Tensor]]:
+    """(name, param, grad) for every gradient the wrapper's next step() reads."""
+    sources = getattr(wrapper, "grad_sources", None)
+    if sources is not None:
+        return list(sources())
     out = []
-    if hasattr(wrapper, "_half_pairs"):
-        for pairs, fp32s in zip(wrapper._half_pairs, wrapper._fp32_params):
-            for model, _ in pairs:
-                g = getattr(model, "main_grad", None)
-                if isinstance(g, Tensor) and g.dtype == torch.float32:
-                    out.append(_local(g))
-            for p in fp32s:
-                g = getattr(p, "main_grad", None)
-                if g is None:
-                    g = p.grad
-                if isinstance(g, Tensor):
-                    out.append(_local(g))
-    else:
-        for group in wrapper.optimizer.param_groups:
-            for p in group["params"]:
-                if isinstance(p.grad, Tensor):
-                    out.append(_local(p.grad))
+    for gi, group in enumerate(wrapper.optimizer.param_groups):
+        for pi, p in enumerate(group["params"]):
+            if p.grad is not None:
+                out.append((f"param {pi} of param group {gi}", p, p.grad))
     return out
 
 
-def _check_new_backward(wrapper, grads: List[Tensor]) -> None:
+def check_step_grads(sources) -> None:
+    """Each (name, param, grad): grad a tensor (TypeError) of float32/float16/bfloat16 (float32
+    for a float32 param; TypeError), of the param's shape (global and local; ValueError) and
+    on the param's device (ValueError). Checked before a step changes anything."""
+    for name, param, grad in sources:
+        if not isinstance(grad, Tensor):
+            raise TypeError(
+                f"the gradient of {name} is a {type(grad).__name__}, not a tensor"
+            )
+        if grad.dtype not in _GRAD_DTYPES:
+            raise TypeError(
+                f"the gradient of {name} has dtype {grad.dtype}; expected float32, float16 or "
+                "bfloat16"
+            )
+        if param.dtype == torch.float32 and grad.dtype != torch.float32:
+            raise TypeError(
+                f"the gradient of {name} has dtype {grad.dtype}: an fp32 param needs a float32 "
+                "gradient"
+            )
+        g, p = _local(grad), _local(param)
+        # two DTensors: the global shapes (placements may differ: the step redistributes);
+        # otherwise the local data (a main_grad buffer holds a DTensor param's local shard)
+        both = g is not grad and p is not param
+        if (tuple(grad.shape) != tuple(param.shape)) if both else (tuple(g.shape) != tuple(p.shape)):
+            raise ValueError(
+                f"the gradient of {name} has shape {tuple(grad.shape)} (local "
+                f"{tuple(g.shape)}); expected the param's shape {tuple(param.shape)} (local "
+                f"{tuple(p.shape)})"
+            )
+        if g.device != p.device:
+            raise ValueError(
+                f"the gradient of {name} is on device {g.device}; expected the param's device "
+                f"{p.device}"
+            )
+
+
+def _snapshot(sources) -> list:
+    return [(weakref.ref(_local(g)), _local(g)._version) for _, _, g in sources]
+
+
+def check_new_backward(wrapper, sources) -> None:
+    """RuntimeError when the last step consumed gradients and none has changed since: the same
+    tensors at the same versions (no backward, no zero_grad, no assignment). Also with plain
+    fp16/bf16 ``.grad`` (released by the step: none left), whose second step would change no
+    param but count a clean step toward the scaler's growth."""
     last = getattr(wrapper, "_tpamp_last_grads", None)
-    if not last or not grads or len(grads) != len(last):
+    if last is None:
         return
-    for g, (ref, version) in zip(grads, last):
+    consumed, recorded = last
+    if not consumed or len(sources) != len(recorded):
+        return
+    for (_, _, g), (ref, version) in zip(sources, recorded):
+        g = _local(g)
         if ref() is not g or g._version != version:
             return  # at least one grad is new: a backward (or zero_grad) ran since the last step
     raise RuntimeError(
         "step() was called again without a new backward: the gradients are the ones the last "
-        "step() already unscaled (and clipped); stepping on them again would apply a wrongly "
-        "scaled update. Call scale_loss(loss).backward() (after zero_grad()) before each "
-        "step(), as torch.amp.GradScaler requires."
+        "step() already consumed (unscaled, clipped or released); stepping on them again would "
+        "apply a wrongly scaled update or count a clean step toward loss-scale growth. Call "
+        "scale_loss(loss).backward() (after zero_grad()) before each step(), as "
+        "torch.amp.GradScaler requires."
     )
 
 
+def reset_step_guard(wrapper) -> None:
+    """Forget the last step's gradients (zero_grad and load_state_dict call this): the next
+    step() is not compared with them, and the settings are checked across ranks again after a
+    load."""
+    wrapper._tpamp_last_grads = None
+
+
 def guard_step(step):
-    """Decorator for a wrapper's ``step``: checks that the param groups are the wrapped ones and
-    that a backward ran since the last step; on the first step, checks that every rank of the
-    grad-stats group has the same settings (one small collective, :func:`agree_on_settings`)."""
+    """Decorator for a wrapper's ``step`` (the one step guard; comment block above): param
+    groups, the gradients' shape, dtype and device, a new backward since the last step, and on
+    the first step the settings across ranks (one small collective, :func:`agree_on_settings`)
+    -- all before the step body changes anything. A step that raises GradSpikeError (spike
+    policy "raise") has consumed its gradients like a finished step."""
+    from tpamp.spikes import GradSpikeError
 
     @functools.wraps(step)
     def guarded(self, *args, **kwargs):
-        _check_param_groups(self)
-        _check_new_backward(self, _inplace_grads(self))
+        check_param_groups(self)
+        sources = step_grad_sources(self)
+        check_step_grads(sources)
+        check_new_backward(self, sources)
         if not getattr(self, "_tpamp_settings_agreed", False):
             agree_on_settings(self)
             self._tpamp_settings_agreed = True
-        result = step(self, *args, **kwargs)
-        self._tpamp_last_grads = [(weakref.ref(g), g._version) for g in _inplace_grads(self)]
+        consumed = bool(sources)
+        try:
+            result = step(self, *args, **kwargs)
+        except GradSpikeError:
+            self._tpamp_last_grads = (consumed, _snapshot(step_grad_sources(self)))
+            raise
+        self._tpamp_last_grads = (consumed, _snapshot(step_grad_sources(self)))
+        return result
+
+    return guarded
+
+
+def guard_zero_grad(zero_grad):
+    """Decorator for a wrapper's ``zero_grad``: the next step may run on new (or no) grads."""
+
+    @functools.wraps(zero_grad)
+    def guarded(self, *args, **kwargs):
+        result = zero_grad(self, *args, **kwargs)
+        reset_step_guard(self)
         return result
 
     return guarded
 
 
 # ---- cross-rank agreement of settings -------------------------------------------------------
+#
+# The one cross-rank settings check of every tpamp optimizer wrapper: on the first step (and
+# the first step after a load) one all-gather over the grad-stats group compares the settings
+# below; a DistributedOptimizer also compares its bucket layout over its data-parallel group.
 
 _SETTING_NAMES = (
     "wrapper",
@@ -322,10 +460,24 @@ _SETTING_NAMES = (
     "consecutive_hysteresis",
     "raise_at_min_scale",
     "loss scaler enabled",
+    "grad_reduce_in_fp32",
+    "overlap_grad_reduce",
+    "bucket_size",
+    "spike_detector",
+    "spike policy",
+    "spike watch",
+    "spike threshold",
+    "spike window",
+    "spike warmup",
+    "spike grad_norm_min_rel_std",
+    "spike loss_min_rel_std",
 )
-_WRAPPER_KINDS = {"MixedPrecisionOptimizer": 1.0, "FP32Optimizer": 2.0, "TorchAMPOptimizer": 3.0}
+_WRAPPER_KINDS = {"MixedPrecisionOptimizer": 1.0, "FP32Optimizer": 2.0, "TorchAMPOptimizer": 3.0,
+                  "DistributedOptimizer": 4.0}
 _SCALER_KINDS = {None: 0.0, "ConstantGradScaler": 1.0, "DynamicGradScaler": 2.0,
                  "ModelParallelGradScaler": 3.0, "GradScaler": 4.0}
+_SPIKE_POLICIES = {"log": 1.0, "skip": 2.0, "raise": 3.0}
+_SPIKE_WATCH = {"none": 0.0, "grad_norm": 1.0, "loss": 2.0, "grad_norm+loss": 3.0}
 
 
 def _kind_name(table, code: float) -> str:
@@ -335,15 +487,35 @@ def _kind_name(table, code: float) -> str:
     return f"other ({code:g})"
 
 
+def _spike_settings(v: dict, detector) -> None:
+    if detector is None:
+        return
+    v["spike_detector"] = 1.0
+    v["spike policy"] = _SPIKE_POLICIES.get(detector.policy, 9.0)
+    v["spike watch"] = float(("grad_norm" in detector.watch) + 2 * ("loss" in detector.watch))
+    v["spike threshold"] = float(detector.threshold)
+    v["spike window"] = float(detector.window)
+    v["spike warmup"] = float(detector.warmup)
+    v["spike grad_norm_min_rel_std"] = float(detector.min_rel_std["grad_norm"])
+    v["spike loss_min_rel_std"] = float(detector.min_rel_std["loss"])
+
+
 def _settings(wrapper) -> List[float]:
     """This rank's settings that must agree over the grad-stats group, as float64 values in the
-    order of _SETTING_NAMES (0 where a setting does not apply; inf for max_scale=None)."""
+    order of _SETTING_NAMES (0 where a setting does not apply; inf for max_scale=None and
+    bucket_size=None)."""
     v = dict.fromkeys(_SETTING_NAMES, 0.0)
     v["wrapper"] = _WRAPPER_KINDS.get(type(wrapper).__name__, 9.0)
     v["norm_type"] = float(wrapper.norm_type)
     v["log_num_zeros_in_grad"] = float(bool(wrapper.log_num_zeros_in_grad))
     v["clip_grad"] = float(wrapper.clip_grad)
     v["skip_nonfinite"] = float(bool(getattr(wrapper, "skip_nonfinite", True)))
+    if hasattr(wrapper, "data_parallel_group"):  # the DistributedOptimizer's bucketing
+        v["grad_reduce_in_fp32"] = float(bool(wrapper.grad_reduce_in_fp32))
+        v["overlap_grad_reduce"] = float(bool(wrapper.overlap_grad_reduce))
+        size = wrapper.bucket_size
+        v["bucket_size"] = math.inf if size is None else float(size)
+    _spike_settings(v, getattr(wrapper, "spike_detector", None))
     scaler = getattr(wrapper, "grad_scaler", None)
     if scaler is None:
         scaler = getattr(wrapper, "scaler", None)
@@ -377,41 +549,72 @@ def _grad_stats_group(wrapper):
     return group
 
 
-def agree_on_settings(wrapper) -> None:
-    """Check, with one all-gather over the wrapper's grad-stats group, that every rank has the
-    same norm type, zero counting, clip, skip policy and loss-scaler settings and scale.
+def _shown(name: str, column: List[float]) -> List[str]:
+    if name == "wrapper":
+        return [_kind_name(_WRAPPER_KINDS, c) for c in column]
+    if name == "loss scaler":
+        return [_kind_name(_SCALER_KINDS, c) for c in column]
+    if name == "spike policy":
+        return [_kind_name(_SPIKE_POLICIES, c) for c in column]
+    if name == "spike watch":
+        return [_kind_name(_SPIKE_WATCH, c) for c in column]
+    if name == "spike_detector":
+        return ["a SpikeDetector" if c else "None" for c in column]
+    if name in ("max_scale", "bucket_size"):
+        return ["None" if c == math.inf else f"{c:g}" for c in column]
+    return [f"{c:g}" for c in column]
 
-    Ranks that differ would run different collectives (a zero count on one rank only: a gloo
-    error or a hang) or take different skip decisions (silently diverging replicas). Every rank
-    raises the same ValueError, naming the first setting that differs and each rank's value."""
-    group = _grad_stats_group(wrapper)
-    if group is None or not dist.is_initialized() or dist.get_world_size(group) < 2:
-        return
-    from tpamp.grad_stats import collective_device
 
-    mine = torch.tensor(_settings(wrapper), dtype=torch.float64, device=collective_device(group))
-    size = dist.get_world_size(group)
-    every = [torch.empty_like(mine) for _ in range(size)]
+def _gather_rows(values: List[float], group) -> List[List[float]]:
+    mine = torch.tensor(values, dtype=torch.float64, device=collective_device(group))
+    every = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
     dist.all_gather(every, mine, group=group)
-    table = torch.stack(every).cpu().tolist()
-    ranks = dist.get_process_group_ranks(group)
-    for j, name in enumerate(_SETTING_NAMES):
-        column = [row[j] for row in table]
-        if all(c == column[0] for c in column):
-            continue
-        if name == "wrapper":
-            shown = [_kind_name(_WRAPPER_KINDS, c) for c in column]
-        elif name == "loss scaler":
-            shown = [_kind_name(_SCALER_KINDS, c) for c in column]
-        elif name == "max_scale":
-            shown = ["None" if c == math.inf else f"{c:g}" for c in column]
-        else:
-            shown = [f"{c:g}" for c in column]
-        per_rank = ", ".join(f"rank {r}: {s}" for r, s in zip(ranks, shown))
+    return torch.stack(every).cpu().tolist()
+
+
+def agree_on_settings(wrapper) -> None:
+    """The one cross-rank settings check: one all-gather over the wrapper's grad-stats group
+    compares the wrapper kind, norm type, zero counting, clip, skip policy, loss-scaler
+    settings and scale, the DistributedOptimizer's bucketing options and the spike detector's
+    settings (present or not, policy, watched series, threshold, window, warm-up, floors); a
+    wrapper with ``data_parallel_group`` and ``bucket_layout()`` also compares its bucket
+    layout over that group (a second all-gather).
+
+    Ranks that differ would run different collectives (a zero count or a spike detector's loss
+    all-reduce on some ranks only: a gloo error or a hang; reduce-scatters of different sizes)
+    or take different skip decisions (silently diverging replicas). Every rank raises the same
+    ValueError, naming the first setting that differs and each rank's value."""
+    group = _grad_stats_group(wrapper)
+    if group is not None and dist.is_initialized() and dist.get_world_size(group) > 1:
+        table = _gather_rows(_settings(wrapper), group)
+        ranks = dist.get_process_group_ranks(group)
+        for j, name in enumerate(_SETTING_NAMES):
+            column = [row[j] for row in table]
+            if all(c == column[0] for c in column):
+                continue
+            per_rank = ", ".join(f"rank {r}: {s}" for r, s in zip(ranks, _shown(name, column)))
+            raise ValueError(
+                f"{name} differs across the {len(ranks)} ranks of the grad-stats group "
+                f"({per_rank}); every rank of the group must use the same settings, or their "
+                "collectives and skip decisions diverge"
+            )
+    dp = getattr(wrapper, "data_parallel_group", None)
+    layout = getattr(wrapper, "bucket_layout", None)
+    if dp is None or layout is None or not dist.is_initialized() or dist.get_world_size(dp) < 2:
+        return
+    buckets = layout()  # [(dtype name, padded numel)]
+    dtype_code = {"torch.float32": 1.0, "torch.float16": 2.0, "torch.bfloat16": 3.0}
+    total = float(sum(n for _, n in buckets))
+    weighted = float(sum((i + 1) * n * dtype_code.get(str(d), 9.0) for i, (d, n) in enumerate(buckets)))
+    table = _gather_rows([float(len(buckets)), total, weighted], dp)
+    if any(row != table[0] for row in table):
+        ranks = dist.get_process_group_ranks(dp)
+        per_rank = ", ".join(f"rank {r}: {int(row[0])} buckets of {int(row[1])} elements"
+                             for r, row in zip(ranks, table))
         raise ValueError(
-            f"{name} differs across the {size} ranks of the grad-stats group ({per_rank}); "
-            "every rank of the group must use the same settings, or their collectives and "
-            "skip decisions diverge"
+            f"bucket layout differs across the {len(ranks)} ranks of the data-parallel group "
+            f"({per_rank}, or the same sizes in another order or dtype); every DP rank must "
+            "hold the same params with the same bucket_size, or the reduce-scatters mismatch"
         )
 
 
@@ -521,7 +724,7 @@ def check_inner_optimizer_state(optimizer, state_dict, where: str = "state_dict[
 
 
 def _prefixed(prefix: str, fn, *args):
-    """Run a scaler's own check, naming the wrapper's key in its error."""
+    """Run an object's own check, naming the wrapper's key in its error."""
     try:
         return fn(*args)
     except (TypeError, KeyError, ValueError) as e:
@@ -529,58 +732,152 @@ def _prefixed(prefix: str, fn, *args):
         raise type(e)(f"{prefix}: {msg}") from e
 
 
-def check_optimizer_state_dict(wrapper, state_dict) -> None:
-    """Everything :meth:`MixedPrecisionOptimizer.load_state_dict` will load, checked before it
-    changes anything: the top-level keys, the inner optimizer state (see
-    :func:`check_inner_optimizer_state`), the scaler state against the scaler's config, and the
-    main params (float32 tensors of the right shapes, all finite)."""
-    check_mapping("state_dict", state_dict)
-    for key in ("optimizer", "fp32_from_fp16_params"):
-        if key not in state_dict:
-            raise KeyError(f"optimizer state_dict has no {key!r} entry")
-    check_inner_optimizer_state(wrapper.optimizer, state_dict["optimizer"])
-    scaler_state = state_dict.get("grad_scaler")
-    if wrapper.grad_scaler is not None and scaler_state is not None:
-        _prefixed("state_dict['grad_scaler']", wrapper.grad_scaler._parse_state_dict, scaler_state)
-    saved = state_dict["fp32_from_fp16_params"]
+# ---- the all-or-nothing load of every optimizer wrapper ------------------------------------
+
+
+def match_saved_tensors(where: str, saved, targets, *, unit: str = "param group",
+                        item: str = "main param") -> List[Tuple[str, Tensor, Tensor]]:
+    """Match saved main params against this wrapper's: ``targets`` is a list of tensors or a
+    list (per param group) of lists of tensors, ``saved`` must have the same structure, each
+    a float32 tensor of the target's shape (global and local). Returns (key, saved, target)
+    triples; raises TypeError / ValueError naming the key. Finiteness: :func:`check_finite`."""
+    nested = bool(targets) and isinstance(targets[0], (list, tuple))
     if not isinstance(saved, (list, tuple)):
         raise TypeError(
-            f"state_dict['fp32_from_fp16_params'] must be a list (per param group) of lists of "
+            f"{where} must be a list{' (per ' + unit + ') of lists' if nested else ''} of "
             f"tensors, got {type(saved).__name__}"
         )
-    pairs_per_group = wrapper._half_pairs
-    if len(saved) != len(pairs_per_group):
+    if not nested and targets == [] and saved and isinstance(saved[0], (list, tuple)):
+        nested = True
+    if len(saved) != len(targets):
         raise ValueError(
-            f"state_dict has main params for {len(saved)} param groups, this optimizer "
-            f"has {len(pairs_per_group)}"
+            f"{where} has {item}s for {len(saved)} {unit}s, this optimizer has {len(targets)}"
+            if nested else
+            f"{where} has {len(saved)} {item}s, this optimizer has {len(targets)}"
         )
-    tensors, names = [], []
-    for gi, (saved_group, pairs) in enumerate(zip(saved, pairs_per_group)):
+    out = []
+    groups = zip(saved, targets) if nested else [(saved, targets)]
+    for gi, (saved_group, target_group) in enumerate(groups):
+        gwhere = f"{where}[{gi}]" if nested else where
         if not isinstance(saved_group, (list, tuple)):
-            raise TypeError(
-                f"state_dict['fp32_from_fp16_params'][{gi}] must be a list of tensors, got "
-                f"{type(saved_group).__name__}"
-            )
-        if len(saved_group) != len(pairs):
+            raise TypeError(f"{gwhere} must be a list of tensors, got {type(saved_group).__name__}")
+        if len(saved_group) != len(target_group):
             raise ValueError(
-                f"param group {gi}: state_dict has {len(saved_group)} main params, "
-                f"this optimizer has {len(pairs)}"
+                f"{unit} {gi}: {gwhere} has {len(saved_group)} {item}s, this optimizer has "
+                f"{len(target_group)}"
             )
-        for i, (s, (_, main)) in enumerate(zip(saved_group, pairs)):
-            name = f"state_dict['fp32_from_fp16_params'][{gi}][{i}]"
+        for i, (s, t) in enumerate(zip(saved_group, target_group)):
+            name = f"{gwhere}[{i}]"
             if not isinstance(s, Tensor):
                 raise TypeError(f"{name} must be a tensor, got {type(s).__name__}")
             if s.dtype != torch.float32:
-                raise ValueError(f"{name} has dtype {s.dtype}; main params are torch.float32")
-            if tuple(s.shape) != tuple(main.shape) or tuple(_local(s).shape) != tuple(_local(main).shape):
+                raise ValueError(f"{name} has dtype {s.dtype}; {item}s are torch.float32")
+            if tuple(s.shape) != tuple(t.shape) or tuple(_local(s).shape) != tuple(_local(t).shape):
                 raise ValueError(
-                    f"param group {gi}, main param {i}: saved shape {tuple(s.shape)} != "
-                    f"{tuple(main.shape)} ({name})"
+                    f"{unit + ' ' + str(gi) + ', ' if nested else ''}{item} {i}: saved shape "
+                    f"{tuple(s.shape)} != {tuple(t.shape)} ({name})"
                 )
-            tensors.append(s)
-            names.append(name)
-    for name, ok in zip(names, _all_finite(tensors)):
+            out.append((name, s, t))
+    return out
+
+
+def check_finite(named: Sequence[Tuple[str, Tensor]]) -> None:
+    """ValueError naming the first (key, tensor) that holds inf or nan (one host read)."""
+    for (name, _), ok in zip(named, _all_finite([t for _, t in named])):
         if not ok:
             raise ValueError(
                 f"{name} holds inf or nan values (a corrupted checkpoint?); refusing to load it"
             )
+
+
+def check_wrapper_state(wrapper, state_dict, *, mains_key: str, match_mains,
+                        extra_keys: Sequence[str] = ()) -> List[Tuple[str, Tensor, Tensor]]:
+    """Everything a wrapper's ``load_state_dict`` will load, checked before it changes
+    anything (shared by MixedPrecisionOptimizer and DistributedOptimizer): a dict (TypeError,
+    also for None) with ``optimizer``, ``mains_key`` and ``extra_keys`` (KeyError); the inner
+    optimizer state against the inner optimizer (:func:`check_inner_optimizer_state`: group
+    and param counts, the class's hyperparameters, state keys and shapes, finite values); the
+    scaler state against the scaler's config; the spike detector's state against the
+    detector; the main params (``match_mains(saved) -> [(key, saved, target)]``, then float32,
+    shapes and finiteness). Returns the matched main params."""
+    check_mapping("state_dict", state_dict)
+    for key in ("optimizer", mains_key, *extra_keys):
+        if key not in state_dict:
+            raise KeyError(f"optimizer state_dict has no {key!r} entry")
+    check_inner_optimizer_state(wrapper.optimizer, state_dict["optimizer"])
+    scaler = getattr(wrapper, "grad_scaler", None)
+    scaler_state = state_dict.get("grad_scaler")
+    if scaler is not None and scaler_state is not None:
+        _prefixed("state_dict['grad_scaler']", scaler._parse_state_dict, scaler_state)
+    detector = getattr(wrapper, "spike_detector", None)
+    spike_state = state_dict.get("spike_detector")
+    if detector is not None and spike_state is not None:
+        _prefixed("state_dict['spike_detector']", detector.check_state_dict, spike_state)
+    pairs = match_mains(state_dict[mains_key])
+    check_finite([(name, s) for name, s, _ in pairs])
+    return pairs
+
+
+def load_wrapper_state(wrapper, state_dict, *, mains_key: str, match_mains, after_copy,
+                       extra_keys: Sequence[str] = (), before=None, agree_group=None) -> None:
+    """The one all-or-nothing load of the optimizer wrappers: ``before()`` (the wrapper's own
+    checks, e.g. a layout), :func:`check_wrapper_state`; with ``agree_group`` (a group whose
+    ranks load together and run a collective in ``after_copy``) one all-gather of a refused
+    flag, so that a state dict refused on one rank is loaded on none (the others raise
+    ValueError naming it); then (nothing can fail any more) the spike detector, the inner
+    optimizer, the loss scaler (a RuntimeWarning when one side has no scaler state) and the
+    main params, then ``after_copy()`` (main params -> model params). The step guard is reset
+    and the settings are compared across ranks again at the next step."""
+    error = None
+    try:
+        if before is not None:
+            before()
+        pairs = check_wrapper_state(wrapper, state_dict, mains_key=mains_key,
+                                    match_mains=match_mains, extra_keys=extra_keys)
+    except (TypeError, KeyError, ValueError) as e:
+        error = e
+    if agree_group is not None and dist.is_initialized() and dist.get_world_size(agree_group) > 1:
+        flags = _gather_rows([1.0 if error is not None else 0.0], agree_group)
+        if error is not None:
+            raise error
+        refused = [r for r, row in zip(dist.get_process_group_ranks(agree_group), flags) if row[0]]
+        if refused:
+            raise ValueError(
+                f"the state_dict was refused on rank(s) {refused} of the group that loads "
+                "together (see the error there); nothing was loaded on any rank"
+            )
+    elif error is not None:
+        raise error
+    detector = getattr(wrapper, "spike_detector", None)
+    if detector is not None and state_dict.get("spike_detector") is not None:
+        detector.load_state_dict(state_dict["spike_detector"])
+    wrapper.optimizer.load_state_dict(state_dict["optimizer"])
+    scaler = getattr(wrapper, "grad_scaler", None)
+    scaler_state = state_dict.get("grad_scaler")
+    if scaler is not None:
+        if scaler_state is None:
+            warnings.warn("the checkpoint has no grad_scaler state; the loss scaler starts afresh",
+                          RuntimeWarning, stacklevel=3)
+        else:
+            scaler.load_state_dict(scaler_state)
+    elif scaler_state:
+        warnings.warn(
+            "the checkpoint has grad_scaler state but this optimizer has no loss scaler; the "
+            "saved loss scale is not used", RuntimeWarning, stacklevel=3,
+        )
+    with torch.no_grad():
+        for _, s, target in pairs:
+            _local(target).copy_(_local(s))
+        after_copy()
+    reset_step_guard(wrapper)
+    wrapper._tpamp_settings_agreed = False
+
+
+def check_optimizer_state_dict(wrapper, state_dict) -> None:
+    """:meth:`MixedPrecisionOptimizer.load_state_dict`'s checks (:func:`check_wrapper_state`
+    with its ``fp32_from_fp16_params``), without loading."""
+    check_wrapper_state(
+        wrapper, state_dict, mains_key="fp32_from_fp16_params",
+        match_mains=lambda saved: match_saved_tensors(
+            "state_dict['fp32_from_fp16_params']", saved, wrapper.main_params_by_group()),
+    )

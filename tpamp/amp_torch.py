@@ -25,8 +25,8 @@ import torch.distributed as dist
 from torch import nn
 
 from tpamp import _validation
+from tpamp._validation import check_norm_type as _check_norm_type
 from tpamp.grad_stats import (
-    _check_norm_type,
     clip_grad_by_total_norm_fp32,
     count_zeros_fp32,
     filter_grads_for_norm,

@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import contextlib
 import math
-import warnings
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Tuple
 
@@ -35,12 +34,12 @@ import torch
 import torch.distributed as dist
 
 from tpamp import _validation, ops
+from tpamp.common import FUSED_KINDS, local_tensor, placed_like
 from tpamp.grad_scaler import MegatronGradScaler
+from tpamp.grad_stats import clip_coefficient, counts_toward_norm
 from tpamp.nonfinite import rank_coords
-from tpamp.grad_stats import _check_group, _check_norm_type, _tp_rank, clip_coefficient
-from tpamp.grad_stats import counts_toward_norm, local_tensor
-from tpamp.optimizer import MixedPrecisionOptimizer, OptimizerWrapper, StepResult, _placed_like
-from tpamp.optimizer import _FUSED_KINDS, _check_spike_detector, check_wrapper_args
+from tpamp.optimizer import MixedPrecisionOptimizer, OptimizerWrapper, StepResult
+from tpamp.optimizer import check_wrapper_args
 
 __all__ = ["DistributedOptimizer"]
 
@@ -88,6 +87,7 @@ class _Bucket:
     param_shard: Optional[Tensor] = None  # [shard_size] model dtype: its input
     handle: Optional[object] = None
     ready: set = field(default_factory=set)
+    deferred: bool = False  # reduce-scattered by step(), never by the backward hooks
 
 
 class DistributedOptimizer(OptimizerWrapper):
@@ -143,6 +143,12 @@ class DistributedOptimizer(OptimizerWrapper):
         grad_reduce_in_fp32: accumulate and reduce-scatter grads in fp32 (default); False
             accumulates and reduces in the model dtype, as Megatron-LM can.
         overlap_grad_reduce: start each bucket's reduce-scatter from backward hooks.
+        deferred_reduce_params: params whose gradient the caller changes after backward and
+            before ``step()`` -- the tied word embedding, whose two copies' grads (first and
+            last pipeline stage) must be summed over the embedding group before the DP
+            reduce-scatter, on their ``main_grad``. Each gets a bucket of its own that the
+            backward hooks never start (so every other bucket still overlaps); step() reduces
+            it. Without overlap_grad_reduce every bucket waits for step() anyway.
         bucket_size: elements per bucket (a bucket closes at the first param boundary at or
             after it); None: one bucket per model dtype.
         param_names: ``model.named_parameters()`` (pairs) or a dict param -> name, used in
@@ -181,8 +187,17 @@ class DistributedOptimizer(OptimizerWrapper):
         TypeError: optimizer is not a torch.optim.Optimizer; a param is not float32/16/bf16.
         ValueError: data_parallel_group is None or this rank is not in a group; the
             grad_stats_group is smaller than DP x TP; fp16 params without a grad_scaler; bad
-            clip_grad, norm_type or bucket_size; params that differ across DP ranks at
-            construction (the first differing param is named).
+            clip_grad, norm_type or bucket_size; an inner optimizer already wrapped or a
+            spike_detector used by another optimizer; params that differ across DP ranks at
+            construction (the first differing param is named); settings that differ across
+            the grad-stats group or a bucket layout that differs across DP (checked at
+            construction, a collective over both groups, and again at the first step after a
+            load; every rank raises the same error, and the inner optimizer is left as it
+            was).
+        From ``step()``: the shared step guard (tpamp._validation.guard_step), as
+        MixedPrecisionOptimizer's: RuntimeError when the inner param groups changed after
+        wrapping or no backward (or zero_grad) ran since the last step; TypeError/ValueError
+        for a grad of the wrong dtype, shape or device -- all before anything changes.
     """
 
     def __init__(
@@ -198,6 +213,7 @@ class DistributedOptimizer(OptimizerWrapper):
         tensor_parallel_group=None,
         grad_reduce_in_fp32: bool = True,
         overlap_grad_reduce: bool = False,
+        deferred_reduce_params=None,
         bucket_size: Optional[int] = None,
         param_names=None,
         skip_nonfinite: bool = True,
@@ -216,12 +232,12 @@ class DistributedOptimizer(OptimizerWrapper):
                 "data_parallel_group must be this rank's data-parallel process group (a group "
                 "of one rank for DP=1), got None"
             )
-        _check_group(data_parallel_group, "data_parallel_group")
+        _validation.check_group_member(data_parallel_group, "data_parallel_group")
         if grad_stats_group is None:
             grad_stats_group = data_parallel_group
-        _check_group(grad_stats_group, "grad_stats_group")
-        _check_group(tensor_parallel_group, "tensor_parallel_group")
-        self.norm_type = _check_norm_type(norm_type)
+        _validation.check_group_member(grad_stats_group, "grad_stats_group")
+        _validation.check_group_member(tensor_parallel_group, "tensor_parallel_group")
+        self.norm_type = _validation.check_norm_type(norm_type)
         self.optimizer = optimizer
         self.grad_scaler = grad_scaler
         self.clip_grad = float(clip_grad)
@@ -231,15 +247,15 @@ class DistributedOptimizer(OptimizerWrapper):
         self.tensor_parallel_group = tensor_parallel_group
         self.grad_reduce_in_fp32 = bool(grad_reduce_in_fp32)
         self.overlap_grad_reduce = bool(overlap_grad_reduce)
-        self.spike_detector = _check_spike_detector(spike_detector, False)
+        self.spike_detector = _validation.check_spike_detector(spike_detector, False)
         self.bucket_size = bucket_size
         self.skip_nonfinite = bool(skip_nonfinite)
         self.sync_free = False
         self.fused_step = bool(fused_step)
-        self._fused_kind = _FUSED_KINDS.get(type(optimizer)) if self.fused_step else None
+        self._fused_kind = FUSED_KINDS.get(type(optimizer)) if self.fused_step else None
         self._dp_size = dist.get_world_size(data_parallel_group)
         self._dp_rank = dist.get_rank(data_parallel_group)
-        self._tp_rank = _tp_rank(tensor_parallel_group)
+        self._tp_rank = _validation.tp_rank(tensor_parallel_group)
         tp_size = dist.get_world_size(tensor_parallel_group) if tensor_parallel_group else 1
         stats_size = dist.get_world_size(grad_stats_group)
         if stats_size % (self._dp_size * tp_size):
@@ -272,6 +288,7 @@ class DistributedOptimizer(OptimizerWrapper):
                     continue
                 has_fp16 |= p.dtype == torch.float16
                 entries.append((p, names.get(id(p), f"param_groups.{gi}.{pi}"), gi))
+        self._deferred = self._check_deferred(deferred_reduce_params, entries)
         if has_fp16 and grad_scaler is None:
             raise ValueError(
                 "fp16 params need a loss scaler (grad_scaler=DynamicGradScaler() or "
@@ -279,18 +296,35 @@ class DistributedOptimizer(OptimizerWrapper):
             )
         self._names = {id(p): n for p, n, _ in entries}
         self._name_position = {n: i for i, n in enumerate(names.values())}  # param_names' order
+        self._model_params = [p for p, _, _ in entries]
         self._device = local_tensor(entries[0][0]).device if entries else torch.device("cpu")
         if grad_scaler is not None and grad_scaler.device != self._device:
             grad_scaler.to(self._device)
         self._one = torch.ones(1, dtype=torch.float32, device=self._device)
         if check_params_across_dp and self._dp_size > 1:
             self._check_params_match_across_dp(entries)
+        old_main_grads = {id(p): getattr(p, "main_grad", None) for p, _, _ in entries}
         self._buckets = self._build_buckets(entries)
+        try:
+            # the shared cross-rank settings check, here rather than at the first step: a
+            # different overlap_grad_reduce or bucket layout would already mismatch the
+            # collectives of the first backward
+            _validation.agree_on_settings(self)
+        except BaseException:
+            for p, _, _ in entries:  # _build_buckets' only change to the params
+                if old_main_grads[id(p)] is None:
+                    del p.main_grad
+                else:
+                    p.main_grad = old_main_grads[id(p)]
+            raise
+        self._tpamp_settings_agreed = True
         self._shard_optimizer(entries)
         self._bucket_of = {id(p): b for b in self._buckets for p in b.params}
         for p, _, _ in entries:
             self._hooks.append(p.register_post_accumulate_grad_hook(self._on_grad_ready))
-        _validation.mark_wrapped(self)  # wrapping the same inner optimizer again is refused
+        self.param_norm_tracker = None  # set by track_param_grad_norms
+        # the shared guards: wrapping again refused, late param groups refused, detector bound
+        _validation.register_wrapper(self)
 
     # -- construction ---------------------------------------------------------------------
 
@@ -329,6 +363,22 @@ class DistributedOptimizer(OptimizerWrapper):
                 "must start from the same model (seed alike or broadcast from DP rank 0)"
             )
 
+    @staticmethod
+    def _check_deferred(params, entries) -> set:
+        """ids of ``deferred_reduce_params``: trainable params of this optimizer (TypeError /
+        ValueError naming the position otherwise)."""
+        if params is None:
+            return set()
+        params = _validation.check_tensor_list("deferred_reduce_params", params)
+        mine = {id(p) for p, _, _ in entries}
+        for i, p in enumerate(params):
+            if id(p) not in mine:
+                raise ValueError(
+                    f"deferred_reduce_params[{i}] (shape {tuple(p.shape)}) is not a trainable "
+                    "param of this optimizer's param groups"
+                )
+        return {id(p) for p in params}
+
     def _build_buckets(self, entries) -> List[_Bucket]:
         by_dtype: Dict[torch.dtype, list] = {}
         for p, _, _ in reversed(entries):  # backward produces the last params' grads first
@@ -338,6 +388,13 @@ class DistributedOptimizer(OptimizerWrapper):
             cur: list = []
             size = 0
             for p in params:
+                if id(p) in self._deferred:  # a bucket of its own, reduced by step()
+                    if cur:
+                        buckets.append(self._make_bucket(dtype, cur))
+                        cur, size = [], 0
+                    buckets.append(self._make_bucket(dtype, [p]))
+                    buckets[-1].deferred = True
+                    continue
                 cur.append(p)
                 size += local_tensor(p).numel()
                 if self.bucket_size is not None and size >= self.bucket_size:
@@ -416,6 +473,7 @@ class DistributedOptimizer(OptimizerWrapper):
     _root = MixedPrecisionOptimizer._root
     _read_and_decide = MixedPrecisionOptimizer._read_and_decide
     _note_nonfinite = MixedPrecisionOptimizer._note_nonfinite
+    _raw_zeros = MixedPrecisionOptimizer._raw_zeros
     # the one-pass step: the same eligibility rule and kernel calls (on the shard pieces)
     _fused_step_usable = MixedPrecisionOptimizer._fused_step_usable
     _unscaled_stats = MixedPrecisionOptimizer._unscaled_stats
@@ -434,6 +492,7 @@ class DistributedOptimizer(OptimizerWrapper):
         finally:
             self._sync_disabled = old
 
+    @_validation.guard_zero_grad
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Zero the grad buffers (``main_grad`` of every model param) and release model
         ``.grad`` (set_to_none) or zero it. Waits for any reduce-scatter still in flight."""
@@ -466,7 +525,7 @@ class DistributedOptimizer(OptimizerWrapper):
         """Post-accumulate-grad hook: grad -> main_grad; maybe start the bucket's reduce."""
         bucket = self._bucket_of[id(param)]
         self._accumulate(param, bucket)
-        if self.overlap_grad_reduce and not self._sync_disabled:
+        if self.overlap_grad_reduce and not self._sync_disabled and not bucket.deferred:
             bucket.ready.add(id(param))
             if len(bucket.ready) == len(bucket.params):
                 self._start_reduce(bucket)
@@ -481,7 +540,7 @@ class DistributedOptimizer(OptimizerWrapper):
                 "reduce-scatter started; with overlap_grad_reduce=True run all but the last "
                 "microbatch's backward under optimizer.no_sync()"
             )
-        grad = local_tensor(_placed_like(grad, param))
+        grad = local_tensor(placed_like(grad, param))
         with torch.no_grad():
             param.main_grad.add_(grad)
         param.grad = None
@@ -511,11 +570,56 @@ class DistributedOptimizer(OptimizerWrapper):
             b.handle = None
             b.ready.clear()
 
+    def grad_sources(self):
+        """(name, model param, grad) for every gradient the next step() reads: each param's
+        ``main_grad`` (its slot in the bucket's grad buffer) and a ``.grad`` set by hand. The
+        step guard (tpamp._validation.guard_step) checks them before the step changes
+        anything, and that one changed (a backward or zero_grad) since the last step."""
+        out = []
+        for b in self._buckets:
+            for p in b.params:
+                name = self._names[id(p)]
+                out.append((f"{name!r} (main_grad)", p, p.main_grad))
+                if p.grad is not None:
+                    out.append((repr(name), p, p.grad))
+        return out
+
+    def bucket_layout(self) -> List[Tuple[str, int]]:
+        """(model dtype, padded number of elements) of each bucket, in reduce order; every DP
+        rank must have the same (checked across DP on the first step)."""
+        return [(str(b.dtype), b.numel) for b in self._buckets]
+
+    def track_param_grad_norms(self, named_params):
+        """Per-parameter grad norms, as :meth:`tpamp.MixedPrecisionOptimizer.track_param_grad_norms`
+        (the same meaning: the norm of each param's full, DP-mean, unscaled gradient before
+        clipping; TP shards combined over TP, TP duplicates once, ``shared`` copies not at
+        all): a param whose flat range is split across DP shards has its pieces' p-th powers
+        summed over the grad-stats group (TP x PP x DP) before the root, with the one
+        all-reduce the tracker always does. named_params: (global name, model param) pairs,
+        the same names on every DP rank. A collective over the grad-stats group and one over
+        the data-parallel group (every rank calls it once). Steps with
+        ``param_grad_norms=True`` take the step's usual path (one-pass when it applies)."""
+        from tpamp.param_norms import ParamGradNormTracker
+
+        self.param_norm_tracker = ParamGradNormTracker(
+            self, named_params, mains=[(q.main, q.param) for q in self._pieces],
+            model_params=self._model_params,
+            data_parallel_group=self.data_parallel_group,
+        )
+        return self.param_norm_tracker
+
+    @_validation.guard_step
     @torch.no_grad()
-    def step(self, closure=None) -> StepResult:
-        """One optimizer step (class docstring); returns :class:`tpamp.StepResult`."""
+    def step(self, closure=None, *, param_grad_norms: bool = False) -> StepResult:
+        """One optimizer step (class docstring); returns :class:`tpamp.StepResult`.
+
+        param_grad_norms: also compute the per-parameter grad norms (needs
+        :meth:`track_param_grad_norms`; from the same statistics pass, on the one-pass path
+        too; one extra all-reduce)."""
         if closure is not None:
             raise ValueError("closure is not supported: compute the loss before step()")
+        if param_grad_norms and self.param_norm_tracker is None:
+            raise ValueError("step(param_grad_norms=True) needs track_param_grad_norms() first")
         self._finish_grad_sync()
         fused = self._fused_step_usable()
         scale = self.grad_scaler.inv_scale if self.grad_scaler is not None else None
@@ -523,10 +627,21 @@ class DistributedOptimizer(OptimizerWrapper):
             scale = (scale if scale is not None else self._one) * (1.0 / self._dp_size)
         finite_p = self.norm_type != math.inf
         if fused:
-            entries, stats = self._fused_shard_stats(scale, finite_p)
+            entries, stats = self._fused_shard_stats(scale, finite_p, param_grad_norms)
         else:
-            stats = self._unscale_shards(scale)
+            stats = self._unscale_shards(scale, param_grad_norms)
         found_inf, norm_stat, num_zeros = self._reduce(stats, finite_p)
+        if param_grad_norms and fused:  # the same pass's norms: pieces in bucket order
+            per_tensor = stats.per_tensor_norms
+            if scale is not None:  # ||g x s|| = s ||g||: the unscaled DP-mean grads' norms
+                per_tensor = per_tensor * scale.reshape(1)
+            pieces = [q for b in self._buckets for q in b.pieces]
+            self.param_norm_tracker.reduce_params(
+                per_tensor, [q.main for q in pieces], [q.counts for q in pieces])
+        elif param_grad_norms:  # the grads in _unscale_shards' order: each piece's main.grad
+            outs = [q.main.grad for b in self._buckets for q in b.pieces]
+            self.param_norm_tracker.reduce(stats.per_tensor_norms, outs,
+                                           [q.counts for b in self._buckets for q in b.pieces])
         spikes = self.spike_detector
         scaler_before = spikes._scaler_snapshot(self.grad_scaler) if spikes is not None else None
         at_min = None
@@ -568,9 +683,11 @@ class DistributedOptimizer(OptimizerWrapper):
             tensors.append(b.grad_data[a:e])
         return names, tensors
 
-    def _unscale_shards(self, scale: Optional[Tensor]) -> ops.GradStats:
+    def _unscale_shards(self, scale: Optional[Tensor], per_tensor_norms: bool = False) -> ops.GradStats:
         """Generic path, step 2: reduced grad shards x ``scale`` (1/d x 1/loss scale) into the
-        fp32 main grads (in place for fp32 reduces), with found_inf, norm and zero statistics."""
+        fp32 main grads (in place for fp32 reduces), with found_inf, norm and zero statistics
+        (zeros of the raw reduced grads, as the one-pass path counts them) and, if asked, each
+        piece's norm."""
         srcs, outs, mask = [], [], []
         for b in self._buckets:
             for q in b.pieces:
@@ -580,20 +697,25 @@ class DistributedOptimizer(OptimizerWrapper):
                 srcs.append(out if b.reduce_out is b.grad_shard else b.reduce_out[s:t])
                 outs.append(out)
                 mask.append(q.counts)
-        return ops.grad_stats(
+        raw_zeros = self._raw_zeros(srcs, mask, scale)  # before the in-place unscale
+        stats = ops.grad_stats(
             srcs, out=outs, scale=scale, norm_mask=mask, norm_type=self.norm_type,
-            count_zeros=self.log_num_zeros_in_grad,
+            count_zeros=self.log_num_zeros_in_grad and raw_zeros is None,
+            per_tensor_norms=per_tensor_norms,
             scale_at_most_one=(self.grad_scaler is None or self.grad_scaler.never_below_one)
             and scale is not None,
             device=self._device,
         )
+        return stats if raw_zeros is None else stats._replace(num_zeros=raw_zeros)
 
-    def _fused_shard_stats(self, scale: Optional[Tensor], finite_p: bool):
+    def _fused_shard_stats(self, scale: Optional[Tensor], finite_p: bool, per_tensor_norms: bool = False):
         """Fused path, step 2: the read-only statistics pass over the reduced grad shards
         (fp32 or model dtype), rescaled by ``scale`` (<= 1: found_inf and zeros unchanged).
         Returns the one-pass step's entries per inner param group, (main piece, its slice of
         the model-dtype all-gather input or None for fp32 buckets, reduced grad slice, counts
-        toward the norm), and the statistics."""
+        toward the norm), and the statistics; with per_tensor_norms, each piece's norm from the
+        same pass (of the raw reduced slice: the caller multiplies by ``scale``), in bucket and
+        piece order."""
         entries: List[list] = [[] for _ in self.optimizer.param_groups]
         grads, mask = [], []
         for b in self._buckets:
@@ -608,7 +730,8 @@ class DistributedOptimizer(OptimizerWrapper):
                 mask.append(q.counts)
         stats = ops.grad_stats(
             grads, norm_mask=mask, norm_type=self.norm_type,
-            count_zeros=self.log_num_zeros_in_grad, device=self._device,
+            count_zeros=self.log_num_zeros_in_grad, per_tensor_norms=per_tensor_norms,
+            device=self._device,
         )
         inv = scale.reshape(1) if scale is not None else None
         return entries, self._unscaled_stats(stats, inv, finite_p)
@@ -795,25 +918,40 @@ class DistributedOptimizer(OptimizerWrapper):
 
     def load_state_dict(self, state_dict: Dict) -> None:
         """Restore this rank's shard saved by :meth:`state_dict` on the same layout, then
-        all-gather the model params. Raises KeyError for a missing key, ValueError for a
-        different layout (DP size, rank or buckets)."""
-        for key in ("optimizer", "shard_main_params", "layout"):
-            if key not in state_dict:
-                raise KeyError(f"distributed optimizer state_dict has no {key!r} entry")
-        if state_dict["layout"] != self._layout():
-            raise ValueError(
-                f"state_dict was saved on layout {state_dict['layout']}, this optimizer has "
-                f"{self._layout()}; load a sharded (torch.distributed.checkpoint) checkpoint "
-                "to change layouts"
-            )
-        if self.spike_detector is not None and "spike_detector" in state_dict:
-            self.spike_detector.load_state_dict(state_dict["spike_detector"])  # checks first
-        self.optimizer.load_state_dict(state_dict["optimizer"])
-        _load_scaler(self.grad_scaler, state_dict.get("grad_scaler"))
-        with torch.no_grad():
-            for b, s in zip(self._buckets, state_dict["shard_main_params"]):
-                b.main_shard.copy_(s)
-            self._gather_model_params()
+        all-gather the model params (a collective over DP).
+
+        All or nothing, with MixedPrecisionOptimizer's one load path
+        (``tpamp._validation.load_wrapper_state``): the layout, the inner optimizer state
+        (param counts, the optimizer class's hyperparameters -- an SGD state dict is refused by
+        an Adam -- state keys, shard-shaped state, finite values), the scaler state against the
+        scaler's config, the spike detector's state and the main shards (float32, one per
+        bucket of this rank's shard length, finite) are all checked before anything changes,
+        and the DP ranks agree (one all-gather of a flag) before any of them loads, so a state
+        dict refused on one DP rank is loaded on none. Raises TypeError for a non-dict (None
+        included) or a value of the wrong type, KeyError for a missing key, ValueError for a
+        value that does not fit or a different layout (DP size, rank or buckets), each naming
+        the key; the other DP ranks raise ValueError naming the rank that refused."""
+
+        def check_layout():
+            _validation.check_mapping("state_dict", state_dict)
+            if "layout" not in state_dict:
+                raise KeyError("distributed optimizer state_dict has no 'layout' entry")
+            layout = _validation.check_mapping("state_dict['layout']", state_dict["layout"])
+            if dict(layout) != self._layout():
+                raise ValueError(
+                    f"state_dict was saved on layout {dict(layout)}, this optimizer has "
+                    f"{self._layout()}; load a sharded (torch.distributed.checkpoint) "
+                    "checkpoint to change layouts"
+                )
+
+        _validation.load_wrapper_state(
+            self, state_dict, mains_key="shard_main_params",
+            match_mains=lambda saved: _validation.match_saved_tensors(
+                "state_dict['shard_main_params']", saved, [b.main_shard for b in self._buckets],
+                unit="bucket", item="main shard"),
+            after_copy=self._gather_model_params,
+            before=check_layout, agree_group=self.data_parallel_group,
+        )
 
 
 def _is_sharded(t) -> bool:
@@ -871,18 +1009,6 @@ def _tp_layout(param: Tensor, tp_group):
         (r, tuple(j * local[dim] if d == dim else 0 for d in range(len(local))))
         for j, r in enumerate(peers)
     ]
-
-
-def _load_scaler(scaler, state) -> None:
-    if scaler is None:
-        return
-    if state is None:
-        warnings.warn(
-            "the checkpoint has no grad_scaler state; the loss scaler starts afresh",
-            RuntimeWarning, stacklevel=3,
-        )
-    else:
-        scaler.load_state_dict(state)
 
 
 def _name_map(param_names) -> Dict[int, str]:

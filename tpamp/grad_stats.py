@@ -23,6 +23,8 @@ import torch
 import torch.distributed as dist
 
 from tpamp import ops
+from tpamp._validation import check_group_member, check_norm_type, check_tensor_list, tp_rank
+from tpamp.common import collective_device, local_tensor
 
 try:
     from torch.distributed.tensor import DTensor
@@ -41,14 +43,16 @@ __all__ = [
 ]
 
 Tensor = torch.Tensor
+# this module's own short names for the shared checks (tpamp._validation)
+
+
+def _check_group(group, what: str = "grad_stats_group") -> None:
+    check_group_member(group, what)
+
+
+_check_norm_type = check_norm_type
+_tp_rank = tp_rank
 _TP_DIM_NAMES = ("tp", "tensor", "tensor_parallel", "tensor_model_parallel")
-
-
-def local_tensor(t: Tensor) -> Tensor:
-    """The rank-local data of ``t``: ``t.to_local()`` for a DTensor, ``t`` otherwise."""
-    if DTensor is not None and isinstance(t, DTensor):
-        return t._local_tensor
-    return t
 
 
 def is_tensor_parallel_shard(param: Tensor, tensor_parallel_group=None) -> bool:
@@ -76,19 +80,6 @@ def is_tensor_parallel_shard(param: Tensor, tensor_parallel_group=None) -> bool:
     return False
 
 
-def _tp_rank(tensor_parallel_group) -> int:
-    if tensor_parallel_group is None:
-        return 0
-    _check_group(tensor_parallel_group, "tensor_parallel_group")
-    rank = dist.get_rank(tensor_parallel_group)
-    if rank < 0:
-        raise ValueError(
-            f"this rank (global rank {dist.get_rank()}) is not a member of the given "
-            "tensor_parallel_group"
-        )
-    return rank
-
-
 def _grad_of(param: Tensor) -> Optional[Tensor]:
     grad = param.grad
     if grad is None:
@@ -105,8 +96,6 @@ def counts_toward_norm(param: Tensor, tp_rank: int, tensor_parallel_group=None) 
 
 def _as_list(params, name: str = "params") -> list:
     """A tensor or an iterable of tensors as a list; TypeError naming ``name`` otherwise."""
-    from tpamp._validation import check_tensor_list
-
     return check_tensor_list(name, params)
 
 
@@ -126,38 +115,6 @@ def filter_grads_for_norm(params: Iterable[Tensor], tensor_parallel_group=None) 
         if counts_toward_norm(p, tp_rank, tensor_parallel_group):
             grads.append(local_tensor(g))
     return grads
-
-
-def _check_group(group, what: str = "grad_stats_group"):
-    if group is None:
-        return
-    # new_group hands non-members a placeholder (GroupMember.NON_GROUP_MEMBER), not a group
-    if not isinstance(group, dist.ProcessGroup) and group is not dist.GroupMember.NON_GROUP_MEMBER:
-        raise TypeError(
-            f"{what} must be a torch.distributed ProcessGroup or None, got {type(group).__name__}"
-        )
-    if dist.get_rank(group) < 0:
-        raise ValueError(
-            f"this rank (global rank {dist.get_rank()}) is not a member of the given {what}"
-        )
-
-
-def collective_device(group=None) -> torch.device:
-    """Device for a rank's contribution when it holds no tensors: CUDA for NCCL, else CPU."""
-    if group is not None or dist.is_initialized():
-        backend = dist.get_backend(group)
-        if backend == "nccl" and torch.cuda.is_available():
-            return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
-
-
-def _check_norm_type(norm_type) -> float:
-    if isinstance(norm_type, bool) or not isinstance(norm_type, numbers.Real):
-        raise ValueError(f"norm_type must be a number >= 1 or inf, got {norm_type!r}")
-    norm_type = float(norm_type)
-    if not norm_type >= 1.0:
-        raise ValueError(f"norm_type must be >= 1 or inf, got {norm_type}")
-    return norm_type
 
 
 def get_grad_norm_fp32(

@@ -27,18 +27,12 @@ import torch.distributed as dist
 import torch.optim.optimizer as _torch_optimizer
 
 from tpamp import _validation, ops
+from tpamp.common import FUSED_KINDS, collective_device, is_dtensor, local_tensor, placed_like
 from tpamp.grad_scaler import MegatronGradScaler
+from tpamp.grad_stats import clip_coefficient, counts_toward_norm
 from tpamp.nonfinite import gather_nonfinite, local_records, rank_coords
 from tpamp.nonfinite import param_name_map as nonfinite_names
-from tpamp.grad_stats import (
-    _check_group,
-    clip_coefficient,
-    _check_norm_type,
-    _tp_rank,
-    collective_device,
-    counts_toward_norm,
-    local_tensor,
-)
+from tpamp.spikes import GradSpikeError
 
 __all__ = ["StepResult", "MixedPrecisionOptimizer", "FP32Optimizer"]
 
@@ -54,8 +48,10 @@ class StepResult(NamedTuple):
     update_successful: False when the step was skipped for an inf/nan gradient on any rank.
     grad_norm: global norm of the filtered, unscaled main grads before clipping (float, gradient
         units), None when skipped.
-    num_zeros_in_grad: zeros in the filtered main grads over the grad-stats group (int), None when
-        skipped or not requested (log_num_zeros_in_grad=False).
+    num_zeros_in_grad: zeros in the filtered grads over the grad-stats group (int), None when
+        skipped or not requested (log_num_zeros_in_grad=False). Counted on the raw (loss-scaled)
+        grads on every step path, so an fp32/bf16 element that only underflows to 0 at
+        x / loss scale is not a zero.
     """
 
     update_successful: bool
@@ -126,7 +122,9 @@ class MixedPrecisionOptimizer(OptimizerWrapper):
             ``grad_scaler._overflow_at_min_scale()`` when convenient).
         spike_detector: a :class:`tpamp.SpikeDetector` judging each step's reduced grad norm
             and loss after step 5 (log, skip or raise; tpamp/spikes.py); its state is saved in
-            state_dict()["spike_detector"]. Not with sync_free (it decides on the host).
+            state_dict()["spike_detector"]. Not with sync_free (it decides on the host). Bound
+            to this optimizer: another optimizer given the same detector is refused. Policy
+            "raise" puts the scaler back as it was before step 4 (as "skip" does) and raises.
         fused_step: for a torch.optim.Adam, AdamW or SGD whose options the one-pass kernel
             supports (no amsgrad/capturable/differentiable, float betas, no step hooks; lr a
             float or a tensor) and a scaler that never drops below 1, steps 1, 6 (clip) and 8
@@ -137,7 +135,7 @@ class MixedPrecisionOptimizer(OptimizerWrapper):
             (``main.grad`` stays None); the statistics pass before it only reads the grads.
             Results equal the inner optimizer's to float32 rounding. False: always the
             generic path (inner ``optimizer.step()``). Other optimizers, subclasses and
-            options and step(param_grad_norms=True) take the generic path whatever this flag
+            options take the generic path whatever this flag
             says; both paths keep the same state, so they can alternate. The step count of a
             new state lives on the params' device (as torch.optim's fused Adam keeps it; a
             plain torch optimizer loads it as it is). With sync_free, SGD with momentum reads
@@ -165,14 +163,22 @@ class MixedPrecisionOptimizer(OptimizerWrapper):
         TypeError: optimizer is not a torch.optim.Optimizer, or a param has a dtype other than
             float32/float16/bfloat16 (checked for every group before anything is converted).
         ValueError: fp16 params without a grad_scaler; bad clip_grad or norm_type; a group that
-            this rank is not a member of; an inner optimizer that is already wrapped.
-            TypeError for param_names that are not (str, Tensor) pairs or a dict, or a
-            parallel_state that is not a ParallelState.
-        From ``step()``: RuntimeError when the inner optimizer's param groups changed after
-        wrapping, or when no backward ran since the last step (as torch.amp.GradScaler
-        refuses a second step); on the first step, ValueError on every rank of the grad-stats
-        group when the ranks' norm_type, log_num_zeros_in_grad, clip_grad, skip_nonfinite or
-        loss-scaler settings differ (one small all-gather, tpamp._validation).
+            this rank is not a member of; an inner optimizer that is already wrapped; a
+            spike_detector already used by another optimizer. TypeError for param_names that
+            are not (str, Tensor) pairs or a dict, or a parallel_state that is not a
+            ParallelState.
+        From ``step()``, the step guard shared with DistributedOptimizer
+        (tpamp._validation.guard_step), all before the scaler or any state moves:
+        RuntimeError when the inner optimizer's param groups changed after wrapping, or when
+        no gradient changed (no backward, no zero_grad) since the last step consumed
+        gradients -- also with plain fp16/bf16 ``.grad``, which the step releases (as
+        torch.amp.GradScaler refuses a second step); TypeError/ValueError for a grad (or
+        ``main_grad``) of the wrong dtype, shape or device, naming the param; on the first
+        step (and the first after a load), ValueError on every rank of the grad-stats group
+        when the ranks' norm_type, log_num_zeros_in_grad, clip_grad, skip_nonfinite,
+        loss-scaler or spike-detector settings differ (one small all-gather,
+        tpamp._validation.agree_on_settings). GradSpikeError for a spike with policy "raise"
+        (the scaler as before the step; the grads count as consumed).
     """
 
     def __init__(
@@ -195,9 +201,9 @@ class MixedPrecisionOptimizer(OptimizerWrapper):
         check_wrapper_args(optimizer, grad_scaler, clip_grad)
         names = nonfinite_names(param_names)  # checked before anything changes
         coords = rank_coords(parallel_state, tensor_parallel_group=tensor_parallel_group)
-        self.norm_type = _check_norm_type(norm_type)
-        _check_group(grad_stats_group, "grad_stats_group")
-        _check_group(tensor_parallel_group, "tensor_parallel_group")
+        self.norm_type = _validation.check_norm_type(norm_type)
+        _validation.check_group_member(grad_stats_group, "grad_stats_group")
+        _validation.check_group_member(tensor_parallel_group, "tensor_parallel_group")
         self.optimizer = optimizer
         self.grad_scaler = grad_scaler
         self.clip_grad = float(clip_grad)
@@ -212,8 +218,8 @@ class MixedPrecisionOptimizer(OptimizerWrapper):
                 f"(fused=True Adam/AdamW/SGD); got {type(optimizer).__name__} without "
                 "_step_supports_amp_scaling"
             )
-        self._tp_rank = _tp_rank(tensor_parallel_group)
-        self.spike_detector = _check_spike_detector(spike_detector, self.sync_free)
+        self._tp_rank = _validation.tp_rank(tensor_parallel_group)
+        self.spike_detector = _validation.check_spike_detector(spike_detector, self.sync_free)
         self.param_norm_tracker = None  # set by track_param_grad_norms
         self.fused_step = bool(fused_step)
         self._fused_kind = _FUSED_KINDS.get(type(optimizer)) if self.fused_step else None
@@ -288,6 +294,7 @@ class MixedPrecisionOptimizer(OptimizerWrapper):
         """``scale_loss(loss).backward()`` (apex's ``optimizer.backward(loss)`` spelling)."""
         self.scale_loss(loss).backward()
 
+    @_validation.guard_zero_grad
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Clear the grads of model params and main params (``main_grad`` buffers belong to the
         data-parallel wrapper that attached them and are left alone, as in Megatron-LM)."""
@@ -323,9 +330,36 @@ class MixedPrecisionOptimizer(OptimizerWrapper):
 
         if named_params is None:
             named_params = self.named_model_params()
-
-        self.param_norm_tracker = ParamGradNormTracker(self, named_params)
+        mains = [(main, model) for pairs in self._half_pairs for model, main in pairs]
+        mains += [(p, p) for fp32s in self._fp32_params for p in fp32s]
+        self.param_norm_tracker = ParamGradNormTracker(self, named_params, mains=mains)
         return self.param_norm_tracker
+
+    def grad_sources(self):
+        """(name, model param, grad) for every gradient the next step() reads: a model param's
+        ``main_grad`` when it has one, else its ``.grad``; an fp32 param's ``main_grad`` or
+        ``.grad``. The step guard (tpamp._validation.guard_step) checks their shape, dtype and
+        device before the step changes anything, and that one changed since the last step."""
+        out = []
+        for gi, (pairs, fp32s) in enumerate(zip(self._half_pairs, self._fp32_params)):
+            for i, (model, _) in enumerate(pairs):
+                grad = getattr(model, "main_grad", None)
+                if grad is None:
+                    grad = model.grad
+                if grad is not None:
+                    out.append((f"{model.dtype} param {i} of param group {gi}", model, grad))
+            for i, p in enumerate(fp32s):
+                grad = getattr(p, "main_grad", None)
+                if grad is None:
+                    grad = p.grad
+                if grad is not None:
+                    out.append((f"fp32 param {i} of param group {gi}", p, grad))
+        return out
+
+    def main_params_by_group(self) -> List[List[Tensor]]:
+        """Per param group, the fp32 main params of its fp16/bf16 params (what state_dict saves
+        as ``fp32_from_fp16_params``)."""
+        return [[main for _, main in pairs] for pairs in self._half_pairs]
 
     @_validation.guard_step
     @torch.no_grad()
@@ -344,17 +378,20 @@ class MixedPrecisionOptimizer(OptimizerWrapper):
         srcs, outs, mask, all_main = self._collect_grads()
         scale = self.grad_scaler.inv_scale if self.grad_scaler is not None else None
         finite_p = self.norm_type != math.inf
+        raw_zeros = self._raw_zeros(srcs, mask, scale)  # before the in-place unscale
         stats = ops.grad_stats(
             srcs,
             out=outs,
             scale=scale,
             norm_mask=mask,
             norm_type=self.norm_type,
-            count_zeros=self.log_num_zeros_in_grad,
+            count_zeros=self.log_num_zeros_in_grad and raw_zeros is None,
             scale_at_most_one=self.grad_scaler is not None and self.grad_scaler.never_below_one,
             per_tensor_norms=param_grad_norms,
             device=self._device,
         )
+        if raw_zeros is not None:
+            stats = stats._replace(num_zeros=raw_zeros)
         found_inf, norm_stat, num_zeros = self._reduce(stats, finite_p)
         if param_grad_norms:
             self.param_norm_tracker.reduce(stats.per_tensor_norms, outs, mask)
@@ -398,13 +435,30 @@ class MixedPrecisionOptimizer(OptimizerWrapper):
         spikes = self.spike_detector
         if spikes is not None:  # a spike skip: as an overflow skip, but the scaler is restored
             loss = spikes.reduce_loss(self.grad_stats_group, self._device)
-            if spikes.decide(host[1], loss, overflow=found).skipped:
+            try:
+                decision = spikes.decide(host[1], loss, overflow=found)
+            except GradSpikeError:  # policy "raise": the scaler as before the step, too
+                spikes._scaler_restore(self.grad_scaler, scaler_before)
+                raise
+            if decision.skipped:
                 spikes._scaler_restore(self.grad_scaler, scaler_before)
                 return True, None, None
         if found and (self.grad_scaler is not None or self.skip_nonfinite):
             return True, None, None
         zeros = int(round(host[2])) if num_zeros is not None else None
         return False, host[1], zeros
+
+    def _raw_zeros(self, srcs, mask, scale) -> Optional[Tensor]:
+        """The zero count of the raw (loss-scaled) grads, as the one-pass path counts them, for
+        the generic path that multiplies by ``scale`` before counting: one read-only pass
+        (only with log_num_zeros_in_grad and a scale). None when the unscale pass may count
+        (no multiply, so raw and unscaled zeros are the same). An element that only becomes 0
+        at x * (1/scale) (a float32 or bfloat16 value below ~1.4e-45 x scale) is not a zero on
+        either path."""
+        if not self.log_num_zeros_in_grad or scale is None:
+            return None
+        return ops.grad_stats(srcs, norm_mask=mask, count_zeros=True, check_finite=False,
+                              device=self._device).num_zeros
 
     def _root(self, norm_stat: Tensor, finite_p: bool) -> Tensor:
         """Reduced norm statistic -> norm, float32 on the device (p-th root taken in float64)."""
@@ -786,60 +840,26 @@ class MixedPrecisionOptimizer(OptimizerWrapper):
         """Restore the inner optimizer, the scaler and the main params, then copy the main
         params to the model params, so a resumed run continues bit-identically.
 
-        All or nothing: everything is checked before anything changes (inner optimizer state
-        against this optimizer: group and param counts, the optimizer class's hyperparameters,
-        state shapes, finite values; scaler state against the scaler's config; main params
-        float32, of the right shapes and finite). Raises TypeError for a non-dict or a value of
-        the wrong type, KeyError for a missing key, ValueError for a value that does not fit,
-        each naming the key; a failed load leaves the optimizer, scaler and params unchanged."""
-        _validation.check_optimizer_state_dict(self, state_dict)
-        for key in ("optimizer", "fp32_from_fp16_params"):
-            if key not in state_dict:
-                raise KeyError(f"optimizer state_dict has no {key!r} entry")
-        saved = state_dict["fp32_from_fp16_params"]
-        if len(saved) != len(self._half_pairs):
-            raise ValueError(
-                f"state_dict has main params for {len(saved)} param groups, this optimizer "
-                f"has {len(self._half_pairs)}"
-            )
-        for gi, (saved_group, pairs) in enumerate(zip(saved, self._half_pairs)):
-            if len(saved_group) != len(pairs):
-                raise ValueError(
-                    f"param group {gi}: state_dict has {len(saved_group)} main params, "
-                    f"this optimizer has {len(pairs)}"
-                )
-            for i, (s, (_, main)) in enumerate(zip(saved_group, pairs)):
-                if tuple(s.shape) != tuple(main.shape):
-                    raise ValueError(
-                        f"param group {gi}, main param {i}: saved shape {tuple(s.shape)} != "
-                        f"{tuple(main.shape)}"
-                    )
-        if self.spike_detector is not None and "spike_detector" in state_dict:
-            self.spike_detector.load_state_dict(state_dict["spike_detector"])  # checks first
-        self.optimizer.load_state_dict(state_dict["optimizer"])
-        scaler_state = state_dict.get("grad_scaler")
-        if self.grad_scaler is not None:
-            if scaler_state is None:
-                warnings.warn(
-                    "the checkpoint has no grad_scaler state; the loss scaler starts afresh",
-                    RuntimeWarning,
-                    stacklevel=2,
-                )
-            else:
-                self.grad_scaler.load_state_dict(scaler_state)
-        elif scaler_state:
-            warnings.warn(
-                "the checkpoint has grad_scaler state but this optimizer has no loss scaler; "
-                "the saved loss scale is not used",
-                RuntimeWarning,
-                stacklevel=2,
-            )
-        with torch.no_grad():
-            for saved_group, pairs in zip(saved, self._half_pairs):
-                for s, (_, main) in zip(saved_group, pairs):
-                    local_tensor(main).copy_(local_tensor(s))
-            mains, models = self._pair_locals()
-            ops.scale_and_copy(mains, models)
+        All or nothing, through the load path shared with DistributedOptimizer
+        (tpamp._validation.load_wrapper_state): everything is checked before anything changes
+        (inner optimizer state against this optimizer: group and param counts, the optimizer
+        class's hyperparameters, state shapes, finite values; scaler state against the
+        scaler's config; the spike detector's state, SpikeDetector.check_state_dict; main
+        params float32, of the right shapes and finite). Raises TypeError for a non-dict (None
+        included) or a value of the wrong type, KeyError for a missing key, ValueError for a
+        value that does not fit, each naming the key; a failed load leaves the optimizer,
+        scaler, detector and params unchanged. The next step compares the settings across
+        ranks again."""
+        _validation.load_wrapper_state(
+            self, state_dict, mains_key="fp32_from_fp16_params",
+            match_mains=lambda saved: _validation.match_saved_tensors(
+                "state_dict['fp32_from_fp16_params']", saved, self.main_params_by_group()),
+            after_copy=self._copy_mains_to_model,
+        )
+
+    def _copy_mains_to_model(self) -> None:
+        mains, models = self._pair_locals()
+        ops.scale_and_copy(mains, models)
 
 
 class FP32Optimizer(MixedPrecisionOptimizer):
@@ -857,16 +877,6 @@ class FP32Optimizer(MixedPrecisionOptimizer):
                         "expected float32 (use MixedPrecisionOptimizer for fp16/bf16 params)"
                     )
         super().__init__(optimizer, **kwargs)
-
-
-def _check_spike_detector(detector, sync_free: bool):
-    from tpamp.spikes import SpikeDetector
-
-    if detector is not None and not isinstance(detector, SpikeDetector):
-        raise TypeError(f"spike_detector must be a tpamp.SpikeDetector, got {type(detector).__name__}")
-    if detector is not None and sync_free:
-        raise ValueError("spike_detector decides on the host: it cannot be used with sync_free=True")
-    return detector
 
 
 def check_wrapper_args(optimizer, grad_scaler, clip_grad) -> None:
@@ -893,19 +903,6 @@ def check_wrapper_args(optimizer, grad_scaler, clip_grad) -> None:
         raise ValueError(f"clip_grad must be a finite number >= 0, got {clip_grad!r}")
 
 
-def _placed_like(grad: Tensor, param: Tensor) -> Tensor:
-    """A DTensor grad with the param's placements. Some DTensor backwards (e.g. embedding on a
-    Shard(0) weight) return Replicate or Partial grads; Replicate -> Shard is a local slice,
-    Partial -> Shard a reduce-scatter that every rank of the mesh runs alike."""
-    if _is_dtensor(grad) and _is_dtensor(param) and tuple(grad.placements) != tuple(param.placements):
-        return grad.redistribute(param.device_mesh, param.placements)
-    return grad
-
-
-def _is_dtensor(t: Tensor) -> bool:
-    return local_tensor(t) is not t
-
-
 def _clear(p: Tensor, set_to_none: bool) -> None:
     if p.grad is None:
         return
@@ -924,8 +921,10 @@ def _state_to_fp32(state: dict) -> dict:
     }
 
 
-# The inner optimizers the one-pass step implements (exact types: a subclass may change step()).
-_FUSED_KINDS = {torch.optim.Adam: "adam", torch.optim.AdamW: "adam", torch.optim.SGD: "sgd"}
+# this module's short names for the shared helpers (tpamp.common)
+_FUSED_KINDS = FUSED_KINDS
+_placed_like = placed_like
+_is_dtensor = is_dtensor
 
 
 def _is_number(x) -> bool:

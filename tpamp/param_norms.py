@@ -29,7 +29,7 @@ from typing import Dict, Iterable, List, Optional, Sequence, Tuple
 import torch
 import torch.distributed as dist
 
-from tpamp.grad_stats import local_tensor
+from tpamp.common import collective_device, local_tensor
 
 __all__ = ["ParamGradNormTracker", "root_sum_square", "top_k"]
 
@@ -71,7 +71,17 @@ class ParamGradNormTracker:
     pipeline stages using stage-local names).
     """
 
-    def __init__(self, optimizer, named_params: Iterable[Tuple[str, Tensor]]):
+    def __init__(self, optimizer, named_params: Iterable[Tuple[str, Tensor]], *, mains=None,
+                 model_params=None, data_parallel_group=None):
+        """optimizer: the wrapper (its ``norm_type``, ``grad_stats_group``,
+        ``tensor_parallel_group`` and inner ``param_groups`` are read). named_params: (name,
+        model param) pairs. mains: (tensor the inner optimizer steps, model param it belongs to)
+        pairs -- an fp32 main copy, a DistributedOptimizer's shard piece (several pieces of one
+        param on different DP ranks are summed over the group like TP shards), or the param
+        itself (the default: every inner param is a model param). model_params: the model
+        params this rank names (default: those of ``mains``; a DistributedOptimizer passes
+        every trainable param, also one with no piece on this rank). data_parallel_group: the
+        group over which a DistributedOptimizer shards (its ranks hold the same names)."""
         self.optimizer = optimizer
         self.norm_type = optimizer.norm_type
         group = optimizer.grad_stats_group
@@ -85,30 +95,39 @@ class ParamGradNormTracker:
                 raise ValueError(f"one param is named both {by_id[id(p)]!r} and {name!r}")
             by_id[id(p)] = name
             position.setdefault(name, len(position))
-        model_of = {id(main): model for pairs in optimizer._half_pairs for model, main in pairs}
+        if mains is None:
+            mains = [(p, p) for g in optimizer.param_groups for p in g["params"]]
+        mains = list(mains)
+        models, seen = [], set()
+        for model in (model_params if model_params is not None else [m for _, m in mains]):
+            if id(model) not in seen:
+                seen.add(id(model))
+                models.append(model)
         self._name_of_main: Dict[int, str] = {}
         local_names: List[str] = []
         unnamed = 0
-        for g in optimizer.param_groups:
-            for main in g["params"]:
-                if getattr(main, "shared", False):
-                    continue  # a tied copy: its twin is counted (and named) elsewhere
-                model = model_of.get(id(main), main)
-                name = by_id.get(id(model))
-                if name is None:
-                    unnamed += 1
-                    continue
-                if name in local_names:
-                    raise ValueError(f"param name {name!r} is given to two params on this rank")
-                self._name_of_main[id(main)] = name
-                local_names.append(name)
+        for model in models:
+            if getattr(model, "shared", False):
+                continue  # a tied copy: its twin is counted (and named) elsewhere
+            name = by_id.get(id(model))
+            if name is None:
+                unnamed += 1
+                continue
+            if name in local_names:
+                raise ValueError(f"param name {name!r} is given to two params on this rank")
+            local_names.append(name)
         if unnamed:
             raise ValueError(
                 f"{unnamed} param(s) of the optimizer have no name in named_params; name every "
                 "param that is not a shared tied copy (their norms must add up to the grad norm)"
             )
+        for main, model in mains:
+            name = by_id.get(id(model))
+            if name is not None and not getattr(model, "shared", False):
+                self._name_of_main[id(main)] = name
         local_names.sort(key=position.__getitem__)
-        self.names = _gather_names(local_names, group, optimizer.tensor_parallel_group)
+        self.names = _gather_names(local_names, group, optimizer.tensor_parallel_group,
+                                   data_parallel_group)
         self._slot = {name: i for i, name in enumerate(self.names)}
         self.norms: Optional[Dict[str, float]] = None
 
@@ -178,12 +197,18 @@ class ParamGradNormTracker:
         """The ``k`` largest of :attr:`norms` (:func:`top_k`); {} before any step."""
         return top_k(self.norms or {}, k)
 
-def _gather_names(local_names: List[str], group, tp_group) -> List[str]:
+def _gather_names(local_names: List[str], group, tp_group, dp_group=None) -> List[str]:
     """Every rank's names, deduplicated, in rank order. TP peers hold the same names (their
-    shards of one param); the same name from ranks of different TP groups is an error."""
+    shards of one param), and so do the DP peers of a DistributedOptimizer (``dp_group``: their
+    shards of one model); the same name from ranks of different TP x DP groups is an error."""
     if group is None:
         return list(local_names)
     tp_key = min(dist.get_process_group_ranks(tp_group)) if tp_group is not None else dist.get_rank()
+    if dp_group is not None and dist.get_world_size(dp_group) > 1:
+        # one key per (TP x DP) block: the smallest TP-group leader among the DP peers
+        key = torch.tensor([tp_key], dtype=torch.int64, device=collective_device(dp_group))
+        dist.all_reduce(key, op=dist.ReduceOp.MIN, group=dp_group)
+        tp_key = int(key.item())
     gathered = [None] * dist.get_world_size(group)
     dist.all_gather_object(gathered, (tp_key, local_names), group=group)
     names, owner = [], {}

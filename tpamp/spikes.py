@@ -17,7 +17,15 @@ Policies (``policy=``):
   step, params, optimizer state and its step count do not change -- but the loss scaler is left
   exactly as it was before the step (scale and trackers: a spike is not an overflow), and the
   skip is counted in :attr:`SpikeDetector.spike_skips`, apart from overflow skips;
-* ``"raise"``: raise :class:`GradSpikeError` (on every rank, before anything is changed).
+* ``"raise"``: raise :class:`GradSpikeError` on every rank; the optimizer puts the loss scaler
+  back as it was before the step (as for "skip"), so no param, optimizer state or scaler
+  state changes; the detector records the spike in its counters and window.
+
+One detector judges one optimizer: the wrapper built with it binds it (:meth:`SpikeDetector.bind`)
+and a second wrapper given the same detector is refused (it would feed two values per
+iteration). Its settings (policy, watched series, threshold, window, warm-up, floors) are part
+of the optimizers' cross-rank settings check: a detector on some ranks only, or one watching
+the loss on some ranks only, would make some ranks join its loss all-reduce and others not.
 
 Usage with :class:`tpamp.MixedPrecisionOptimizer`::
 
@@ -34,8 +42,10 @@ Usage with :class:`tpamp.MixedPrecisionOptimizer`::
 from __future__ import annotations
 
 import collections
+import collections.abc
 import math
 import numbers
+import weakref
 from typing import Dict, NamedTuple, Optional
 
 import torch
@@ -125,8 +135,9 @@ class SpikeDetector:
     scripts/train_gpt.py's default run (its largest z-scores are about 3; README).
 
     State (counters and windows) is in :meth:`state_dict`, which
-    :class:`tpamp.MixedPrecisionOptimizer` saves under ``"spike_detector"``, so a resumed run
-    decides identically.
+    :class:`tpamp.MixedPrecisionOptimizer` and :class:`tpamp.DistributedOptimizer` save under
+    ``"spike_detector"``, so a resumed run decides identically; :meth:`load_state_dict` is
+    validated and all or nothing (:meth:`check_state_dict`).
 
     Raises ValueError for bad arguments (naming the value).
     """
@@ -165,6 +176,28 @@ class SpikeDetector:
         self.spikes = 0  # steps flagged, whatever the policy
         self.spike_skips = 0  # steps skipped for a spike (policy "skip")
         self.last: Optional[SpikeDecision] = None
+        self._owner = None  # weak reference to the one optimizer this detector judges
+
+    # -- the one optimizer ----------------------------------------------------------------
+
+    @property
+    def owner(self):
+        """The optimizer wrapper this detector judges (None before one is built with it, or
+        after that one is gone)."""
+        return self._owner() if self._owner is not None else None
+
+    def bind(self, optimizer) -> None:
+        """Called by the optimizer wrapper that takes this detector (at the end of its
+        construction). Raises ValueError when another live optimizer already uses it: one
+        detector fed by two optimizers would see two values per iteration and judge (and
+        skip) steps on the other optimizer's statistics."""
+        owner = self.owner
+        if owner is not None and owner is not optimizer:
+            raise ValueError(
+                f"this SpikeDetector is already used by a {type(owner).__name__}; make a "
+                "SpikeDetector per optimizer"
+            )
+        self._owner = weakref.ref(optimizer)
 
     # -- inputs ---------------------------------------------------------------------------
 
@@ -279,20 +312,74 @@ class SpikeDetector:
             },
         }
 
-    def load_state_dict(self, state_dict: Dict) -> None:
-        """Restore windows and counters. Raises KeyError for a missing key and ValueError when
-        the saved settings (threshold, window, ...) differ from this detector's: the resumed
-        run would decide differently."""
+    def check_state_dict(self, state_dict) -> Dict:
+        """Check a state dict of :meth:`state_dict` against this detector without loading it;
+        returns the parsed values. Raises TypeError for a non-dict (None included) or a value
+        of the wrong type (a string, a bool, a non-list window), KeyError for a missing key,
+        ValueError for a window value that is not finite (nan or inf: it would blind the
+        detector for a whole window), a window longer than ``window``, a negative counter or
+        counters that contradict each other (spike_skips <= spikes <= steps_seen), a series
+        this detector does not know, or saved settings that differ from this detector's (the
+        resumed run would decide differently). Each error names the key."""
+        where = "spike detector state_dict"
+        if not isinstance(state_dict, collections.abc.Mapping):
+            raise TypeError(f"{where} must be a dict, got {state_dict!r:.80} "
+                            f"({type(state_dict).__name__})")
         for key in ("windows", "steps_seen", "spikes", "spike_skips"):
             if key not in state_dict:
-                raise KeyError(f"spike detector state_dict has no {key!r} entry")
+                raise KeyError(f"{where} has no {key!r} entry")
+        counts = {}
+        for key in ("steps_seen", "spikes", "spike_skips"):
+            v = state_dict[key]
+            if isinstance(v, torch.Tensor) and v.numel() == 1 and not v.is_floating_point():
+                v = int(v.item())
+            if isinstance(v, bool) or not isinstance(v, numbers.Integral):
+                raise TypeError(f"{where}[{key!r}] must be an int, got {v!r} ({type(v).__name__})")
+            if v < 0:
+                raise ValueError(f"{where}[{key!r}] must be >= 0, got {v}")
+            counts[key] = int(v)
+        if not counts["spike_skips"] <= counts["spikes"] <= counts["steps_seen"]:
+            raise ValueError(
+                f"{where}: expected spike_skips <= spikes <= steps_seen, got "
+                f"{counts['spike_skips']}, {counts['spikes']}, {counts['steps_seen']}"
+            )
+        windows = state_dict["windows"]
+        if not isinstance(windows, collections.abc.Mapping):
+            raise TypeError(f"{where}['windows'] must be a dict of lists, got "
+                            f"{type(windows).__name__}")
+        parsed = {}
+        for name, values in windows.items():
+            wkey = f"{where}['windows'][{name!r}]"
+            if name not in _SERIES:
+                raise ValueError(f"{wkey}: unknown series {name!r}; expected one of {_SERIES}")
+            if isinstance(values, (str, bytes)) or not isinstance(values, (list, tuple, collections.deque)):
+                raise TypeError(f"{wkey} must be a list of floats, got {type(values).__name__}")
+            if len(values) > self.window:
+                raise ValueError(f"{wkey} holds {len(values)} values, more than window={self.window}")
+            out = []
+            for i, v in enumerate(values):
+                if isinstance(v, bool) or not isinstance(v, numbers.Real):
+                    raise TypeError(f"{wkey}[{i}] must be a float, got {v!r} ({type(v).__name__})")
+                if not math.isfinite(v):
+                    raise ValueError(f"{wkey}[{i}] is {v!r}; a window holds finite values only")
+                out.append(float(v))
+            parsed[name] = out
         saved = state_dict.get("settings")
         mine = self.state_dict()["settings"]
-        if saved is not None and dict(saved, watch=list(saved["watch"])) != mine:
-            raise ValueError(f"spike detector settings differ: saved {saved}, this detector {mine}")
+        if saved is not None:
+            if not isinstance(saved, collections.abc.Mapping) or "watch" not in saved:
+                raise TypeError(f"{where}['settings'] must be a dict like {mine}, got {saved!r:.80}")
+            if dict(saved, watch=list(saved["watch"])) != mine:
+                raise ValueError(f"spike detector settings differ: saved {dict(saved)}, this detector {mine}")
+        return {"windows": parsed, **counts}
+
+    def load_state_dict(self, state_dict: Dict) -> None:
+        """Restore windows and counters, all or nothing (:meth:`check_state_dict` first: a
+        refused state dict leaves the detector unchanged)."""
+        parsed = self.check_state_dict(state_dict)
         for name in _SERIES:
-            values = [float(v) for v in state_dict["windows"].get(name, [])]
-            self._values[name] = collections.deque(values[-self.window:], maxlen=self.window)
-        self.steps_seen = int(state_dict["steps_seen"])
-        self.spikes = int(state_dict["spikes"])
-        self.spike_skips = int(state_dict["spike_skips"])
+            values = parsed["windows"].get(name, [])
+            self._values[name] = collections.deque(values, maxlen=self.window)
+        self.steps_seen = parsed["steps_seen"]
+        self.spikes = parsed["spikes"]
+        self.spike_skips = parsed["spike_skips"]

@@ -1,0 +1,513 @@
+"""Misuse of the shared guards (issue 18), single process: the step guard (grads checked before
+the scaler moves, no second step without a backward, late param groups), the all-or-nothing
+load of MixedPrecisionOptimizer and SpikeDetector, a detector bound to one optimizer, the spike
+policy "raise" and the zero count of the two step paths.
+
+Each case names the exception type and the words its message must contain, and checks that the
+refusal changed nothing: the bytes of every param, grad, main param, inner optimizer state,
+scaler state and spike-detector state are the same after it. DistributedOptimizer cases (they
+need a process group) are in tests/test_distributed_optimizer_guards.py."""
+
+from __future__ import annotations
+
+import copy
+import math
+import re
+
+import pytest
+import torch
+
+import tpamp
+from tpamp import GradSpikeError
+
+NAN, INF = math.nan, math.inf
+
+
+# ---- a byte-exact picture of everything a refusal must leave alone ---------------------------
+
+
+def _bytes(t: torch.Tensor):
+    if t.device.type == "meta":
+        return ("meta", str(t.dtype), tuple(t.shape))
+    t = t.detach().cpu().contiguous()
+    return (str(t.dtype), tuple(t.shape), bytes(t.reshape(-1).view(torch.uint8).numpy()))
+
+
+def _freeze(x):
+    """Nested containers with tensors -> comparable values (tensors by their bytes)."""
+    if isinstance(x, torch.Tensor):
+        return _bytes(x)
+    if isinstance(x, dict):
+        return tuple(sorted((repr(k), _freeze(v)) for k, v in x.items()))
+    if isinstance(x, (list, tuple)):
+        return tuple(_freeze(v) for v in x)
+    if isinstance(x, float) and math.isnan(x):
+        return "nan"
+    return x
+
+
+def _picture(opt=None, params=(), detector=None):
+    out = {}
+    for i, p in enumerate(params):
+        out[f"param{i}"] = _bytes(p)
+        out[f"grad{i}"] = _bytes(p.grad) if p.grad is not None else None
+        g = getattr(p, "main_grad", None)
+        out[f"main_grad{i}"] = _bytes(g) if isinstance(g, torch.Tensor) else repr(g)
+    if opt is not None:
+        out["opt"] = _freeze(opt.state_dict())
+        out["groups"] = [[id(p) for p in g["params"]] for g in opt.param_groups]
+    if detector is not None:
+        out["detector"] = _freeze(detector.state_dict())
+    return out
+
+
+# ---- builders --------------------------------------------------------------------------------
+
+
+def _mpo(dtype=torch.float16, inner=torch.optim.Adam, n=2, fused=True, scaler=True, **kw):
+    params = [torch.nn.Parameter(torch.linspace(-1, 1, 3 + i).to(dtype)) for i in range(n)]
+    sc = tpamp.DynamicGradScaler(initial_scale=8.0, growth_interval=2, hysteresis=1) if scaler else None
+    opt = tpamp.MixedPrecisionOptimizer(inner([{"params": [p]} for p in params], lr=0.1),
+                                        grad_scaler=sc, fused_step=fused, **kw)
+    return opt, params
+
+
+def _backward(opt, params, value=1.0):
+    loss = sum((p.float() * value).sum() for p in params)
+    opt.scale_loss(loss).backward()
+
+
+def _stepped(**kw):
+    opt, params = _mpo(**kw)
+    _backward(opt, params)
+    opt.step()
+    opt.zero_grad()
+    return opt, params, copy.deepcopy(opt.state_dict())
+
+
+def _spike_state(**edits):
+    d = tpamp.SpikeDetector("skip", window=4, warmup=2)
+    sd = {"windows": {"grad_norm": [1.0, 2.0], "loss": [3.0]}, "steps_seen": 3, "spikes": 1,
+          "spike_skips": 1, "settings": d.state_dict()["settings"]}
+    for k, v in edits.items():
+        if v is _DROP:
+            del sd[k]
+        else:
+            sd[k] = v
+    return sd
+
+
+_DROP = object()
+
+
+class Case:
+    """One misuse: ``setup()`` -> (objects to watch, the bad call)."""
+
+    def __init__(self, cid, setup, exc, words):
+        self.id, self.setup, self.exc, self.words = cid, setup, exc, words
+
+
+def _watch(opt=None, params=(), detector=None):
+    return lambda: _picture(opt, params, detector)
+
+
+# -- the step guard: MixedPrecisionOptimizer ----------------------------------------------------
+
+
+def _second_step(dtype, fused, main_grad=False, inner=torch.optim.Adam):
+    def setup():
+        opt, params = _mpo(dtype, inner=inner, fused=fused)
+        if main_grad:
+            for p in params:
+                p.main_grad = torch.full(p.shape, 8.0)
+        else:
+            _backward(opt, params)
+        opt.step()
+        return _watch(opt, params), opt.step
+    return setup
+
+
+def _bad_main_grad(value_fn, which=1, dtype=torch.float16):
+    """main_grad of param ``which`` replaced by value_fn(param); the others good."""
+    def setup():
+        opt, params = _mpo(dtype)
+        for i, p in enumerate(params):
+            p.main_grad = value_fn(p) if i == which else torch.full(p.shape, 8.0)
+        return _watch(opt, params), opt.step
+    return setup
+
+
+def _late_group():
+    opt, params = _mpo()
+    _backward(opt, params)
+    opt.optimizer.add_param_group({"params": [torch.nn.Parameter(torch.ones(2))]})
+    return _watch(opt, params), opt.step
+
+
+def _removed_param():
+    opt, params = _mpo()
+    _backward(opt, params)
+    opt.optimizer.param_groups[1]["params"] = []
+    return _watch(opt, params), opt.step
+
+
+def _replaced_param():
+    opt, params = _mpo()
+    _backward(opt, params)
+    opt.optimizer.param_groups[0]["params"][0] = torch.nn.Parameter(torch.ones(3))
+    return _watch(opt, params), opt.step
+
+
+def _norms_without_tracker():
+    opt, params = _mpo()
+    _backward(opt, params)
+    return _watch(opt, params), lambda: opt.step(param_grad_norms=True)
+
+
+def _closure():
+    opt, params = _mpo()
+    _backward(opt, params)
+    return _watch(opt, params), lambda: opt.step(lambda: 0.0)
+
+
+def _fp32_fp16_main_grad():
+    opt, params = _mpo(torch.float32, scaler=False)
+    params[0].main_grad = torch.ones(3, dtype=torch.float16)
+    return _watch(opt, params), opt.step
+
+
+# -- MixedPrecisionOptimizer.load_state_dict ------------------------------------------------------
+
+
+def _load(edit, **kw):
+    def setup():
+        opt, params, sd = _stepped(**kw)
+        sd = edit(sd)
+        return _watch(opt, params), lambda: opt.load_state_dict(sd)
+    return setup
+
+
+def _with_spikes(edit):
+    def setup():
+        det = tpamp.SpikeDetector("skip", window=4, warmup=2)
+        opt, params, sd = _stepped(spike_detector=det)
+        sd = edit(sd)
+        return _watch(opt, params, det), lambda: opt.load_state_dict(sd)
+    return setup
+
+
+def _set_in(path, value):
+    def edit(sd):
+        d = sd
+        for k in path[:-1]:
+            d = d[k]
+        d[path[-1]] = value
+        return sd
+    return edit
+
+
+def _sgd_into_adam(sd):
+    p = torch.nn.Parameter(torch.ones(3, dtype=torch.float16))
+    q = torch.nn.Parameter(torch.ones(4, dtype=torch.float16))
+    sgd = tpamp.MixedPrecisionOptimizer(
+        torch.optim.SGD([{"params": [p]}, {"params": [q]}], lr=0.1, momentum=0.9),
+        grad_scaler=tpamp.DynamicGradScaler(initial_scale=8.0, growth_interval=2, hysteresis=1))
+    _backward(sgd, [p, q])
+    sgd.step()
+    sd["optimizer"] = copy.deepcopy(sgd.state_dict()["optimizer"])
+    return sd
+
+
+def _first_state(sd):
+    return next(iter(sd["optimizer"]["state"].values()))
+
+
+def _nan_exp_avg(sd):
+    _first_state(sd)["exp_avg"][0] = NAN
+    return sd
+
+
+# -- spike detectors ------------------------------------------------------------------------------
+
+
+def _detector_load(**edits):
+    def setup():
+        det = tpamp.SpikeDetector("skip", window=4, warmup=2)
+        det.load_state_dict(_spike_state())  # something to lose
+        bad = _spike_state(**edits)
+        return _watch(detector=det), lambda: det.load_state_dict(bad)
+    return setup
+
+
+def _detector_load_value(value):
+    def setup():
+        det = tpamp.SpikeDetector("skip", window=4, warmup=2)
+        return _watch(detector=det), lambda: det.load_state_dict(value)
+    return setup
+
+
+def _shared_detector(cls_name):
+    def setup():
+        det = tpamp.SpikeDetector("skip")
+        first, _ = _mpo(spike_detector=det)
+        p = torch.nn.Parameter(torch.ones(3, dtype=torch.float16))
+        inner = torch.optim.SGD([p], lr=0.1)
+        cls = getattr(tpamp, cls_name)
+        kw = {} if cls_name == "FP32Optimizer" else {"grad_scaler": tpamp.ConstantGradScaler(2.0)}
+        if cls_name == "FP32Optimizer":
+            p = torch.nn.Parameter(torch.ones(3))
+            inner = torch.optim.SGD([p], lr=0.1)
+
+        def call():
+            cls(inner, spike_detector=det, **kw)
+
+        def picture():
+            # the second inner optimizer is untouched (its param not replaced, not marked
+            # wrapped: it can still be wrapped), the detector still judges the first one
+            return (_picture(first, [p], det), [id(q) for q in inner.param_groups[0]["params"]],
+                    getattr(inner, "_tpamp_wrapped_by", None), det.owner is first)
+        return picture, call
+    return setup
+
+
+def _detector_wrong_type():
+    p = torch.nn.Parameter(torch.ones(3, dtype=torch.float16))
+    inner = torch.optim.SGD([p], lr=0.1)
+    return (lambda: ([id(q) for q in inner.param_groups[0]["params"]], _bytes(p))), \
+        lambda: tpamp.MixedPrecisionOptimizer(inner, grad_scaler=tpamp.ConstantGradScaler(2.0),
+                                              spike_detector={"policy": "skip"})
+
+
+def _detector_sync_free():
+    det = tpamp.SpikeDetector("log")
+    p = torch.nn.Parameter(torch.ones(3, dtype=torch.float16))
+    inner = torch.optim.Adam([p], lr=0.1, fused=True)
+    return (lambda: (det.owner, [id(q) for q in inner.param_groups[0]["params"]])), \
+        lambda: tpamp.MixedPrecisionOptimizer(inner, grad_scaler=tpamp.ConstantGradScaler(2.0),
+                                              sync_free=True, spike_detector=det)
+
+
+CASES = [
+    # a second step() without a new backward: refused on every path, also with plain .grad
+    Case("step-twice-fp16-grad-generic", _second_step(torch.float16, False), RuntimeError, ["step", "backward"]),
+    Case("step-twice-fp16-grad-fused", _second_step(torch.float16, True), RuntimeError, ["step", "backward"]),
+    Case("step-twice-bf16-grad-generic", _second_step(torch.bfloat16, False), RuntimeError, ["step", "backward"]),
+    Case("step-twice-bf16-grad-fused", _second_step(torch.bfloat16, True), RuntimeError, ["step", "backward"]),
+    Case("step-twice-fp32-grad", _second_step(torch.float32, True), RuntimeError, ["step", "backward"]),
+    Case("step-twice-main-grad-fused", _second_step(torch.float16, True, main_grad=True), RuntimeError, ["step", "backward"]),
+    Case("step-twice-main-grad-sgd", _second_step(torch.float16, False, main_grad=True, inner=torch.optim.SGD), RuntimeError, ["step", "backward"]),
+    # grads checked before the scaler or anything else moves
+    Case("main-grad-wrong-shape", _bad_main_grad(lambda p: torch.ones(p.numel() + 1)), ValueError, ["gradient", "shape", "(5,)", "(4,)"]),
+    Case("main-grad-2d", _bad_main_grad(lambda p: torch.ones(1, p.numel())), ValueError, ["gradient", "shape", "(1, 4)"]),
+    Case("main-grad-int", _bad_main_grad(lambda p: torch.ones(p.shape, dtype=torch.int64)), TypeError, ["gradient", "dtype", "torch.int64"]),
+    Case("main-grad-float64", _bad_main_grad(lambda p: torch.ones(p.shape, dtype=torch.float64)), TypeError, ["gradient", "torch.float64"]),
+    Case("main-grad-list", _bad_main_grad(lambda p: [1.0] * p.numel()), TypeError, ["gradient", "list", "tensor"]),
+    Case("main-grad-meta", _bad_main_grad(lambda p: torch.ones(p.shape, device="meta")), ValueError, ["gradient", "device", "meta", "cpu"]),
+    Case("main-grad-first-param", _bad_main_grad(lambda p: torch.ones(7), which=0), ValueError, ["param", "0", "shape", "(7,)"]),
+    Case("main-grad-bf16-model", _bad_main_grad(lambda p: torch.ones(2), dtype=torch.bfloat16), ValueError, ["shape", "(2,)"]),
+    Case("fp32-param-fp16-main-grad", _fp32_fp16_main_grad, TypeError, ["fp32", "float32", "torch.float16"]),
+    # param groups changed after wrapping
+    Case("late-param-group", _late_group, RuntimeError, ["param_groups", "wrapped"]),
+    Case("param-removed-after-wrap", _removed_param, RuntimeError, ["param_groups", "wrapped"]),
+    Case("param-replaced-after-wrap", _replaced_param, RuntimeError, ["param_groups", "wrapped"]),
+    Case("step-norms-without-tracker", _norms_without_tracker, ValueError, ["track_param_grad_norms"]),
+    Case("step-closure", _closure, ValueError, ["closure"]),
+    # MixedPrecisionOptimizer.load_state_dict: all or nothing
+    Case("load-None", _load(lambda sd: None), TypeError, ["state_dict", "None"]),
+    Case("load-str", _load(lambda sd: "ckpt.pt"), TypeError, ["state_dict", "str"]),
+    Case("load-sgd-into-adam", _load(_sgd_into_adam), ValueError, ["betas", "Adam"]),
+    Case("load-nan-exp-avg", _load(_nan_exp_avg), ValueError, ["exp_avg", "nan"]),
+    Case("load-scaler-nan", _load(_set_in(["grad_scaler", "scale"], torch.tensor([NAN]))), ValueError, ["grad_scaler", "scale", "nan"]),
+    Case("load-scaler-str", _load(_set_in(["grad_scaler", "scale"], "8")), TypeError, ["grad_scaler", "scale"]),
+    Case("load-main-nan", _load(lambda sd: (sd["fp32_from_fp16_params"][1][0].fill_(NAN), sd)[1]), ValueError, ["fp32_from_fp16_params", "nan"]),
+    Case("load-main-second-group-shape", _load(_set_in(["fp32_from_fp16_params", 1, 0], torch.zeros(9))), ValueError, ["shape", "(9,)", "fp32_from_fp16_params"]),
+    Case("load-main-missing-group", _load(lambda sd: (sd["fp32_from_fp16_params"].pop(), sd)[1]), ValueError, ["param groups", "1", "2"]),
+    Case("load-spike-nan-window", _with_spikes(_set_in(["spike_detector", "windows", "grad_norm"], [1.0, NAN])), ValueError, ["spike_detector", "nan"]),
+    Case("load-spike-str-window", _with_spikes(_set_in(["spike_detector", "windows", "loss"], ["1.0"])), TypeError, ["spike_detector", "'1.0'"]),
+    Case("load-spike-negative-count", _with_spikes(_set_in(["spike_detector", "spikes"], -1)), ValueError, ["spike_detector", "spikes", "-1"]),
+    Case("load-spike-not-dict", _with_spikes(_set_in(["spike_detector"], [1.0])), TypeError, ["spike_detector", "list"]),
+    Case("load-spike-ok-inner-bad", _with_spikes(_nan_exp_avg), ValueError, ["exp_avg", "nan"]),
+    # SpikeDetector.load_state_dict: validated, all or nothing
+    Case("det-load-None", _detector_load_value(None), TypeError, ["dict", "None"]),
+    Case("det-load-list", _detector_load_value([1, 2]), TypeError, ["dict", "list"]),
+    Case("det-window-nan", _detector_load(windows={"grad_norm": [1.0, NAN]}), ValueError, ["windows", "grad_norm", "nan"]),
+    Case("det-window-inf", _detector_load(windows={"loss": [INF]}), ValueError, ["windows", "loss", "inf"]),
+    Case("det-window-str-value", _detector_load(windows={"loss": [1.0, "2"]}), TypeError, ["windows", "loss", "'2'"]),
+    Case("det-window-bool-value", _detector_load(windows={"loss": [True]}), TypeError, ["windows", "True"]),
+    Case("det-window-str", _detector_load(windows={"loss": "1.0"}), TypeError, ["windows", "loss", "str"]),
+    Case("det-window-tensor", _detector_load(windows={"loss": torch.ones(2)}), TypeError, ["windows", "loss", "Tensor"]),
+    Case("det-windows-list", _detector_load(windows=[[1.0]]), TypeError, ["windows", "list"]),
+    Case("det-window-unknown-series", _detector_load(windows={"lr": [1.0]}), ValueError, ["series", "'lr'"]),
+    Case("det-window-too-long", _detector_load(windows={"loss": [1.0] * 5}), ValueError, ["5", "window"]),
+    Case("det-steps-negative", _detector_load(steps_seen=-3), ValueError, ["steps_seen", "-3"]),
+    Case("det-steps-float", _detector_load(steps_seen=2.5), TypeError, ["steps_seen", "2.5"]),
+    Case("det-steps-str", _detector_load(steps_seen="3"), TypeError, ["steps_seen", "'3'"]),
+    Case("det-skips-bool", _detector_load(spike_skips=True), TypeError, ["spike_skips", "True"]),
+    Case("det-spikes-above-steps", _detector_load(spikes=9), ValueError, ["spikes", "steps_seen", "9"]),
+    Case("det-skips-above-spikes", _detector_load(spike_skips=2), ValueError, ["spike_skips", "spikes", "2"]),
+    Case("det-missing-windows", _detector_load(windows=_DROP), KeyError, ["windows"]),
+    Case("det-missing-spikes", _detector_load(spikes=_DROP), KeyError, ["spikes"]),
+    Case("det-settings-differ", _detector_load(settings={**_spike_state()["settings"], "window": 8}), ValueError, ["settings", "differ"]),
+    Case("det-settings-str", _detector_load(settings="window=4"), TypeError, ["settings"]),
+    # one detector, one optimizer
+    Case("det-shared-two-mpo", _shared_detector("MixedPrecisionOptimizer"), ValueError, ["SpikeDetector", "MixedPrecisionOptimizer"]),
+    Case("det-shared-mpo-fp32", _shared_detector("FP32Optimizer"), ValueError, ["SpikeDetector", "MixedPrecisionOptimizer"]),
+    Case("det-wrong-type", _detector_wrong_type, TypeError, ["spike_detector", "dict"]),
+    Case("det-sync-free", _detector_sync_free, ValueError, ["spike_detector", "sync_free"]),
+]
+
+
+def _words(words):
+    return "(?s)" + "".join(rf"(?=.*(?<![\w]){re.escape(w)}(?![\w]))" for w in words)
+
+
+def test_at_least_sixty_cases_across_the_two_files():
+    import test_distributed_optimizer_guards as dist_cases
+
+    ids = [c.id for c in CASES] + [c[0] for c in dist_cases.DO_CASES + dist_cases.SETTINGS_CASES]
+    assert len(ids) == len(set(ids))
+    assert len(ids) >= 60, len(ids)
+
+
+@pytest.mark.parametrize("case", CASES, ids=[c.id for c in CASES])
+def test_misuse_is_refused_and_changes_nothing(case):
+    picture, call = case.setup()
+    before = picture()
+    with pytest.raises(case.exc) as info:
+        call()
+    assert type(info.value) is case.exc, type(info.value)
+    msg = info.value.args[0] if isinstance(info.value, KeyError) and info.value.args else str(info.value)
+    assert re.search(_words(case.words), str(msg)), f"{case.id}: {case.words} not all in: {msg}"
+    assert picture() == before, f"{case.id}: the refusal changed state"
+
+
+# ---- behaviour that is not a refusal ---------------------------------------------------------
+
+
+def test_a_step_after_zero_grad_or_a_new_backward_is_accepted():
+    opt, params = _mpo(fused=False)
+    _backward(opt, params)
+    assert opt.step().update_successful
+    _backward(opt, params)  # a new backward without zero_grad: new model grads
+    assert opt.step().update_successful
+    opt.zero_grad()
+    opt.step()  # after zero_grad: no grads, no refusal (a rank without grads must still step)
+
+
+def test_a_refused_step_can_be_retried_after_fixing_the_grad():
+    opt, params = _mpo()
+    params[0].main_grad = torch.full(params[0].shape, 8.0)
+    params[1].main_grad = torch.ones(1)
+    with pytest.raises(ValueError):
+        opt.step()
+    params[1].main_grad = torch.full(params[1].shape, 8.0)
+    result = opt.step()
+    assert result.update_successful and result.grad_norm == pytest.approx(math.sqrt(7.0))
+
+
+def _spiking_run(policy, fused):
+    det = tpamp.SpikeDetector(policy, threshold=3.0, window=4, warmup=2, watch=("grad_norm",))
+    opt, params = _mpo(fused=fused, spike_detector=det)
+    for _ in range(3):
+        _backward(opt, params)
+        opt.step()
+        opt.zero_grad()
+    _backward(opt, params, value=100.0)  # a grad-norm spike (finite in fp16 at scale 8..32)
+    return opt, params, det
+
+
+@pytest.mark.parametrize("fused", [True, False])
+def test_spike_policy_raise_leaves_the_scaler_and_params_as_before_the_step(fused):
+    opt, params, det = _spiking_run("raise", fused)
+    scaler = copy.deepcopy(opt.grad_scaler.state_dict())
+    models = [p.detach().clone() for p in params]
+    inner = copy.deepcopy(opt.optimizer.state_dict())
+    with pytest.raises(GradSpikeError):
+        opt.step()
+    assert _freeze(opt.grad_scaler.state_dict()) == _freeze(scaler)  # no growth-tracker tick
+    assert all(torch.equal(a, b) for a, b in zip(models, params))
+    assert _freeze(opt.optimizer.state_dict()) == _freeze(inner)
+    assert det.spikes == 1 and det.spike_skips == 0
+    # its grads are consumed: a retry without a new backward is refused like a second step
+    with pytest.raises(RuntimeError, match="backward"):
+        opt.step()
+
+
+def test_spike_policy_skip_and_raise_leave_the_same_scaler():
+    a, _, _ = _spiking_run("skip", True)
+    b, _, _ = _spiking_run("raise", True)
+    assert not a.step().update_successful
+    with pytest.raises(GradSpikeError):
+        b.step()
+    assert _freeze(a.grad_scaler.state_dict()) == _freeze(b.grad_scaler.state_dict())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_both_step_paths_count_zeros_on_the_raw_grads(dtype):
+    """A grad element of 2**-130 is not zero, but 2**-130 / 2**20 underflows to 0 in float32:
+    both paths count the raw grads, so it is not a zero on either; the exact zeros (counted
+    by hand here) are."""
+    raw = torch.tensor([0.0, 2.0**-130, 1.0, 0.0, -2.0**-130, 3.0])
+    expected = int((raw == 0).sum())  # 2
+    assert float(raw[1].to(dtype)) != 0.0 and float(raw[1] * 2.0**-20) == 0.0
+    counts = []
+    for fused in (True, False):
+        p = torch.nn.Parameter(torch.zeros(6, dtype=dtype))
+        opt = tpamp.MixedPrecisionOptimizer(
+            torch.optim.SGD([p], lr=0.0), grad_scaler=tpamp.ConstantGradScaler(2.0**20),
+            log_num_zeros_in_grad=True, fused_step=fused)
+        p.main_grad = raw.clone()
+        counts.append(opt.step().num_zeros_in_grad)
+    assert counts == [expected, expected]
+
+
+# ---- module structure: shared helpers have a named home ---------------------------------------
+
+
+def _tpamp_imports(path, *, lazy: bool):
+    """(module, names) of every ``from tpamp... import`` in a file (lazy: also inside functions)."""
+    import ast
+
+    tree = ast.parse(open(path).read())
+    nodes = ast.walk(tree) if lazy else tree.body
+    out = []
+    for node in nodes:
+        if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("tpamp"):
+            names = [a.name for a in node.names]
+            if node.module == "tpamp":  # from tpamp import ops, _validation: modules
+                out.extend((f"tpamp.{n}", []) for n in names)
+            else:
+                out.append((node.module, names))
+    return out
+
+
+def _tpamp_files():
+    import pathlib
+
+    return sorted((pathlib.Path(tpamp.__file__).parent).glob("*.py"))
+
+
+def test_no_module_imports_another_modules_private_names():
+    """Private (_underscore) functions, classes and constants stay in their module; shared ones
+    live under public names (tpamp.common, tpamp._validation's check_* / guard functions). The
+    package-internal modules themselves (tpamp._validation, tpamp._ext) may be imported."""
+    bad = [(f.name, mod, n) for f in _tpamp_files() for mod, names in _tpamp_imports(f, lazy=True)
+           for n in names if n.startswith("_")]
+    assert bad == []
+
+
+def test_no_import_cycle_between_tpamp_modules():
+    """Module-level and lazy imports alike: grad_stats -> _validation -> common, never back."""
+    graph = {f"tpamp.{f.stem}": {m for m, _ in _tpamp_imports(f, lazy=True)} for f in _tpamp_files()}
+    graph = {k: {m for m in v if m in graph and m != k} for k, v in graph.items()}
+    assert "tpamp.grad_stats" not in graph["tpamp._validation"]
+    assert "tpamp._validation" not in graph["tpamp.common"] and graph["tpamp.common"] == set()
+    for a in ("tpamp.grad_stats", "tpamp._validation", "tpamp.common", "tpamp.optimizer",
+              "tpamp.distributed_optimizer", "tpamp.param_norms", "tpamp.spikes"):
+        seen, todo = set(), list(graph[a])
+        while todo:  # everything a reaches must not reach a again
+            m = todo.pop()
+            if m not in seen:
+                seen.add(m)
+                todo.extend(graph[m])
+        assert a not in seen, f"{a} imports itself through {sorted(seen)}"
