@@ -119,7 +119,7 @@ def _check(reports, target, name, n_inf, n_nan):
     ],
 )
 def test_mixed_precision_optimizer_names_param_and_rank(fused, target, name, n_inf, n_nan):
-    reports = run_workers(_mpo_worker, WORLD, fused, target, name, n_inf, n_nan, timeout=60)
+    reports = run_workers(_mpo_worker, WORLD, fused, target, name, n_inf, n_nan, timeout=120)
     _check(reports, target, name, n_inf, n_nan)
     # backward order: the later pipeline stage's record first, on every rank
     expected = [("layers.1.ln.weight", 1, 1, 0, 0, 1, _rank_of(1, 1, 0)),
@@ -136,5 +136,5 @@ def test_mixed_precision_optimizer_names_param_and_rank(fused, target, name, n_i
     ],
 )
 def test_distributed_optimizer_names_dp_rank_before_reduce(overlap, fp32_reduce, target, name, n_inf, n_nan):
-    reports = run_workers(_dist_opt_worker, WORLD, overlap, fp32_reduce, target, name, n_inf, n_nan, timeout=60)
+    reports = run_workers(_dist_opt_worker, WORLD, overlap, fp32_reduce, target, name, n_inf, n_nan, timeout=120)
     _check(reports, target, name, n_inf, n_nan)
