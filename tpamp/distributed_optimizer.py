@@ -855,6 +855,9 @@ class DistributedOptimizer(OptimizerWrapper):
             for g, saved in zip(inner.param_groups, state["param_groups"]):
                 g.update({k: v for k, v in saved.items() if k != "params"})
             self._gather_model_params()
+        # as after load_state_dict: a fresh step guard, settings compared again at the next step
+        _validation.reset_step_guard(self)
+        self._tpamp_settings_agreed = False
 
     def _sharded_view(self, q: _Piece, flat: Tensor):
         """``flat`` (1-D, the piece's elements) as a ShardedTensor of the param's global shape."""
