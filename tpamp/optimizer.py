@@ -154,7 +154,8 @@ class MixedPrecisionOptimizer(OptimizerWrapper):
         last_nonfinite: after each step, the :class:`tpamp.NonFiniteGrad` records of every
             param whose grad held inf or NaN on some rank of the grad-stats group (name, that
             rank's TP/PP/DP coordinates, counts), the same list on every rank, in backward
-            order (the last pipeline stage and layer first; tpamp/nonfinite.py); [] after a
+            order as far as names tell it (the last pipeline stage first, each rank's params in
+            reverse of the param_names order; tpamp/nonfinite.py); [] after a
             clean step; None after a ``sync_free`` step (no host read to decide on). A clean
             step does no extra work for it; a step with found_inf counts inf/NaN per local
             grad and gathers the records in one ``all_gather_object`` over the group.
