@@ -201,10 +201,10 @@ class MixedPrecisionOptimizer(OptimizerWrapper):
     ):
         check_wrapper_args(optimizer, grad_scaler, clip_grad)
         names = nonfinite_names(param_names)  # checked before anything changes
-        coords = rank_coords(parallel_state, tensor_parallel_group=tensor_parallel_group)
         self.norm_type = _validation.check_norm_type(norm_type)
         _validation.check_group_member(grad_stats_group, "grad_stats_group")
         _validation.check_group_member(tensor_parallel_group, "tensor_parallel_group")
+        coords = rank_coords(parallel_state, tensor_parallel_group=tensor_parallel_group)
         self.optimizer = optimizer
         self.grad_scaler = grad_scaler
         self.clip_grad = float(clip_grad)
