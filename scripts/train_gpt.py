@@ -51,6 +51,12 @@ What happens:
   parameters by grad norm (names with the global layer index) follow the line, go into the
   JSONL record as ``param_grad_norms`` and into TensorBoard as ``grad-norm/NAME``; also with
   ``--use-distributed-optimizer`` (a param split across DP shards is summed over DP).
+- Non-finite attribution: a skipped step's log line and JSONL record name the parameters whose
+  grads held the inf/NaN, with their TP, PP and DP ranks (``optimizer.last_nonfinite``, global
+  names; tpamp/nonfinite.py). ``--trace-nonfinite after-skip`` arms ``tpamp.NonFiniteTracer`` on
+  every stage for the iteration after such a skip (``always``: every iteration, slow) and logs
+  the first module, phase and micro-batch whose activations or activation grads are non-finite
+  or within 2x of fp16's max, agreed over all ranks (JSONL ``nonfinite_activation``).
 - Logging on one rank (last PP stage, TP rank 0, DP rank 0): a tqdm bar when stderr is a
   terminal, Megatron's line every ``--log-interval`` iterations (``tpamp.TrainingLogger``), a
   JSONL record per iteration and TensorBoard scalars under ``--log-dir``, validation loss every
@@ -158,6 +164,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     a("--spike-threshold", type=float, default=6.0, help="standard deviations above the mean")
     a("--spike-window", type=int, default=100, help="recent values the statistics hold")
     a("--spike-warmup", type=int, default=20, help="values seen before any decision")
+    a("--trace-nonfinite", choices=("off", "after-skip", "always"), default="off",
+      help="trace activations with tpamp.NonFiniteTracer on the iteration after a skipped "
+           "step, or on every iteration (slow)")
     a("--log-dir", default=None, help="JSONL log, summary.json and TensorBoard events")
     a("--eval-interval", type=int, default=100)
     a("--eval-iters", type=int, default=5, help="global batches per evaluation")
@@ -405,13 +414,30 @@ def build_optimizer(stage, args, st, dtype):
         # reduce-scattered by step(), never by the overlapping backward hooks
         tied = stage.word_embedding_weight() if st.embedding_group is not None else None
         kwargs.update(data_parallel_group=st.dp_group, grad_stats_group=dist.group.WORLD,
-                      param_names=stage.named_parameters(),
+                      param_names=stage.global_named_parameters(), parallel_state=st,
                       overlap_grad_reduce=args.overlap_grad_reduce,
                       deferred_reduce_params=[tied] if tied is not None else None)
         return tpamp.DistributedOptimizer(adamw, **kwargs)
+    # global names (layer index) and the rank's coordinates for optimizer.last_nonfinite
+    kwargs.update(param_names=stage.global_named_parameters(), parallel_state=st)
     if dtype == torch.float32:
         return tpamp.FP32Optimizer(adamw, **kwargs)
     return tpamp.MixedPrecisionOptimizer(adamw, **kwargs)
+
+
+def module_tracer(stage, st):
+    """A tpamp.NonFiniteTracer on this rank's stage, modules named with the global layer index
+    (``blocks.5.mlp.fc1``), the stage itself ``stage<pp>``."""
+
+    def name(qualified: str) -> str:
+        if not qualified:
+            return f"stage{st.pp_rank}"
+        if qualified.startswith("blocks."):
+            _, local, *rest = qualified.split(".", 2)
+            return ".".join([f"blocks.{stage.layer_ids[int(local)]}", *rest])
+        return qualified
+
+    return tpamp.NonFiniteTracer(stage, names=name, parallel_state=st)
 
 
 def lr_at(it: int, args) -> float:
@@ -536,6 +562,8 @@ def main(argv=None):
         if bar is not None:
             bar.update(start_iter)
     history, val_loss, first_loss = [], float("nan"), None
+    tracer = module_tracer(stage, st) if args.trace_nonfinite != "off" else None
+    trace_next = args.trace_nonfinite == "always"  # the same decision on every rank
     start = time.time()
     for it in range(start_iter + 1, args.train_iters + 1):
         t0 = time.time()
@@ -543,11 +571,13 @@ def main(argv=None):
         # logged: the scale this iteration's loss is multiplied by (the step may change it)
         loss_scale = optimizer.get_loss_scale().item()
         mbs = microbatches(data, "train", train_gen, st, args.micro_batch_size, num_microbatches, device)
-        losses = forward_backward(
-            stage, mbs, st, act_shape, act_dtype, optimizer,
-            fp16_lm_cross_entropy=args.fp16_lm_cross_entropy,
-            overlap_grad_reduce=args.overlap_grad_reduce,
-        )
+        traced = tracer is not None and trace_next
+        with tracer if traced else contextlib.nullcontext():
+            losses = forward_backward(
+                stage, mbs, st, act_shape, act_dtype, optimizer,
+                fp16_lm_cross_entropy=args.fp16_lm_cross_entropy,
+                overlap_grad_reduce=args.overlap_grad_reduce,
+            )
         if not args.use_distributed_optimizer:  # DistributedOptimizer.step reduce-scatters
             all_reduce_data_parallel_grads(stage, st)
         all_reduce_embedding_grads(stage, st)
@@ -562,6 +592,16 @@ def main(argv=None):
             scheduler.step()
 
         extra = {"elapsed_ms": round(1000 * (time.time() - t0), 1)}
+        if traced:  # every rank took part: agree on the earliest finding along the pipeline
+            finding = tracer.result(group=dist.group.WORLD)
+            extra["nonfinite_activation"] = finding.as_record() if finding else None
+            say(f" iteration {it:8d}/{args.train_iters:8d} | activation trace: "
+                f"{finding if finding else 'nothing non-finite or near fp16 overflow'} |",
+                file=stream, flush=True)
+        if tracer is not None and args.trace_nonfinite == "after-skip":
+            # last_nonfinite is agreed over the grad-stats group, and DP replicas hold the same
+            # reduced grads (or share the group): every rank arms the tracer alike
+            trace_next = not result.update_successful and bool(optimizer.last_nonfinite)
         if args.eval_interval > 0 and (it % args.eval_interval == 0 or it == args.train_iters):
             val_loss = evaluate()
             extra["val_loss"] = val_loss
@@ -573,6 +613,7 @@ def main(argv=None):
                     it, loss, lr, loss_scale, result,
                     param_grad_norms=tracker.norms if log_now else None,
                     spike=optimizer.spike_detector.last if optimizer.spike_detector else None,
+                    nonfinite=optimizer.last_nonfinite,
                     **extra,
                 )
                 if "val_loss" in extra:

@@ -26,6 +26,8 @@ from tpamp import checkpoint  # save/load_checkpoint: layout-free, torch.distrib
 from tpamp.logger import TrainingLogger
 from tpamp.spikes import GradSpikeError, SpikeDecision, SpikeDetector
 from tpamp.param_norms import ParamGradNormTracker
+from tpamp import nonfinite
+from tpamp.nonfinite import NonFiniteActivation, NonFiniteGrad, NonFiniteTracer
 from tpamp.model import (
     NaiveAMPModel,
     TF32Flags,

@@ -37,6 +37,7 @@ from tpamp import _validation, ops
 from tpamp.common import FUSED_KINDS, local_tensor, placed_like
 from tpamp.grad_scaler import MegatronGradScaler
 from tpamp.grad_stats import clip_coefficient, counts_toward_norm
+from tpamp.nonfinite import rank_coords
 from tpamp.optimizer import MixedPrecisionOptimizer, OptimizerWrapper, StepResult
 from tpamp.optimizer import check_wrapper_args
 
@@ -172,6 +173,15 @@ class DistributedOptimizer(OptimizerWrapper):
             Results equal the generic path's to float32 rounding; the skip decisions are the
             same (found_inf, the norm and the zeros are still read on the host once, before
             the update). False: always the generic path (inner ``optimizer.step()``).
+        parallel_state: a :class:`tpamp.parallel.ParallelState`: this rank's TP, PP and DP
+            ranks for ``last_nonfinite`` records (default: TP rank from tensor_parallel_group,
+            DP rank from data_parallel_group, PP rank None).
+
+    Attributes:
+        last_nonfinite: as MixedPrecisionOptimizer's (tpamp/nonfinite.py), but each param's
+            inf/NaN is counted in this rank's LOCAL gradient, before the reduce-scatter mixes
+            the DP ranks (the grad buffer, which the reduce-scatter only reads): the record's
+            dp_rank is the rank where the value arose. Names are ``param_names``.
 
     Raises:
         TypeError: optimizer is not a torch.optim.Optimizer; a param is not float32/16/bf16.
@@ -210,6 +220,7 @@ class DistributedOptimizer(OptimizerWrapper):
         check_params_across_dp: bool = True,
         spike_detector=None,
         fused_step: bool = True,
+        parallel_state=None,
     ):
         check_wrapper_args(optimizer, grad_scaler, clip_grad)
         if bucket_size is not None and (
@@ -255,6 +266,9 @@ class DistributedOptimizer(OptimizerWrapper):
             )
         self._sync_disabled = False
         self._hooks = []
+        self._coords = rank_coords(parallel_state, tensor_parallel_group=tensor_parallel_group,
+                                   data_parallel_group=data_parallel_group)
+        self.last_nonfinite: Optional[list] = []
 
         names = _name_map(param_names)
         entries, frozen, has_fp16 = [], [], False  # entries: (param, name, group index)
@@ -281,6 +295,7 @@ class DistributedOptimizer(OptimizerWrapper):
                 "ConstantGradScaler(scale)); got grad_scaler=None"
             )
         self._names = {id(p): n for p, n, _ in entries}
+        self._name_position = {n: i for i, n in enumerate(names.values())}  # param_names' order
         self._model_params = [p for p, _, _ in entries]
         self._device = local_tensor(entries[0][0]).device if entries else torch.device("cpu")
         if grad_scaler is not None and grad_scaler.device != self._device:
@@ -457,6 +472,7 @@ class DistributedOptimizer(OptimizerWrapper):
     _reduce = MixedPrecisionOptimizer._reduce
     _root = MixedPrecisionOptimizer._root
     _read_and_decide = MixedPrecisionOptimizer._read_and_decide
+    _note_nonfinite = MixedPrecisionOptimizer._note_nonfinite
     _raw_zeros = MixedPrecisionOptimizer._raw_zeros
     # the one-pass step: the same eligibility rule and kernel calls (on the shard pieces)
     _fused_step_usable = MixedPrecisionOptimizer._fused_step_usable
@@ -582,7 +598,7 @@ class DistributedOptimizer(OptimizerWrapper):
         all-reduce the tracker always does. named_params: (global name, model param) pairs,
         the same names on every DP rank. A collective over the grad-stats group and one over
         the data-parallel group (every rank calls it once). Steps with
-        ``param_grad_norms=True`` take the generic path."""
+        ``param_grad_norms=True`` take the step's usual path (one-pass when it applies)."""
         from tpamp.param_norms import ParamGradNormTracker
 
         self.param_norm_tracker = ParamGradNormTracker(
@@ -598,23 +614,31 @@ class DistributedOptimizer(OptimizerWrapper):
         """One optimizer step (class docstring); returns :class:`tpamp.StepResult`.
 
         param_grad_norms: also compute the per-parameter grad norms (needs
-        :meth:`track_param_grad_norms`; generic path, one extra all-reduce)."""
+        :meth:`track_param_grad_norms`; from the same statistics pass, on the one-pass path
+        too; one extra all-reduce)."""
         if closure is not None:
             raise ValueError("closure is not supported: compute the loss before step()")
         if param_grad_norms and self.param_norm_tracker is None:
             raise ValueError("step(param_grad_norms=True) needs track_param_grad_norms() first")
         self._finish_grad_sync()
-        fused = not param_grad_norms and self._fused_step_usable()
+        fused = self._fused_step_usable()
         scale = self.grad_scaler.inv_scale if self.grad_scaler is not None else None
         if self.grad_reduce_in_fp32 and self._dp_size > 1:  # the mean over DP: 1/d (<= 1)
             scale = (scale if scale is not None else self._one) * (1.0 / self._dp_size)
         finite_p = self.norm_type != math.inf
         if fused:
-            entries, stats = self._fused_shard_stats(scale, finite_p)
+            entries, stats = self._fused_shard_stats(scale, finite_p, param_grad_norms)
         else:
             stats = self._unscale_shards(scale, param_grad_norms)
         found_inf, norm_stat, num_zeros = self._reduce(stats, finite_p)
-        if param_grad_norms:  # the grads in _unscale_shards' order: each piece's main.grad
+        if param_grad_norms and fused:  # the same pass's norms: pieces in bucket order
+            per_tensor = stats.per_tensor_norms
+            if scale is not None:  # ||g x s|| = s ||g||: the unscaled DP-mean grads' norms
+                per_tensor = per_tensor * scale.reshape(1)
+            pieces = [q for b in self._buckets for q in b.pieces]
+            self.param_norm_tracker.reduce_params(
+                per_tensor, [q.main for q in pieces], [q.counts for q in pieces])
+        elif param_grad_norms:  # the grads in _unscale_shards' order: each piece's main.grad
             outs = [q.main.grad for b in self._buckets for q in b.pieces]
             self.param_norm_tracker.reduce(stats.per_tensor_norms, outs,
                                            [q.counts for b in self._buckets for q in b.pieces])
@@ -626,6 +650,7 @@ class DistributedOptimizer(OptimizerWrapper):
             at_min = self.grad_scaler._overflow_at_min_scale()
         norm = self._root(norm_stat, finite_p)
         skip, grad_norm, zeros = self._read_and_decide(found_inf, norm, num_zeros, at_min, scaler_before)
+        self._note_nonfinite(found_inf, skip, self._local_grads_by_param)
         if skip:  # overflow or spike: no shard, state or model param changes
             return StepResult(False, None, None)
 
@@ -645,6 +670,18 @@ class DistributedOptimizer(OptimizerWrapper):
             self.optimizer.step()
             self._gather_model_params()
         return StepResult(True, float(grad_norm), zeros)
+
+    def _local_grads_by_param(self):
+        """(names, tensors) in model order: each param's local gradient as this rank accumulated it, before the
+        DP reduce-scatter (its slot of the grad buffer, which the reduce-scatter only reads), so
+        a non-finite value is attributed to the DP rank where it arose (``last_nonfinite``)."""
+        slot = {id(p): (b, a, e) for b in self._buckets for p, (a, e) in zip(b.params, b.offsets)}
+        names, tensors = [], []
+        for pid, name in self._names.items():  # model (param group) order
+            b, a, e = slot[pid]
+            names.append(name)
+            tensors.append(b.grad_data[a:e])
+        return names, tensors
 
     def _unscale_shards(self, scale: Optional[Tensor], per_tensor_norms: bool = False) -> ops.GradStats:
         """Generic path, step 2: reduced grad shards x ``scale`` (1/d x 1/loss scale) into the
@@ -671,12 +708,14 @@ class DistributedOptimizer(OptimizerWrapper):
         )
         return stats if raw_zeros is None else stats._replace(num_zeros=raw_zeros)
 
-    def _fused_shard_stats(self, scale: Optional[Tensor], finite_p: bool):
+    def _fused_shard_stats(self, scale: Optional[Tensor], finite_p: bool, per_tensor_norms: bool = False):
         """Fused path, step 2: the read-only statistics pass over the reduced grad shards
         (fp32 or model dtype), rescaled by ``scale`` (<= 1: found_inf and zeros unchanged).
         Returns the one-pass step's entries per inner param group, (main piece, its slice of
         the model-dtype all-gather input or None for fp32 buckets, reduced grad slice, counts
-        toward the norm), and the statistics."""
+        toward the norm), and the statistics; with per_tensor_norms, each piece's norm from the
+        same pass (of the raw reduced slice: the caller multiplies by ``scale``), in bucket and
+        piece order."""
         entries: List[list] = [[] for _ in self.optimizer.param_groups]
         grads, mask = [], []
         for b in self._buckets:
@@ -691,7 +730,8 @@ class DistributedOptimizer(OptimizerWrapper):
                 mask.append(q.counts)
         stats = ops.grad_stats(
             grads, norm_mask=mask, norm_type=self.norm_type,
-            count_zeros=self.log_num_zeros_in_grad, device=self._device,
+            count_zeros=self.log_num_zeros_in_grad, per_tensor_norms=per_tensor_norms,
+            device=self._device,
         )
         inv = scale.reshape(1) if scale is not None else None
         return entries, self._unscaled_stats(stats, inv, finite_p)

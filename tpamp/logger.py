@@ -19,6 +19,12 @@ With a spike detector (``record(..., spike=detector.last)``, tpamp/spikes.py) th
 ``"spike"`` (the decision: judged grad norm and loss, z-scores, spike, skipped, overflow), spike
 skips are counted apart from overflow skips, and the line gains ``number of spike skips``.
 :meth:`TrainingLogger.summary` gives the run's counts for summary.json.
+With the optimizer's non-finite attribution (``record(..., nonfinite=opt.last_nonfinite)``,
+tpamp/nonfinite.py) the record of an iteration whose grads held inf/NaN carries
+``"nonfinite": {"total": N, "first": [up to 16 records]}``, the line names the first culprit
+(``skipped: inf in blocks.3.mlp.fc2.weight [tp 1, pp 1, dp 0] and 2 more``; a skipped iteration
+between log intervals gets a short line of its own, as apex's "Gradient overflow. Skipping step"),
+and TensorBoard gets ``nonfinite-params`` (the number of records).
 """
 
 from __future__ import annotations
@@ -34,9 +40,12 @@ from typing import Dict, Optional, TextIO
 
 import torch
 
+from tpamp.nonfinite import NonFiniteGrad
 from tpamp.param_norms import top_k as _top_k
 
-__all__ = ["TrainingLogger"]
+__all__ = ["TrainingLogger", "NONFINITE_RECORDS_KEPT"]
+
+NONFINITE_RECORDS_KEPT = 16  # records of non-finite grads a JSONL record keeps (the first ones)
 
 
 class TrainingLogger:
@@ -80,6 +89,7 @@ class TrainingLogger:
         self.spike_skips = 0  # skipped for a spike (also counted in skipped_iters)
         self.spikes = 0  # flagged by the detector, whatever its policy
         self.param_grad_norm_leaders: Counter = Counter()  # name -> records it was the largest
+        self.nonfinite_culprits: Counter = Counter()  # name -> iterations it was the first culprit
         self._interval_spike_skips = 0
         self._spike_watched = False
         self.train_iters = train_iters
@@ -112,7 +122,8 @@ class TrainingLogger:
 
     def record(
         self, iteration: int, loss: float, lr: float, loss_scale: float, result, *,
-        param_grad_norms: Optional[Dict[str, float]] = None, spike=None, **extra,
+        param_grad_norms: Optional[Dict[str, float]] = None, spike=None, nonfinite=None,
+        **extra,
     ) -> dict:
         """Account for one iteration and return its JSON record.
 
@@ -129,6 +140,9 @@ class TrainingLogger:
         param_grad_norms: {name: norm} of every param (``ParamGradNormTracker.norms``) on the
         iterations that computed them; the record keeps the top-K (non-finite as null).
         spike: the :class:`tpamp.SpikeDecision` of the step (``SpikeDetector.last``), or None.
+        nonfinite: the step's :class:`tpamp.NonFiniteGrad` records (``optimizer.last_nonfinite``;
+            records or their ``as_record()`` dicts), or None when not known; non-empty ones go
+            into the record as ``{"total": N, "first": [...]}`` (the first 16).
         """
         if isinstance(result, (str, bytes)) or not isinstance(result, (tuple, list)) or len(result) < 3:
             raise TypeError(
@@ -141,6 +155,7 @@ class TrainingLogger:
         loss = _number("loss", loss)
         lr = _number("lr", lr)
         loss_scale = _number("loss_scale", loss_scale)
+        culprits = _nonfinite_records(nonfinite)
         skipped = not bool(update_successful)
         grad_norm = None if grad_norm is None or skipped else _number("result.grad_norm", grad_norm)
         if grad_norm is not None and not math.isfinite(grad_norm):
@@ -176,6 +191,12 @@ class TrainingLogger:
                 name: (v if math.isfinite(v) else None)
                 for name, v in sorted(top.items(), key=lambda kv: order[kv[0]])
             }
+        if culprits:
+            self.nonfinite_culprits[culprits[0].name] += 1
+            rec["nonfinite"] = {
+                "total": len(culprits),
+                "first": [r.as_record() for r in culprits[:NONFINITE_RECORDS_KEPT]],
+            }
         if spike is not None:
             self._spike_watched = True
             self.spikes += bool(spike.spike)
@@ -203,6 +224,12 @@ class TrainingLogger:
             for name, v in (top or {}).items():
                 if math.isfinite(v):
                     self._tb.add_scalar(f"grad-norm/{name}", v, iteration)
+            if culprits is not None:
+                self._tb.add_scalar("nonfinite-params", len(culprits), iteration)
+        if iteration % self.log_interval != 0 and skipped and culprits:
+            # a skipped step between log intervals: say at once where its inf/nan came from
+            text = f" iteration {rec['iteration']:8d}/{self.train_iters:8d} | {self.format_nonfinite(rec)} |"
+            print(text, file=self.stream or sys.stdout, flush=True)
         if iteration % self.log_interval == 0:
             text = self.format_line(rec)
             if top:
@@ -229,7 +256,21 @@ class TrainingLogger:
         parts.append(f"number of nan iterations: {self._interval_nan:3d}")
         if self._spike_watched:
             parts.append(f"number of spike skips: {self._interval_spike_skips:3d}")
+        if rec.get("nonfinite"):
+            parts.append(self.format_nonfinite(rec))
         return " | ".join(parts) + " |"
+
+    @staticmethod
+    def format_nonfinite(rec: dict) -> str:
+        """"skipped: inf in NAME [tp 1, pp 1, dp 0] and 2 more" for a record with non-finite
+        grads ("nonfinite: ..." when the step was not skipped); "" without."""
+        info = rec.get("nonfinite")
+        if not info or not info.get("first"):
+            return ""
+        first = str(NonFiniteGrad(**info["first"][0]))
+        more = int(info["total"]) - 1
+        text = f"{first} and {more} more" if more > 0 else first
+        return ("skipped: " if rec.get("skipped") else "nonfinite: ") + text
 
     @staticmethod
     def format_param_grad_norms(top: Dict[str, float], total: int) -> str:
@@ -241,8 +282,9 @@ class TrainingLogger:
 
     def summary(self, leaders: int = 5) -> dict:
         """The run's counts for summary.json: skipped iterations (all), of them overflow skips
-        and spike skips, spikes flagged, nan iterations, loss-scale changes, and the params that
-        most often had the largest grad norm of a record ([name, records] pairs)."""
+        and spike skips, spikes flagged, nan iterations, loss-scale changes, the params that
+        most often had the largest grad norm of a record and those most often named first for
+        a non-finite grad ([name, records] pairs)."""
         return {
             "skipped_iterations": self.skipped_iters,
             "overflow_skips": self.skipped_iters - self.spike_skips,
@@ -252,6 +294,9 @@ class TrainingLogger:
             "loss_scale_changes": self.loss_scale_changes,
             "param_grad_norm_leaders": [
                 [name, n] for name, n in self.param_grad_norm_leaders.most_common(leaders)
+            ],
+            "nonfinite_culprits": [
+                [name, n] for name, n in self.nonfinite_culprits.most_common(leaders)
             ],
         }
 
@@ -268,6 +313,24 @@ class TrainingLogger:
 
     def __exit__(self, *exc):
         self.close()
+
+
+def _nonfinite_records(nonfinite):
+    """The records as NonFiniteGrad (None stays None). Raises TypeError for anything else."""
+    if nonfinite is None:
+        return None
+    if isinstance(nonfinite, (str, bytes, dict)) or not isinstance(nonfinite, (list, tuple)):
+        raise TypeError(
+            "nonfinite must be the optimizer's last_nonfinite (a list of tpamp.NonFiniteGrad), "
+            f"got {type(nonfinite).__name__}"
+        )
+    out = []
+    for i, r in enumerate(nonfinite):
+        try:
+            out.append(NonFiniteGrad(**r) if isinstance(r, dict) else NonFiniteGrad(*r))
+        except TypeError as e:
+            raise TypeError(f"nonfinite[{i}] is not a tpamp.NonFiniteGrad record: {r!r:.80} ({e})") from None
+    return out
 
 
 def _number(name: str, value) -> float:

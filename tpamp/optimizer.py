@@ -30,6 +30,8 @@ from tpamp import _validation, ops
 from tpamp.common import FUSED_KINDS, collective_device, is_dtensor, local_tensor, placed_like
 from tpamp.grad_scaler import MegatronGradScaler
 from tpamp.grad_stats import clip_coefficient, counts_toward_norm
+from tpamp.nonfinite import gather_nonfinite, local_records, rank_coords
+from tpamp.nonfinite import param_name_map as nonfinite_names
 from tpamp.spikes import GradSpikeError
 
 __all__ = ["StepResult", "MixedPrecisionOptimizer", "FP32Optimizer"]
@@ -133,19 +135,39 @@ class MixedPrecisionOptimizer(OptimizerWrapper):
             (``main.grad`` stays None); the statistics pass before it only reads the grads.
             Results equal the inner optimizer's to float32 rounding. False: always the
             generic path (inner ``optimizer.step()``). Other optimizers, subclasses and
-            options and step(param_grad_norms=True) take the generic path whatever this flag
+            options take the generic path whatever this flag
             says; both paths keep the same state, so they can alternate. The step count of a
             new state lives on the params' device (as torch.optim's fused Adam keeps it; a
             plain torch optimizer loads it as it is). With sync_free, SGD with momentum reads
             found_inf on the host once, at its buffers' first step (a skipped first step must
             leave no buffer behind).
+        param_names: ``model.named_parameters()`` ((name, param) pairs) or a dict param ->
+            name, as DistributedOptimizer takes: the names of ``last_nonfinite`` records (and
+            the default of :meth:`track_param_grad_norms`). Under pipeline parallelism give
+            global names (e.g. the global layer index); unnamed params are
+            ``"group<g>.param<i>"`` (param group g, index i).
+        parallel_state: a :class:`tpamp.parallel.ParallelState`: this rank's TP, PP and DP
+            ranks for ``last_nonfinite`` records; without it the TP rank comes from
+            tensor_parallel_group and the PP and DP ranks are None.
+
+    Attributes:
+        last_nonfinite: after each step, the :class:`tpamp.NonFiniteGrad` records of every
+            param whose grad held inf or NaN on some rank of the grad-stats group (name, that
+            rank's TP/PP/DP coordinates, counts), the same list on every rank, in backward
+            order as far as names tell it (the last pipeline stage first, each rank's params in
+            reverse of the param_names order; tpamp/nonfinite.py); [] after a
+            clean step; None after a ``sync_free`` step (no host read to decide on). A clean
+            step does no extra work for it; a step with found_inf counts inf/NaN per local
+            grad and gathers the records in one ``all_gather_object`` over the group.
 
     Raises:
         TypeError: optimizer is not a torch.optim.Optimizer, or a param has a dtype other than
             float32/float16/bfloat16 (checked for every group before anything is converted).
         ValueError: fp16 params without a grad_scaler; bad clip_grad or norm_type; a group that
             this rank is not a member of; an inner optimizer that is already wrapped; a
-            spike_detector already used by another optimizer.
+            spike_detector already used by another optimizer. TypeError for param_names that
+            are not (str, Tensor) pairs or a dict, or a parallel_state that is not a
+            ParallelState.
         From ``step()``, the step guard shared with DistributedOptimizer
         (tpamp._validation.guard_step), all before the scaler or any state moves:
         RuntimeError when the inner optimizer's param groups changed after wrapping, or when
@@ -174,11 +196,15 @@ class MixedPrecisionOptimizer(OptimizerWrapper):
         sync_free: bool = False,
         spike_detector=None,
         fused_step: bool = True,
+        param_names=None,
+        parallel_state=None,
     ):
         check_wrapper_args(optimizer, grad_scaler, clip_grad)
+        names = nonfinite_names(param_names)  # checked before anything changes
         self.norm_type = _validation.check_norm_type(norm_type)
         _validation.check_group_member(grad_stats_group, "grad_stats_group")
         _validation.check_group_member(tensor_parallel_group, "tensor_parallel_group")
+        coords = rank_coords(parallel_state, tensor_parallel_group=tensor_parallel_group)
         self.optimizer = optimizer
         self.grad_scaler = grad_scaler
         self.clip_grad = float(clip_grad)
@@ -233,6 +259,7 @@ class MixedPrecisionOptimizer(OptimizerWrapper):
         if grad_scaler is not None and grad_scaler.device != self._device:
             grad_scaler.to(self._device)
         self._one = torch.ones(1, dtype=torch.float32, device=self._device)
+        self._init_param_names(names, coords)
         _validation.register_wrapper(self)
 
     # -- construction helpers -------------------------------------------------------------
@@ -294,13 +321,16 @@ class MixedPrecisionOptimizer(OptimizerWrapper):
                 mains.append(local_tensor(main.data if not _is_dtensor(main) else main))
         return mains, models
 
-    def track_param_grad_norms(self, named_params):
+    def track_param_grad_norms(self, named_params=None):
         """Name this rank's params for per-parameter grad norms; returns the
         :class:`tpamp.param_norms.ParamGradNormTracker` (``.norms`` after a step with
         ``param_grad_norms=True``). named_params: (name, model param) pairs, names unique in the
-        whole model. A collective over the grad-stats group (every rank calls it once)."""
+        whole model; None: the ``param_names`` given at construction. A collective over the
+        grad-stats group (every rank calls it once)."""
         from tpamp.param_norms import ParamGradNormTracker
 
+        if named_params is None:
+            named_params = self.named_model_params()
         mains = [(main, model) for pairs in self._half_pairs for model, main in pairs]
         mains += [(p, p) for fp32s in self._fp32_params for p in fp32s]
         self.param_norm_tracker = ParamGradNormTracker(self, named_params, mains=mains)
@@ -343,8 +373,9 @@ class MixedPrecisionOptimizer(OptimizerWrapper):
             raise ValueError("closure is not supported: compute the loss before step()")
         if param_grad_norms and self.param_norm_tracker is None:
             raise ValueError("step(param_grad_norms=True) needs track_param_grad_norms() first")
-        if not param_grad_norms and self._fused_step_usable():
-            return self._step_fused()
+        self.last_nonfinite = None  # set by the steps that read the device (not sync_free)
+        if self._fused_step_usable():
+            return self._step_fused(param_grad_norms)
         srcs, outs, mask, all_main = self._collect_grads()
         scale = self.grad_scaler.inv_scale if self.grad_scaler is not None else None
         finite_p = self.norm_type != math.inf
@@ -375,6 +406,7 @@ class MixedPrecisionOptimizer(OptimizerWrapper):
             return self._finish_on_device(found_inf, norm_stat, num_zeros, all_main, finite_p)
         norm = self._root(norm_stat, finite_p)
         skip, grad_norm, zeros = self._read_and_decide(found_inf, norm, num_zeros, at_min, scaler_before)
+        self._note_nonfinite(found_inf, skip, lambda: (self._collected_grad_names(), outs))
         if skip:
             return StepResult(False, None, None)
 
@@ -544,10 +576,11 @@ class MixedPrecisionOptimizer(OptimizerWrapper):
             return False  # hooks expect the inner optimizer's step() to run
         return all(_fused_group_supported(kind, group) for group in inner.param_groups)
 
-    def _step_fused(self) -> StepResult:
+    def _step_fused(self, param_grad_norms: bool = False) -> StepResult:
         """step() on the fused path: the read-only statistics pass over the model grads, the
         one collective, the scaler update, then one pass per param group that unscales, clips,
-        updates the main params and state and writes the model params."""
+        updates the main params and state and writes the model params. With param_grad_norms
+        the same pass gives the per-tensor norms (of the raw grads, times 1/loss scale)."""
         entries = self._fused_collect()
         # this step's 1/loss scale, taken before grad_scaler.update changes the scale
         inv_scale = self.grad_scaler.inv_scale.reshape(1) if self.grad_scaler is not None else None
@@ -559,10 +592,17 @@ class MixedPrecisionOptimizer(OptimizerWrapper):
             norm_mask=mask,
             norm_type=self.norm_type,
             count_zeros=self.log_num_zeros_in_grad,
+            per_tensor_norms=param_grad_norms,
             device=self._device,
         )
         stats = self._unscaled_stats(stats, inv_scale, finite_p)
         found_inf, norm_stat, num_zeros = self._reduce(stats, finite_p)
+        if param_grad_norms:
+            per_tensor = stats.per_tensor_norms
+            if inv_scale is not None:  # ||g x s|| = s ||g||: the unscaled grads' norms
+                per_tensor = per_tensor * inv_scale
+            mains = [e[0] for group in entries for e in group]
+            self.param_norm_tracker.reduce_params(per_tensor, mains, mask)
         spikes = self.spike_detector
         scaler_before = spikes._scaler_snapshot(self.grad_scaler) if spikes is not None else None
         at_min = None
@@ -586,6 +626,9 @@ class MixedPrecisionOptimizer(OptimizerWrapper):
                 zeros = torch.where(skipped, torch.full_like(zeros, -1), zeros)
             return StepResult(~skipped, norm, zeros)
         skip, grad_norm, zeros = self._read_and_decide(found_inf, norm, num_zeros, at_min, scaler_before)
+        self._note_nonfinite(
+            found_inf, skip, lambda: ([self._param_name[id(e[0])] for g in entries for e in g], grads)
+        )
         if skip:
             self._release_model_grads()
             return StepResult(False, None, None)
@@ -726,6 +769,57 @@ class MixedPrecisionOptimizer(OptimizerWrapper):
         for pairs in self._half_pairs:
             for model, _ in pairs:
                 model.grad = None
+
+    # -- non-finite attribution (tpamp/nonfinite.py) --------------------------------------
+
+    def _init_param_names(self, names: Dict[int, str], coords) -> None:
+        """Name every trained param (main param id -> the name of its model param, default
+        ``group<g>.param<i>``) and keep this rank's coordinates for NonFiniteGrad records."""
+        model_of = {id(main): model for pairs in self._half_pairs for model, main in pairs}
+        self._param_name: Dict[int, str] = {}
+        self._named_model_params: List[tuple] = []
+        for gi, group in enumerate(self.optimizer.param_groups):
+            for pi, p in enumerate(group["params"]):
+                model = model_of.get(id(p), p)
+                name = names.get(id(model), f"group{gi}.param{pi}")
+                self._param_name[id(p)] = name
+                self._named_model_params.append((name, model))
+        self._coords = coords
+        # model order for the records: the order of param_names (named params), then the rest
+        self._name_position = {n: i for i, n in enumerate(names.values())}
+        self.last_nonfinite: Optional[list] = []
+
+    def named_model_params(self) -> List[tuple]:
+        """(name, model param) of every param of the inner optimizer's groups, in group order:
+        the ``param_names`` given at construction, ``group<g>.param<i>`` for the others."""
+        return list(self._named_model_params)
+
+    def _collected_grad_names(self) -> List[str]:
+        """Names of the grads _collect_grads returned, in its order (params with a grad)."""
+        names = []
+        for pairs, fp32s in zip(self._half_pairs, self._fp32_params):
+            names += [self._param_name[id(main)] for _, main in pairs if main.grad is not None]
+            names += [self._param_name[id(p)] for p in fp32s if p.grad is not None]
+        return names
+
+    def _note_nonfinite(self, found_inf, skip: bool, local_grads) -> None:
+        """``last_nonfinite`` after the step's host read: [] on a clean step (no extra work:
+        a step that is not skipped had no inf/nan unless non-finite steps are taken,
+        skip_nonfinite=False without a scaler); when found_inf is set, every rank counts inf
+        and NaN per local grad (``local_grads()`` -> (names, tensors)) and the records are
+        gathered over the grad-stats group (tpamp.nonfinite). found_inf is agreed over the
+        group, so every rank joins or none does."""
+        if not skip and (self.grad_scaler is not None or self.skip_nonfinite):
+            self.last_nonfinite = []
+            return
+        if not bool(found_inf.reshape(-1)[0].item()):  # a spike skip (already synchronised)
+            self.last_nonfinite = []
+            return
+        names, tensors = local_grads()
+        records = local_records(names, tensors, self._coords)
+        position = self._name_position  # model order (param_names'), as backward order needs
+        records.sort(key=lambda r: position.get(r.name, len(position)))
+        self.last_nonfinite = gather_nonfinite(records, self.grad_stats_group)
 
     # -- checkpointing --------------------------------------------------------------------
 

@@ -151,9 +151,27 @@ class ParamGradNormTracker:
                 name = self._name_of_main.get(id(main))
                 if name is not None and main.grad is not None:
                     slot_of_grad[id(local_tensor(main.grad))] = self._slot[name]
+        return self._reduce_slots(per_tensor_norms, [slot_of_grad.get(id(g)) for g in grads], mask)
+
+    def reduce_params(self, per_tensor_norms: Tensor, params: Sequence[Tensor], mask: Sequence[bool]) -> Dict[str, float]:
+        """:meth:`reduce` for norms listed by param instead of by grad tensor (the one-pass
+        step, which makes no main grads): params[i] is the optimizer's (main) param whose local
+        gradient has the norm per_tensor_norms[i] (float32 [len(params)], unscaled)."""
+        if len(params) != per_tensor_norms.numel() or len(mask) != len(params):
+            raise ValueError(
+                f"{per_tensor_norms.numel()} per-tensor norms for {len(params)} params and "
+                f"{len(mask)} mask entries"
+            )
+        names = [self._name_of_main.get(id(p)) for p in params]
+        return self._reduce_slots(
+            per_tensor_norms, [None if n is None else self._slot[n] for n in names], mask
+        )
+
+    def _reduce_slots(self, per_tensor_norms: Tensor, slot_of: Sequence[Optional[int]], mask: Sequence[bool]) -> Dict[str, float]:
+        """The shared half of reduce/reduce_params: slot_of[i] is the name slot of tensor i
+        (None: unnamed, e.g. a shared tied copy)."""
         rows, slots = [], []
-        for i, (grad, counts) in enumerate(zip(grads, mask)):
-            slot = slot_of_grad.get(id(grad))
+        for i, (slot, counts) in enumerate(zip(slot_of, mask)):
             if counts and slot is not None:
                 rows.append(i)
                 slots.append(slot)

@@ -5,8 +5,11 @@ Reads the JSON-lines log that :class:`tpamp.TrainingLogger` writes (scripts/trai
 iteration axis:
 
 1. loss: training loss per iteration, validation loss (``val_loss``) as points;
-2. grad norm (log axis), with overflow-skipped steps (red ticks along the bottom), spike-skipped
-   steps (orange crosses at the norm that was judged) and spikes only logged (orange triangles);
+2. grad norm (log axis), with overflow-skipped steps (red ticks along the bottom, each labelled
+   with the first parameter whose gradient held the inf/NaN when the record has ``nonfinite``,
+   e.g. ``blocks.3.mlp.fc2.weight [tp 1, pp 1, dp 0] +2``; at most ``max_labels`` labels, the
+   first ones), spike-skipped steps (orange crosses at the norm that was judged) and spikes only
+   logged (orange triangles);
 3. loss scale on a log2 axis, with the same skip ticks;
 4. when the log has ``param_grad_norms``: a heatmap of log10 of the largest per-parameter grad
    norms over the logged iterations (rows in model order).
@@ -23,7 +26,7 @@ import os
 import sys
 from typing import Dict, List, Optional, Sequence
 
-__all__ = ["read_log", "plot_log", "main"]
+__all__ = ["read_log", "plot_log", "culprit_label", "main"]
 
 
 def read_log(path: str) -> List[Dict]:
@@ -69,11 +72,29 @@ def _heatmap_rows(records: Sequence[Dict], max_params: int) -> List[str]:
     return sorted(chosen, key=lambda n: order[n])
 
 
-def plot_log(records: Sequence[Dict], path: str, *, max_params: int = 24, title: Optional[str] = None) -> str:
+def culprit_label(rec: Dict) -> Optional[str]:
+    """The label of a record's first non-finite grad ("NAME [tp 1, pp 1, dp 0] +2"), or None."""
+    info = rec.get("nonfinite") or {}
+    first = (info.get("first") or [None])[0]
+    if not isinstance(first, dict) or "name" not in first:
+        return None
+    show = lambda k: "?" if first.get(k) is None else str(first.get(k))
+    text = f"{first['name']} [tp {show('tp_rank')}, pp {show('pp_rank')}, dp {show('dp_rank')}]"
+    more = int(info.get("total", 1)) - 1
+    return text + (f" +{more}" if more > 0 else "")
+
+
+def plot_log(
+    records: Sequence[Dict], path: str, *, max_params: int = 24, title: Optional[str] = None,
+    max_labels: int = 40,
+) -> str:
     """Draw ``records`` (from :func:`read_log`) into the image file ``path`` (format from its
-    suffix, e.g. .png); returns path. max_params: rows of the per-parameter heatmap (>= 1)."""
+    suffix, e.g. .png); returns path. max_params: rows of the per-parameter heatmap (>= 1).
+    max_labels: culprit labels on overflow-skipped steps (>= 0; the first ones)."""
     if not isinstance(max_params, int) or max_params < 1:
         raise ValueError(f"max_params must be an int >= 1, got {max_params!r}")
+    if isinstance(max_labels, bool) or not isinstance(max_labels, int) or max_labels < 0:
+        raise ValueError(f"max_labels must be an int >= 0, got {max_labels!r}")
     import matplotlib
 
     matplotlib.use("Agg")
@@ -120,6 +141,11 @@ def plot_log(records: Sequence[Dict], path: str, *, max_params: int = 24, title:
             ax.plot(it[overflow], np.zeros(int(overflow.sum())), "|", ms=12, mew=1.5,
                     color="tab:red", transform=ax.get_xaxis_transform(), clip_on=False,
                     label=f"overflow skipped ({int(overflow.sum())})")
+    labelled = [(r["iteration"], culprit_label(r)) for r in records
+                if r.get("skipped") and not _spike(r).get("skipped") and culprit_label(r)]
+    for x, text in labelled[:max_labels]:  # the culprit of each overflow skip, up the red tick
+        ax_norm.annotate(text, (x, 0.03), xycoords=("data", "axes fraction"), rotation=90,
+                         fontsize=6, color="tab:red", va="bottom", ha="right", alpha=0.85)
     finite = gnorm[np.isfinite(gnorm)]
     if finite.size and (finite > 0).all() and finite.max() > 10 * finite.min():
         ax_norm.set_yscale("log")
@@ -169,11 +195,14 @@ def main(argv=None) -> int:
     p.add_argument("-o", "--output", default=None, help="image file (default: LOG's name with .png)")
     p.add_argument("--max-params", type=int, default=24, help="heatmap rows (largest mean norm)")
     p.add_argument("--title", default=None)
+    p.add_argument("--max-labels", type=int, default=40,
+                   help="culprit labels on overflow-skipped steps (the first ones)")
     args = p.parse_args(argv)
     out = args.output or os.path.splitext(args.log)[0] + ".png"
     try:
         records = read_log(args.log)
-        plot_log(records, out, max_params=args.max_params, title=args.title or args.log)
+        plot_log(records, out, max_params=args.max_params, title=args.title or args.log,
+                 max_labels=args.max_labels)
     except (OSError, ValueError) as e:
         print(f"tpamp.plot: {e}", file=sys.stderr)
         return 2
