@@ -43,7 +43,8 @@ def _check_culprits(records, stdout, dp):
 
 
 def test_main_job_names_the_culprit_and_traces_after_a_skip(tmp_path):
-    records, summary, stdout = run_train(tmp_path, *HUGE_SCALE, "--trace-nonfinite", "after-skip")
+    records, summary, stdout = run_train(tmp_path, *HUGE_SCALE, "--trace-nonfinite", "after-skip",
+                                         timeout=600)
     _check_culprits(records, stdout, dp=1)
     assert summary["nonfinite_culprits"] and summary["nonfinite_culprits"][0][0] in _global_names()
     traced = [r for r in records if "nonfinite_activation" in r]
@@ -60,6 +61,6 @@ def test_main_job_names_the_culprit_and_traces_after_a_skip(tmp_path):
 
 def test_main_job_with_the_distributed_optimizer_names_the_culprit_on_dp2(tmp_path):
     records, _, stdout = run_train(
-        tmp_path, *HUGE_SCALE, "--use-distributed-optimizer", nproc=8, timeout=400,
+        tmp_path, *HUGE_SCALE, "--use-distributed-optimizer", nproc=8, timeout=900,
     )
     _check_culprits(records, stdout, dp=2)

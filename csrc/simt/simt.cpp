@@ -7,7 +7,9 @@
 // (__sanitizer_start/finish_switch_fiber); ThreadSanitizer sees one fiber per CUDA thread index
 // (__tsan_create_fiber / __tsan_switch_to_fiber, synchronising only fiber -> launching thread),
 // and the happens-before edges CUDA gives: launch start -> every thread, every thread -> launch
-// end, a barrier's arrivals -> its departures, a warp operation's lanes -> each other. The runtime's own
+// end, a barrier's arrivals -> its departures, a warp operation's lanes -> each other; plus
+// block -> next block (static __shared__ storage is reused by every block, so races between
+// blocks of one launch are not reported). The runtime's own
 // bookkeeping is hidden from ThreadSanitizer (no_sanitize), so its reports name kernel lines only.
 
 #include "simt.h"
@@ -672,7 +674,6 @@ TPAMP_SIMT_NO_TSAN void run_launch(Site site, const char* kernel_name, dim3 grid
   fiber_at(g_nthreads - 1);
 #ifdef TPAMP_SIMT_TSAN
   g_main_tsan = __tsan_get_current_fiber();
-  __tsan_release(&g_sync_launch);
 #endif
 
   // Blocks one after another, in the schedule order too.
@@ -689,6 +690,12 @@ TPAMP_SIMT_NO_TSAN void run_launch(Site site, const char* kernel_name, dim3 grid
     g_block_idx = uint3{static_cast<unsigned int>(b % grid.x),
                         static_cast<unsigned int>((b / grid.x) % grid.y),
                         static_cast<unsigned int>(b / (static_cast<uint64_t>(grid.x) * grid.y))};
+#ifdef TPAMP_SIMT_TSAN
+    // Launch start (and the blocks before, which switched back with synchronisation) happen
+    // before this block's threads: static __shared__ storage is one copy reused by every block,
+    // where a GPU gives each block its own, so blocks must not look like racing on it.
+    __tsan_release(&g_sync_launch);
+#endif
     run_block(order, rng);
   }
 #ifdef TPAMP_SIMT_TSAN
