@@ -63,12 +63,13 @@ class _Ring:
 
     ``chunks``: [d, n / d] view of the flat buffer (reduce-scatter: the input, left unchanged;
     all-gather: the output, whose chunk r is this rank's input). Reduce-scatter: ``out``
-    [n / d] receives the sum of chunk r over the ranks; ``scratch`` two [n / d] buffers (d > 2
-    only) hold the partial sums. The first step is posted at construction (async); ``wait()``
-    runs the rest. With d = 2 the sum is theirs + mine: the same bits as any SUM of two."""
+    [n / d] receives the sum of chunk r over the ranks; the partial sums of the other chunks
+    pass through ``out`` and ``scratch`` [n / d] (d > 2 only) in turn. The first step is posted
+    at construction (async); ``wait()`` runs the rest. With d = 2 the sum is theirs + mine: the
+    same bits as any SUM of two."""
 
     def __init__(self, group, chunks: Tensor, tag: int, out: Optional[Tensor] = None,
-                 scratch: Optional[List[Tensor]] = None):
+                 scratch: Optional[Tensor] = None):
         self.group, self.chunks, self.tag, self.out, self.scratch = group, chunks, tag, out, scratch
         self.d = chunks.shape[0]
         self.r = dist.get_rank(group)
@@ -83,7 +84,7 @@ class _Ring:
             send, recv = chunks[(r - s) % d], chunks[(r - s - 1) % d]
         else:  # reduce-scatter: pass the partial sum of chunk r - s - 1 on
             send = chunks[(r - 1) % d] if s == 0 else self.sent
-            recv = self.out if s == d - 2 else self.scratch[s % 2]
+            recv = self.out if (d - 2 - s) % 2 == 0 else self.scratch  # ends in out
         self.recv = recv
         self.works = [dist.irecv(recv, group=self.group, group_src=prv, tag=self.tag),
                       dist.isend(send, group=self.group, group_dst=nxt, tag=self.tag)]
@@ -152,7 +153,7 @@ class _Bucket:
     ready: set = field(default_factory=set)
     index: int = 0  # position in the optimizer's bucket list (the ring collectives' tag)
     written: set = field(default_factory=set)  # params whose main_grad was written since zeroed
-    scratch: Optional[List[Tensor]] = None  # two [shard_size] partial sums (gloo ring, d > 2)
+    scratch: Optional[Tensor] = None  # [shard_size] partial sums (gloo ring, d > 2)
 
 
 class DistributedOptimizer(OptimizerWrapper):
@@ -560,7 +561,7 @@ class DistributedOptimizer(OptimizerWrapper):
         if self._ring_p2p:
             d = self._dp_size
             if d > 2 and bucket.scratch is None:
-                bucket.scratch = [torch.empty_like(bucket.reduce_out) for _ in range(2)]
+                bucket.scratch = torch.empty_like(bucket.reduce_out)
             bucket.handle = _Ring(self.data_parallel_group, bucket.grad_data.view(d, -1),
                                   2 * bucket.index, out=bucket.reduce_out, scratch=bucket.scratch)
         elif self._dp_size == 1:
