@@ -18,14 +18,19 @@ group (tcp://127.0.0.1), one thread each.
      mpo   the hand all-reduce of scripts/train_gpt.py (one flat fp32 buffer, all_reduce SUM,
            divide, copy back) + MixedPrecisionOptimizer.step() (full AdamW on every rank).
 
+     base  (with ``--baseline REV``) DistributedOptimizer as tpamp/distributed_optimizer.py was
+           at git revision REV (loaded from ``git show``, the rest of tpamp from this tree),
+           for a before/after comparison in the same run.
+
    Both with a DynamicGradScaler, clip_grad=1.0 and the zero count. Only reduce + step is
    timed; re-attaching the pre-made fp16 grads happens outside. Rank 0 reports medians and the
-   paired median (median over rounds of the per-round ratio dist/mpo).
+   paired median (median over rounds of the per-round ratio dist/mpo, and base/mpo).
 
 Run::
 
     python scripts/bench_distributed_optimizer.py                      # defaults below
     python scripts/bench_distributed_optimizer.py --numel 2e6 --reps 10 --json out.json
+    python scripts/bench_distributed_optimizer.py --numel 2e7 --dps 2 --baseline main
 """
 
 from __future__ import annotations
@@ -59,6 +64,8 @@ def parse_args(argv=None):
     p.add_argument("--reps", type=int, default=20)
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--bucket-size", type=float, default=None, help="elements per bucket")
+    p.add_argument("--baseline", default=None, metavar="REV",
+                   help="also time DistributedOptimizer as of this git revision, interleaved")
     p.add_argument("--json", default=None)
     return p.parse_args(argv)
 
@@ -73,6 +80,28 @@ def model_shapes(numel: int, tensors: int):
     return shapes
 
 
+BASELINE = None  # the module of --baseline's DistributedOptimizer
+
+
+def load_baseline(rev: str):
+    """tpamp/distributed_optimizer.py at git revision ``rev``, imported as a separate module."""
+    import importlib.util
+    import subprocess
+    import tempfile
+
+    root = os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir)
+    src = subprocess.run(["git", "-C", root, "show", f"{rev}:tpamp/distributed_optimizer.py"],
+                         check=True, capture_output=True, text=True).stdout
+    path = os.path.join(tempfile.mkdtemp(), "baseline_distributed_optimizer.py")
+    with open(path, "w") as f:
+        f.write(src)
+    spec = importlib.util.spec_from_file_location("baseline_distributed_optimizer", path)
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = mod  # dataclasses look their module up there
+    spec.loader.exec_module(mod)
+    return mod
+
+
 def build(kind, shapes, dp_group, bucket_size):
     g = torch.Generator().manual_seed(0)
     params = [torch.nn.Parameter((torch.randn(s, generator=g) * 0.02).half()) for s in shapes]
@@ -81,9 +110,9 @@ def build(kind, shapes, dp_group, bucket_size):
     adamw = torch.optim.AdamW(groups, lr=1e-4)
     kw = dict(grad_scaler=tpamp.DynamicGradScaler(initial_scale=LOSS_SCALE), clip_grad=1.0,
               log_num_zeros_in_grad=True)
-    if kind == "dist":
-        opt = tpamp.DistributedOptimizer(adamw, data_parallel_group=dp_group,
-                                         bucket_size=bucket_size, **kw)
+    if kind in ("dist", "base"):
+        cls = tpamp.DistributedOptimizer if kind == "dist" else BASELINE.DistributedOptimizer
+        opt = cls(adamw, data_parallel_group=dp_group, bucket_size=bucket_size, **kw)
     else:
         opt = tpamp.MixedPrecisionOptimizer(adamw, grad_stats_group=None, **kw)
     return params, opt
@@ -130,7 +159,8 @@ def memory_worker(rank, world, shapes, bucket_size):
 
 
 def time_worker(rank, world, shapes, bucket_size, reps, warmup):
-    built = {k: build(k, shapes, dist.group.WORLD, bucket_size) for k in ("dist", "mpo")}
+    kinds = ("dist", "mpo") + (("base",) if BASELINE is not None else ())
+    built = {k: build(k, shapes, dist.group.WORLD, bucket_size) for k in kinds}
     grads = make_grads(built["dist"][0], rank)
     times = {k: [] for k in built}
     for it in range(warmup + reps):
@@ -147,6 +177,9 @@ def time_worker(rank, world, shapes, bucket_size, reps, warmup):
             assert ok
             if it >= warmup:
                 times[kind].append(dt)
+    if "base" in built:  # the same grads, the same number of steps: the same model params?
+        times["same_params_as_base"] = all(
+            torch.equal(a, b) for a, b in zip(built["dist"][0], built["base"][0]))
     return times
 
 
@@ -198,6 +231,9 @@ def machine() -> str:
 
 def main(argv=None):
     args = parse_args(argv)
+    global BASELINE
+    if args.baseline:
+        BASELINE = load_baseline(args.baseline)  # before the fork: every rank has it
     shapes = model_shapes(int(args.numel), args.tensors)
     bucket = int(args.bucket_size) if args.bucket_size else None
     n = sum(torch.Size(s).numel() for s in shapes)
@@ -222,8 +258,16 @@ def main(argv=None):
     report["memory"] = rows
 
     times = launch(time_worker, args.time_dp, shapes, bucket, args.reps, args.warmup)[0]
+    same = times.pop("same_params_as_base", None)
     med = {k: statistics.median(v) * 1e3 for k, v in times.items()}
     paired = statistics.median(a / b for a, b in zip(times["dist"], times["mpo"]))
+    if "base" in times:
+        report["paired_base_over_mpo"] = statistics.median(
+            a / b for a, b in zip(times["base"], times["mpo"]))
+        report["paired_dist_over_base"] = statistics.median(
+            a / b for a, b in zip(times["dist"], times["base"]))
+        report["baseline"] = args.baseline
+        report["same_params_as_base"] = same
     report.update(time_dp=args.time_dp, reps=args.reps, median_ms=med,
                   min_ms={k: min(v) * 1e3 for k, v in times.items()}, paired_dist_over_mpo=paired,
                   load_after=os.getloadavg()[0])
@@ -233,6 +277,12 @@ def main(argv=None):
           f"{med['dist']:.1f} ms, min {report['min_ms']['dist']:.1f} ms")
     print(f"  hand all-reduce + MixedPrecisionOptimizer.step:                      median "
           f"{med['mpo']:.1f} ms, min {report['min_ms']['mpo']:.1f} ms")
+    if "base" in times:
+        print(f"  DistributedOptimizer.step as of {args.baseline}:{' ' * 30}median "
+              f"{med['base']:.1f} ms, min {report['min_ms']['base']:.1f} ms")
+        print(f"  paired median base/mpo: {report['paired_base_over_mpo']:.3f}x, dist/base: "
+              f"{report['paired_dist_over_base']:.3f}x; model params bit-identical to "
+              f"{args.baseline}'s after the run (rank 0): {same}")
     print(f"  paired median dist/mpo: {paired:.3f}x   (load {report['load_before']:.2f} -> "
           f"{report['load_after']:.2f})")
     if args.json:

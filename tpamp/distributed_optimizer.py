@@ -51,6 +51,70 @@ _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_sc
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
+class _Ring:
+    """A reduce-scatter (SUM) or an all-gather over a gloo group by isend/irecv around the
+    ring (the bandwidth-optimal ring algorithm: d - 1 steps of n / d elements each way).
+
+    Used for gloo groups only: gloo's own reduce_scatter_tensor and all_gather_into_tensor
+    copy their whole input and output through temporaries (on this project's 2-core machine,
+    DP 2, 20M fp32 elements: reduce_scatter_tensor ~5x and all_gather_into_tensor ~7x the
+    time of the same bytes moved by isend/irecv; docs/benchmarks.md). Other backends (NCCL)
+    keep torch.distributed's collectives.
+
+    ``chunks``: [d, n / d] view of the flat buffer (reduce-scatter: the input, left unchanged;
+    all-gather: the output, whose chunk r is this rank's input). Reduce-scatter: ``out``
+    [n / d] receives the sum of chunk r over the ranks; the partial sums of the other chunks
+    pass through ``out`` and ``scratch`` [n / d] (d > 2 only) in turn. The first step is posted
+    at construction (async); ``wait()`` runs the rest. With d = 2 the sum is theirs + mine: the
+    same bits as any SUM of two."""
+
+    def __init__(self, group, chunks: Tensor, tag: int, out: Optional[Tensor] = None,
+                 scratch: Optional[Tensor] = None):
+        self.group, self.chunks, self.tag, self.out, self.scratch = group, chunks, tag, out, scratch
+        self.d = chunks.shape[0]
+        self.r = dist.get_rank(group)
+        self.step, self.works = 0, []
+        self.sent = None
+        self._post()
+
+    def _post(self) -> None:
+        d, r, s, chunks = self.d, self.r, self.step, self.chunks
+        nxt, prv = (r + 1) % d, (r - 1) % d
+        if self.out is None:  # all-gather: pass chunk r - s on, receive chunk r - s - 1
+            send, recv = chunks[(r - s) % d], chunks[(r - s - 1) % d]
+        else:  # reduce-scatter: pass the partial sum of chunk r - s - 1 on
+            send = chunks[(r - 1) % d] if s == 0 else self.sent
+            recv = self.out if (d - 2 - s) % 2 == 0 else self.scratch  # ends in out
+        self.recv = recv
+        self.works = [dist.irecv(recv, group=self.group, group_src=prv, tag=self.tag),
+                      dist.isend(send, group=self.group, group_dst=nxt, tag=self.tag)]
+
+    def wait(self) -> None:
+        while True:
+            for w in self.works:
+                w.wait()
+            self.works = []
+            if self.out is not None:  # add this rank's own part of the received chunk
+                self.recv.add_(self.chunks[(self.r - self.step - 2) % self.d])
+                self.sent = self.recv
+            self.step += 1
+            if self.step == self.d - 1:
+                return
+            self._post()
+
+
+class _Done:
+    """The handle of a collective that finished at once (a one-rank group)."""
+
+    def wait(self) -> None:
+        pass
+
+
+# grads of another dtype are added into main_grad in chunks of this many elements, so the
+# cast goes through a small temporary (not one the size of the grad: page faults on CPU)
+_ADD_CHUNK = 1 << 18
+
+
 @dataclass
 class _Piece:
     """The part of one model param that lies in this rank's shard of one bucket.
@@ -88,6 +152,9 @@ class _Bucket:
     handle: Optional[object] = None
     ready: set = field(default_factory=set)
     deferred: bool = False  # reduce-scattered by step(), never by the backward hooks
+    index: int = 0  # position in the optimizer's bucket list (the ring collectives' tag)
+    written: set = field(default_factory=set)  # params whose main_grad was written since zeroed
+    scratch: Optional[Tensor] = None  # [shard_size] partial sums (gloo ring, d > 2)
 
 
 class DistributedOptimizer(OptimizerWrapper):
@@ -301,6 +368,9 @@ class DistributedOptimizer(OptimizerWrapper):
         if grad_scaler is not None and grad_scaler.device != self._device:
             grad_scaler.to(self._device)
         self._one = torch.ones(1, dtype=torch.float32, device=self._device)
+        # gloo on CPU: reduce-scatter and all-gather by isend/irecv rings (see _Ring)
+        self._ring_p2p = (self._dp_size > 1 and self._device.type == "cpu"
+                          and "gloo" in str(dist.get_backend(data_parallel_group)))
         if check_params_across_dp and self._dp_size > 1:
             self._check_params_match_across_dp(entries)
         old_main_grads = {id(p): getattr(p, "main_grad", None) for p, _, _ in entries}
@@ -402,6 +472,8 @@ class DistributedOptimizer(OptimizerWrapper):
                     cur, size = [], 0
             if cur:
                 buckets.append(self._make_bucket(dtype, cur))
+        for i, b in enumerate(buckets):
+            b.index = i
         return buckets
 
     def _make_bucket(self, dtype, params) -> _Bucket:
@@ -502,6 +574,7 @@ class DistributedOptimizer(OptimizerWrapper):
                 b.handle = None
             b.ready.clear()
             b.grad_data.zero_()
+            b.written.clear()
             for p in b.params:
                 if p.grad is not None:
                     if set_to_none:
@@ -541,8 +614,18 @@ class DistributedOptimizer(OptimizerWrapper):
                 "microbatch's backward under optimizer.no_sync()"
             )
         grad = local_tensor(placed_like(grad, param))
+        main_grad = param.main_grad
         with torch.no_grad():
-            param.main_grad.add_(grad)
+            if id(param) not in bucket.written:  # the slot is zero (zero_grad): 0 + g is g
+                main_grad.copy_(grad)
+                bucket.written.add(id(param))
+            elif grad.dtype == main_grad.dtype or not grad.is_contiguous() or (
+                    grad.shape != main_grad.shape):
+                main_grad.add_(grad)
+            else:  # fp16/bf16 into fp32: cast chunk by chunk, no grad-sized temporary
+                flat, src = main_grad.view(-1), grad.view(-1)
+                for i in range(0, flat.numel(), _ADD_CHUNK):
+                    flat[i:i + _ADD_CHUNK].add_(src[i:i + _ADD_CHUNK])
         param.grad = None
 
     def _start_reduce(self, bucket: _Bucket) -> None:
@@ -550,9 +633,20 @@ class DistributedOptimizer(OptimizerWrapper):
             # a half-precision sum could overflow: scale by 1/d before it, as Megatron-LM does
             # (an fp32 sum cannot: there 1/d joins the unscale pass of step(), no extra pass)
             bucket.grad_data.mul_(1.0 / self._dp_size)
-        bucket.handle = _reduce_scatter(
-            bucket.reduce_out, bucket.grad_data, group=self.data_parallel_group, async_op=True
-        )
+        if self._ring_p2p:
+            d = self._dp_size
+            if d > 2 and bucket.scratch is None:
+                bucket.scratch = torch.empty_like(bucket.reduce_out)
+            bucket.handle = _Ring(self.data_parallel_group, bucket.grad_data.view(d, -1),
+                                  2 * bucket.index, out=bucket.reduce_out, scratch=bucket.scratch)
+        elif self._dp_size == 1:
+            bucket.reduce_out.copy_(bucket.grad_data)
+            bucket.handle = _Done()
+        else:
+            bucket.handle = _reduce_scatter(
+                bucket.reduce_out, bucket.grad_data, group=self.data_parallel_group,
+                async_op=True
+            )
 
     def _finish_grad_sync(self) -> None:
         """Step 1: grads set by hand go into main_grad, every bucket not yet reduced is
@@ -738,11 +832,13 @@ class DistributedOptimizer(OptimizerWrapper):
 
     def _gather_buffers(self, b: _Bucket) -> Tensor:
         """The bucket's all-gather output and input (kept between steps: no allocation, no
-        page faults per step); returns the input, ``b.main_shard`` itself for fp32 params."""
+        page faults per step); returns the input: ``b.main_shard`` itself for fp32 params,
+        else this rank's chunk of the output (an in-place all-gather, as Megatron-LM's)."""
         if b.param_data is None:
             b.param_data = torch.empty(b.numel, dtype=b.dtype, device=self._device)
+            r = self._dp_rank
             b.param_shard = (b.main_shard if b.dtype == torch.float32 else
-                             torch.empty(b.shard_size, dtype=b.dtype, device=self._device))
+                             b.param_data[r * b.shard_size:(r + 1) * b.shard_size])
         return b.param_shard
 
     def _gather_model_params(self, cast: bool = True) -> None:
@@ -754,10 +850,20 @@ class DistributedOptimizer(OptimizerWrapper):
         if cast:
             casts = [b for b in self._buckets if b.param_shard is not b.main_shard]
             ops.scale_and_copy([b.main_shard for b in casts], [b.param_shard for b in casts])
-        handles = [
-            _all_gather(b.param_data, b.param_shard, group=self.data_parallel_group, async_op=True)
-            for b in self._buckets
-        ]
+        handles = []
+        for b in self._buckets:
+            d, r = self._dp_size, self._dp_rank
+            own = b.param_data[r * b.shard_size:(r + 1) * b.shard_size]
+            if b.dtype == torch.float32 and (self._ring_p2p or d == 1):
+                own.copy_(b.param_shard)  # fp32 params: the main shard is the input
+            if self._ring_p2p:
+                handles.append(_Ring(self.data_parallel_group, b.param_data.view(d, -1),
+                                     2 * b.index + 1))
+            elif d == 1:
+                handles.append(_Done())
+            else:
+                handles.append(_all_gather(b.param_data, b.param_shard,
+                                           group=self.data_parallel_group, async_op=True))
         srcs, dsts = [], []
         for b, h in zip(self._buckets, handles):
             h.wait()
