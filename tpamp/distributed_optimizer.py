@@ -34,12 +34,13 @@ from typing import Dict, List, Optional, Tuple
 import torch
 import torch.distributed as dist
 
-from tpamp import _validation, ops
+from tpamp import _validation, ops, state_formats
 from tpamp.grad_scaler import MegatronGradScaler
 from tpamp.grad_stats import _check_group, _check_norm_type, _tp_rank, clip_coefficient
 from tpamp.grad_stats import counts_toward_norm, local_tensor
 from tpamp.optimizer import MixedPrecisionOptimizer, OptimizerWrapper, StepResult, _placed_like
 from tpamp.optimizer import _FUSED_KINDS, _check_spike_detector, check_wrapper_args
+from tpamp.optimizer import state_formats_refuse_generic
 
 __all__ = ["DistributedOptimizer"]
 
@@ -166,6 +167,13 @@ class DistributedOptimizer(OptimizerWrapper):
             Results equal the generic path's to float32 rounding; the skip decisions are the
             same (found_inf, the norm and the zeros are still read on the host once, before
             the update). False: always the generic path (inner ``optimizer.step()``).
+        exp_avg_dtype, exp_avg_sq_dtype, store_param_remainders: narrow optimizer state, as for
+            MixedPrecisionOptimizer (:mod:`tpamp.state_formats`), on this rank's shard: bf16 /
+            8-bit moments (8-bit blocks of 256 elements start at each piece's first element),
+            and for bf16 buckets an int16 remainder shard instead of the fp32 main shard (the
+            bf16 all-gather input shard then holds the masters' high halves between steps).
+            They need the fused path; a step that would take the generic one raises
+            RuntimeError before anything changes. :meth:`optimizer_state_bytes` counts them.
 
     Raises:
         TypeError: optimizer is not a torch.optim.Optimizer; a param is not float32/16/bf16.
@@ -194,8 +202,20 @@ class DistributedOptimizer(OptimizerWrapper):
         check_params_across_dp: bool = True,
         spike_detector=None,
         fused_step: bool = True,
+        exp_avg_dtype: torch.dtype = torch.float32,
+        exp_avg_sq_dtype: torch.dtype = torch.float32,
+        store_param_remainders: bool = False,
     ):
         check_wrapper_args(optimizer, grad_scaler, clip_grad)
+        self.exp_avg_dtype, self.exp_avg_sq_dtype, self.store_param_remainders = (
+            state_formats.check_state_options(
+                optimizer, _FUSED_KINDS.get(type(optimizer)), bool(fused_step), exp_avg_dtype,
+                exp_avg_sq_dtype, store_param_remainders,
+                {p.dtype for g in optimizer.param_groups for p in g["params"]
+                 if p.dtype in (torch.float16, torch.bfloat16) and p.requires_grad},
+            )
+        )
+        self._remainders: Dict[int, Tensor] = {}  # id(piece main placeholder) -> int16 view
         if bucket_size is not None and (
             isinstance(bucket_size, bool) or not isinstance(bucket_size, int) or bucket_size < 1
         ):
@@ -344,15 +364,20 @@ class DistributedOptimizer(OptimizerWrapper):
         grad_dtype = torch.float32 if self.grad_reduce_in_fp32 else dtype
         dev = self._device
         grad_data = torch.zeros(numel, dtype=grad_dtype, device=dev)
+        remainders = self.store_param_remainders and dtype == torch.bfloat16
         grad_shard = torch.zeros(shard, dtype=torch.float32, device=dev)
         reduce_out = grad_shard if grad_dtype == torch.float32 else torch.zeros(
             shard, dtype=grad_dtype, device=dev)
         bucket = _Bucket(
             dtype=dtype, params=list(params), offsets=offsets, numel=numel, shard_size=shard,
             grad_data=grad_data,
-            main_shard=torch.zeros(shard, dtype=torch.float32, device=dev),
+            # int16 remainders of the bf16 param_shard with store_param_remainders
+            main_shard=torch.zeros(shard, dtype=torch.int16 if remainders else torch.float32,
+                                   device=dev),
             grad_shard=grad_shard, reduce_out=reduce_out,
         )
+        if remainders:  # the masters' high halves: kept, an input of every step
+            bucket.param_shard = torch.zeros(shard, dtype=dtype, device=dev)
         for p, (a, b) in zip(params, offsets):
             # Megatron-LM's main_grad convention: the param's slot in the grad buffer
             p.main_grad = grad_data[a:b].view(local_tensor(p).shape)
@@ -375,8 +400,18 @@ class DistributedOptimizer(OptimizerWrapper):
                 piece.counts = counts_toward_norm(p, self._tp_rank, self.tensor_parallel_group)
                 with torch.no_grad():
                     flat = local_tensor(p).detach().reshape(-1)
-                    b.main_shard[s - lo:t - lo].copy_(flat[s - a:t - a])
-                piece.main = torch.nn.Parameter(b.main_shard[s - lo:t - lo], requires_grad=True)
+                    if b.main_shard.dtype == torch.int16:  # remainders 0: master = bf16 value
+                        b.param_shard[s - lo:t - lo].copy_(flat[s - a:t - a])
+                    else:
+                        b.main_shard[s - lo:t - lo].copy_(flat[s - a:t - a])
+                if b.main_shard.dtype == torch.int16:  # no fp32 storage: a placeholder key
+                    piece.main = torch.nn.Parameter(
+                        torch.zeros((), device=b.main_shard.device).expand(t - s),
+                        requires_grad=True)
+                    self._remainders[id(piece.main)] = b.main_shard[s - lo:t - lo]
+                else:
+                    piece.main = torch.nn.Parameter(b.main_shard[s - lo:t - lo],
+                                                    requires_grad=True)
                 piece.main.grad = b.grad_shard[s - lo:t - lo]
                 b.pieces.append(piece)
                 by_param.setdefault(id(p), []).append(piece)
@@ -407,6 +442,7 @@ class DistributedOptimizer(OptimizerWrapper):
     _fused_update = MixedPrecisionOptimizer._fused_update
     _fused_adam = MixedPrecisionOptimizer._fused_adam
     _fused_sgd = MixedPrecisionOptimizer._fused_sgd
+    _convert_state = MixedPrecisionOptimizer._convert_state
 
     @contextlib.contextmanager
     def no_sync(self):
@@ -443,7 +479,13 @@ class DistributedOptimizer(OptimizerWrapper):
             for q in self._pieces:
                 a, b = q.param_range
                 srcs.append(local_tensor(q.param).detach().reshape(-1)[a:b])
-                dsts.append(q.main.detach())
+                rem = self._remainders.get(id(q.main))
+                if rem is None:
+                    dsts.append(q.main.detach())
+                else:  # the bf16 value itself, remainder 0
+                    dsts.append(self._bucket_of[id(q.param)].param_shard[
+                        q.shard_range[0]:q.shard_range[1]])
+                    rem.zero_()
             ops.scale_and_copy(srcs, dsts)
 
     def _on_grad_ready(self, param: Tensor) -> None:
@@ -500,6 +542,8 @@ class DistributedOptimizer(OptimizerWrapper):
         """One optimizer step (class docstring); returns :class:`tpamp.StepResult`."""
         if closure is not None:
             raise ValueError("closure is not supported: compute the loss before step()")
+        if not self._fused_step_usable():
+            state_formats_refuse_generic(self)  # narrow state needs the fused path
         self._finish_grad_sync()
         fused = self._fused_step_usable()
         scale = self.grad_scaler.inv_scale if self.grad_scaler is not None else None
@@ -589,6 +633,7 @@ class DistributedOptimizer(OptimizerWrapper):
         page faults per step); returns the input, ``b.main_shard`` itself for fp32 params."""
         if b.param_data is None:
             b.param_data = torch.empty(b.numel, dtype=b.dtype, device=self._device)
+        if b.param_shard is None:  # (made at construction for remainder buckets)
             b.param_shard = (b.main_shard if b.dtype == torch.float32 else
                              torch.empty(b.shard_size, dtype=b.dtype, device=self._device))
         return b.param_shard
@@ -600,7 +645,8 @@ class DistributedOptimizer(OptimizerWrapper):
         for b in self._buckets:
             self._gather_buffers(b)
         if cast:
-            casts = [b for b in self._buckets if b.param_shard is not b.main_shard]
+            casts = [b for b in self._buckets if b.param_shard is not b.main_shard
+                     and b.main_shard.dtype == torch.float32]  # remainders: already bf16
             ops.scale_and_copy([b.main_shard for b in casts], [b.param_shard for b in casts])
         handles = [
             _all_gather(b.param_data, b.param_shard, group=self.data_parallel_group, async_op=True)
@@ -626,14 +672,44 @@ class DistributedOptimizer(OptimizerWrapper):
         return out
 
     def fp32_state_bytes(self) -> int:
-        """Bytes of fp32 main params and optimizer state this rank holds (for the memory
-        checks and benchmarks): the main shards plus every tensor in the inner state."""
-        total = sum(b.main_shard.numel() * 4 for b in self._buckets)
+        """Bytes of main params and optimizer state this rank holds (for the memory checks
+        and benchmarks): the main shards plus every tensor in the inner state (0-dim ones
+        excepted)."""
+        total = sum(b.main_shard.numel() * b.main_shard.element_size() for b in self._buckets)
         for st in self.optimizer.state.values():
             for v in st.values():
                 if isinstance(v, Tensor) and v.dim() > 0:
                     total += v.numel() * v.element_size()
         return total
+
+    def optimizer_state_bytes(self) -> int:
+        """Bytes this rank holds of main params (the fp32 main shards, or the int16 remainder
+        shards of bf16 buckets with store_param_remainders) and inner optimizer state (every
+        tensor, every dtype: moments, 8-bit scales, step counts)."""
+        total = sum(b.main_shard.numel() * b.main_shard.element_size() for b in self._buckets)
+        for st in self.optimizer.state.values():
+            total += sum(v.numel() * v.element_size() for v in st.values()
+                         if isinstance(v, Tensor))
+        return total
+
+    def _piece_master(self, q: _Piece) -> Tensor:
+        """The fp32 master of a piece (a view; rebuilt from param + remainder: a new tensor)."""
+        rem = self._remainders.get(id(q.main))
+        if rem is None:
+            return q.main.detach()
+        s, t = q.shard_range
+        return ops.join_remainders(self._bucket_of[id(q.param)].param_shard[s:t], rem)
+
+    def _set_piece_master(self, q: _Piece, value: Tensor) -> None:
+        """q's fp32 master = value (split exactly into param + remainder for remainders)."""
+        rem = self._remainders.get(id(q.main))
+        if rem is None:
+            q.main.copy_(value)
+            return
+        s, t = q.shard_range
+        hi, lo = ops.split_remainders(value.to(rem.device))
+        self._bucket_of[id(q.param)].param_shard[s:t].copy_(hi)
+        rem.copy_(lo)
 
     # -- sharded checkpoints (tpamp.checkpoint, torch.distributed.checkpoint) -------------
 
@@ -663,9 +739,10 @@ class DistributedOptimizer(OptimizerWrapper):
             if name in by_name:
                 raise ValueError(f"{name!r}: two pieces of one param on one rank")
             by_name[name] = q
-            mains[name] = self._sharded_view(q, q.main.detach())
+            mains[name] = self._sharded_view(q, self._piece_master(q))
             st = self.optimizer.state.get(q.main)
             if st:
+                st = state_formats.layout_free_state(st)  # 8-bit moments as float32 values
                 state[name] = {
                     k: self._sharded_view(q, v) if isinstance(v, Tensor) and v.shape == q.main.shape
                     else v
@@ -687,7 +764,7 @@ class DistributedOptimizer(OptimizerWrapper):
         inner = self.optimizer
         with torch.no_grad():
             for name, q in pieces.items():
-                q.main.copy_(_flat_local(state["main_params"][name]))
+                self._set_piece_master(q, _flat_local(state["main_params"][name]))
                 new = {}
                 for k, v in state["state"].get(name, {}).items():
                     if _is_sharded(v):
@@ -702,6 +779,7 @@ class DistributedOptimizer(OptimizerWrapper):
                     inner.state.pop(q.main, None)
             for g, saved in zip(inner.param_groups, state["param_groups"]):
                 g.update({k: v for k, v in saved.items() if k != "params"})
+            self._convert_state()  # moments into this optimizer's configured dtypes
             self._gather_model_params()
 
     def _sharded_view(self, q: _Piece, flat: Tensor):
@@ -751,11 +829,17 @@ class DistributedOptimizer(OptimizerWrapper):
         return {
             "optimizer": self.optimizer.state_dict(),
             "grad_scaler": self.grad_scaler.state_dict() if self.grad_scaler is not None else None,
-            "shard_main_params": [b.main_shard.detach().clone() for b in self._buckets],
+            "shard_main_params": [self._bucket_master(b) for b in self._buckets],
             "layout": self._layout(),
             **({"spike_detector": self.spike_detector.state_dict()}
                if self.spike_detector is not None else {}),
         }
+
+    def _bucket_master(self, b: _Bucket) -> Tensor:
+        """A bucket's fp32 main shard (a copy; rebuilt from param + remainder shards)."""
+        if b.main_shard.dtype == torch.int16:
+            return ops.join_remainders(b.param_shard, b.main_shard)
+        return b.main_shard.detach().clone()
 
     def _layout(self) -> Dict:
         return {
@@ -783,7 +867,13 @@ class DistributedOptimizer(OptimizerWrapper):
         _load_scaler(self.grad_scaler, state_dict.get("grad_scaler"))
         with torch.no_grad():
             for b, s in zip(self._buckets, state_dict["shard_main_params"]):
-                b.main_shard.copy_(s)
+                if b.main_shard.dtype == torch.int16:  # exact split into param + remainder
+                    hi, lo = ops.split_remainders(s.to(b.main_shard.device))
+                    b.param_shard.copy_(hi)
+                    b.main_shard.copy_(lo)
+                else:
+                    b.main_shard.copy_(s)
+            self._convert_state()
             self._gather_model_params()
 
 
