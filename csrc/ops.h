@@ -53,4 +53,16 @@ TPAMP_DECLARE_OPS(cuda)  // csrc/cuda/*.cu
 
 #undef TPAMP_DECLARE_OPS
 
+// Every op of torch.ops.tpamp, for the registrations that cover them all: the Autograd and
+// ADInplaceOrView kernels (tpamp_ops.cpp) and the emulated CUDA launchers (csrc/simt/register.cpp,
+// torch.ops.tpamp_simt.*). A new op is added here once.
+#define TPAMP_FOR_EACH_OP(X) \
+  X(grad_stats_)             \
+  X(grad_stats_out)          \
+  X(scale_)                  \
+  X(scale_and_copy)          \
+  X(dynamic_scaler_update_)  \
+  X(fused_adam_step_)        \
+  X(fused_sgd_step_)
+
 }  // namespace tpamp

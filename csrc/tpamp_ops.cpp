@@ -81,16 +81,6 @@ TORCH_LIBRARY(tpamp, m) {
       "float weight_decay, bool nesterov, bool maximize) -> ()");
 }
 
-// Every op, for the device-independent keys below.
-#define TPAMP_FOR_EACH_OP(X) \
-  X(grad_stats_)             \
-  X(grad_stats_out)          \
-  X(scale_)                  \
-  X(scale_and_copy)          \
-  X(dynamic_scaler_update_)  \
-  X(fused_adam_step_)        \
-  X(fused_sgd_step_)
-
 namespace {
 
 // The tensors an op's schema marks mutated (Tensor(a!) and Tensor(a!)[]), from its arguments on
@@ -143,6 +133,7 @@ void bump_mutated_versions(const c10::OperatorHandle& op, c10::DispatchKeySet ks
 
 }  // namespace
 
+// Every op (TPAMP_FOR_EACH_OP, ops.h) for the device-independent keys.
 #define TPAMP_IMPL_BOXED(op, fn) m.impl(#op, torch::CppFunction::makeFromBoxedFunction<&fn>());
 #define TPAMP_IMPL_AUTOGRAD(op) TPAMP_IMPL_BOXED(op, below_autograd)
 #define TPAMP_IMPL_INPLACE_OR_VIEW(op) TPAMP_IMPL_BOXED(op, bump_mutated_versions)

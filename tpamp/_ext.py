@@ -22,7 +22,7 @@ from typing import Dict, Optional
 
 import torch
 
-__all__ = ["ops_for", "status"]
+__all__ = ["load_simt", "ops_for", "status"]
 
 _CPU_ORDER = {
     # torch's capability -> the modules that can run on it, best first
@@ -157,6 +157,53 @@ def status() -> Dict[str, object]:
         "with_cuda": _with_cuda,
         "cuda_devices_ok": dict(_cuda_ok),
     }
+
+
+# ---------------------------------------------------------------------------------------------
+# The emulated CUDA launchers (test infrastructure; csrc/simt/, built with TPAMP_BUILD_SIMT=1).
+
+_simt_lib = None  # the torch.library.Library defining torch.ops.tpamp_simt.*
+_simt_module: Optional[str] = None
+SIMT_VARIANTS = ("", "thread", "address")
+
+
+def load_simt(variant: Optional[str] = None):
+    """Loads ``tpamp._C_simt`` (``variant`` "thread" or "address": ``tpamp._C_simt_<variant>``,
+    the ThreadSanitizer / AddressSanitizer build; None: ``$TPAMP_SIMT_VARIANT``, default the plain
+    one) and returns ``torch.ops.tpamp_simt``: for every op of ``torch.ops.tpamp`` an op of the
+    same name and schema whose CPU kernel is the CUDA launcher of csrc/cuda/ running on CPU
+    tensors under the SIMT emulator (schedule order: ``$TPAMP_SIMT_ORDER``, forward, reverse or
+    random, read at each launch). One variant per process. Raises RuntimeError when tpamp._C or
+    the module is not built (build with ``TPAMP_BUILD_SIMT=1``), ValueError for an unknown
+    variant."""
+    global _simt_lib, _simt_module
+    if variant is None:
+        variant = os.environ.get("TPAMP_SIMT_VARIANT", "")
+    if variant not in SIMT_VARIANTS:
+        raise ValueError(f"tpamp: SIMT variant {variant!r}; expected one of {SIMT_VARIANTS}")
+    name = "tpamp._C_simt" + (f"_{variant}" if variant else "")
+    if _simt_module is not None:
+        if _simt_module != name:
+            raise RuntimeError(f"tpamp: {_simt_module} is loaded; {name} needs its own process")
+        return torch.ops.tpamp_simt
+    _load()
+    if _frontend_error is not None:
+        raise RuntimeError(f"tpamp: {_frontend_error}")
+    if importlib.util.find_spec(name) is None:
+        raise RuntimeError(
+            f"tpamp: {name} is not built (build with TPAMP_BUILD_SIMT=1"
+            + (f" TPAMP_SIMT_SANITIZE={variant}" if variant else "") + ")"
+        )
+    # The schemas: torch.ops.tpamp's own, under the namespace tpamp_simt.
+    lib = torch.library.Library("tpamp_simt", "DEF")
+    for op_name in sorted(torch._C._dispatch_get_all_op_names()):
+        if not op_name.startswith("tpamp::"):
+            continue
+        schema = str(getattr(torch.ops.tpamp, op_name[len("tpamp::"):]).default._schema)
+        lib.define(schema[len("tpamp::"):])
+    importlib.import_module(name)  # registers the CPU kernels of torch.ops.tpamp_simt.*
+    _simt_lib, _simt_module = lib, name
+    return torch.ops.tpamp_simt
 
 
 # ---------------------------------------------------------------------------------------------

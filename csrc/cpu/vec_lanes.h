@@ -32,8 +32,19 @@ struct Lanes<FVec> {
   // le/eq return 1.0f / 0.0f per lane (not bit masks); |NaN| <= FLT_MAX is false.
   static inline FVec is_finite(const FVec& x) { return x.abs().le(FVec(FLT_MAX)); }
   static inline FVec is_zero(const FVec& x) { return x.eq(FVec(0.0f)); }
+  // a * b + c rounded once, as Lanes<float>::fmadd (fmaf) and CUDA's fma. at::vec's portable
+  // (x86 DEFAULT capability) fmadd is a * b + c, rounded twice: one fmaf per lane there instead.
   static inline FVec fmadd(const FVec& a, const FVec& b, const FVec& c) {
+#if defined(CPU_CAPABILITY_DEFAULT) && (defined(__x86_64__) || defined(_M_X64))
+    float av[FVec::size()], bv[FVec::size()], cv[FVec::size()];
+    a.store(av);
+    b.store(bv);
+    c.store(cv);
+    for (int i = 0; i < FVec::size(); ++i) av[i] = std::fma(av[i], bv[i], cv[i]);
+    return FVec::loadu(av);
+#else
     return at::vec::fmadd(a, b, c);
+#endif
   }
   static inline FVec sqrt(const FVec& x) { return x.sqrt(); }
   // Horizontal reductions in a fixed lane order (deterministic).

@@ -29,7 +29,8 @@ void dynamic_scaler_update_(const at::Tensor& scale, const at::Tensor& growth_tr
                             int64_t hysteresis, double min_scale, double max_scale,
                             bool consecutive) {
   validate_dynamic_scaler("tpamp::dynamic_scaler_update_", scale, growth_tracker,
-                          hysteresis_tracker, found_inf, growth_interval, hysteresis, at::kCUDA);
+                          hysteresis_tracker, found_inf, growth_interval, hysteresis,
+                          kLauncherDevice);
   // The factors are rounded to float32 as torch does for a Python scalar times a float32 tensor.
   const ScalerConfig cfg{static_cast<float>(growth_factor), static_cast<float>(backoff_factor),
                          growth_interval, static_cast<int32_t>(hysteresis),
@@ -37,10 +38,9 @@ void dynamic_scaler_update_(const at::Tensor& scale, const at::Tensor& growth_tr
                          consecutive};
   c10::cuda::CUDAGuard guard(scale.device());
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
-  dynamic_scaler_update_kernel<<<1, 1, 0, stream>>>(
-      scale.data_ptr<float>(), growth_tracker.data_ptr<int32_t>(),
-      hysteresis_tracker.data_ptr<int32_t>(), found_inf.data_ptr<float>(), cfg);
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  TPAMP_LAUNCH(dynamic_scaler_update_kernel, 1, 1, 0, stream, scale.data_ptr<float>(),
+               growth_tracker.data_ptr<int32_t>(), hysteresis_tracker.data_ptr<int32_t>(),
+               found_inf.data_ptr<float>(), cfg);
 }
 
 }  // namespace cuda

@@ -150,7 +150,7 @@ GradStatsResult grad_stats_impl(const char* op, at::TensorList grads, at::Tensor
                                 bool in_place, const std::optional<at::Tensor>& scale,
                                 const c10::List<bool>& mask, bool count_zeros, bool per_tensor) {
   const GradStatsArgs args =
-      validate_grad_stats(op, grads, out, in_place, scale, mask, at::kCUDA);
+      validate_grad_stats(op, grads, out, in_place, scale, mask, kLauncherDevice);
   const int64_t n = static_cast<int64_t>(grads.size());
   TORCH_CHECK(n <= INT32_MAX, op, ": too many tensors (", n, ")");
   const at::Device device = args.device;
@@ -221,16 +221,15 @@ GradStatsResult grad_stats_impl(const char* op, at::TensorList grads, at::Tensor
     });
   }
 
-  grad_stats_finalize_kernel<<<1, kBlockSize, 0, stream>>>(
-      p, num_slots, found_inf.data_ptr<float>(), sumsq.data_ptr<double>(),
-      amax.data_ptr<float>(), zeros.data_ptr<int64_t>());
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  TPAMP_LAUNCH(grad_stats_finalize_kernel, 1, kBlockSize, 0, stream, p, num_slots,
+               found_inf.data_ptr<float>(), sumsq.data_ptr<double>(), amax.data_ptr<float>(),
+               zeros.data_ptr<int64_t>());
   if (per_tensor && n > 0) {
     constexpr int kWarps = kBlockSize / 32;
     const unsigned int blocks = static_cast<unsigned int>((n + kWarps - 1) / kWarps);
-    per_tensor_norm_kernel<<<blocks, kBlockSize, 0, stream>>>(
-        p, static_cast<int32_t>(num_slots), static_cast<int32_t>(n), norms.data_ptr<float>());
-    C10_CUDA_KERNEL_LAUNCH_CHECK();
+    TPAMP_LAUNCH(per_tensor_norm_kernel, blocks, kBlockSize, 0, stream, p,
+                 static_cast<int32_t>(num_slots), static_cast<int32_t>(n),
+                 norms.data_ptr<float>());
   }
   return {found_inf, sumsq, amax, zeros, norms};
 }

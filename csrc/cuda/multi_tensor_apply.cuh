@@ -25,6 +25,7 @@
 #pragma once
 
 #include "../kernels/common.h"
+#include "launch.cuh"
 
 #include <ATen/core/Tensor.h>
 #include <c10/cuda/CUDAException.h>
@@ -145,9 +146,9 @@ void multi_tensor_apply(const std::vector<TensorEntry<DEPTH>>& entries, const Fu
   auto launch = [&]() {
     if (table.count == 0) return;
     table.first_block[table.count] = static_cast<int32_t>(blocks);
-    multi_tensor_apply_kernel<DEPTH, Functor>
-        <<<static_cast<unsigned int>(blocks), kBlockSize, 0, stream>>>(table, functor);
-    C10_CUDA_KERNEL_LAUNCH_CHECK();
+    auto* apply_kernel = &multi_tensor_apply_kernel<DEPTH, Functor>;
+    TPAMP_LAUNCH(apply_kernel, static_cast<unsigned int>(blocks), kBlockSize, 0, stream, table,
+                 functor);
     table.count = 0;
     blocks = 0;
   };

@@ -4,14 +4,15 @@
 // One multi_tensor_apply launch per (grad dtype, model dtype) group: each block takes one chunk
 // of one param, reads found_inf, the grad multiplier, the lr and the param's step count on the
 // device (no host sync), computes the step's scalars once per block, and updates its elements.
-// The step counts are incremented after the launch, on the same stream, by found_inf == 0.
+// The step counts (float32 or float64, mixed) are incremented after those launches, on the same
+// stream, by one small kernel that also reads found_inf (nothing changes when it is set).
 
 #include "../host/optimizer_step_checks.h"
 #include "../kernels/optimizer_step.h"
 #include "../ops.h"
 #include "multi_tensor_apply.cuh"
 
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
 
 #include <type_traits>
 
@@ -219,6 +220,47 @@ struct SgdFunctor {
   }
 };
 
+// The step counts of one launch: one thread per count, steps[i] += 1 unless found_inf is set.
+constexpr int kMaxStepCounts = 384;  // 3.5 KB of kernel parameters
+constexpr int kStepThreads = 128;
+struct StepTable {
+  void* addr[kMaxStepCounts];
+  uint8_t is_double[kMaxStepCounts];
+  int32_t count;
+};
+
+__global__ void __launch_bounds__(kStepThreads)
+    increment_steps_kernel(const StepTable table, const float* found_inf) {
+  if (skipped(found_inf)) return;
+  const int i = static_cast<int>(blockIdx.x * blockDim.x + threadIdx.x);
+  if (i >= table.count) return;
+  if (table.is_double[i] != 0) {
+    *static_cast<double*>(table.addr[i]) += 1.0;
+  } else {
+    *static_cast<float*>(table.addr[i]) += 1.0f;
+  }
+}
+
+// steps[i] += (found_inf == 0) for every i, on the current stream (after the step launches).
+void increment_steps(at::TensorList steps, const float* found_inf) {
+  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
+  StepTable table;
+  table.count = 0;
+  auto launch = [&]() {
+    if (table.count == 0) return;
+    const unsigned int blocks = (table.count + kStepThreads - 1) / kStepThreads;
+    TPAMP_LAUNCH(increment_steps_kernel, blocks, kStepThreads, 0, stream, table, found_inf);
+    table.count = 0;
+  };
+  for (const at::Tensor& s : steps) {
+    if (table.count == kMaxStepCounts) launch();
+    table.addr[table.count] = s.data_ptr();
+    table.is_double[table.count] = s.scalar_type() == at::kDouble ? 1 : 0;
+    ++table.count;
+  }
+  launch();
+}
+
 // f(G{}, M{}) for the C++ types of a grad and a model dtype (M = NoModel: no model params).
 template <typename F>
 void dispatch_grad_model(at::ScalarType gt, bool has_model, at::ScalarType mt, F&& f) {
@@ -256,10 +298,10 @@ void fused_adam_step_(at::TensorList params, at::TensorList exp_avgs, at::Tensor
                       bool maximize, at::TensorList exp_avg_scales,
                       at::TensorList exp_avg_sq_scales) {
   const char* op = "tpamp::fused_adam_step_";
-  if (params.empty()) return;
   const StepArgs a = validate_adam_step(op, params, exp_avgs, exp_avg_sqs, steps, model_params,
                                         grads, grad_scale, found_inf, lr_tensor, exp_avg_scales,
-                                        exp_avg_sq_scales, params[0].device());
+                                        exp_avg_sq_scales, at::Device(kLauncherDevice));
+  if (params.empty()) return;
   const c10::cuda::CUDAGuard guard(a.device);
   const bool has_model = !model_params.empty();
   const AdamHyper h{lr, beta1, beta2, eps, weight_decay, decoupled_weight_decay};
@@ -351,12 +393,7 @@ void fused_adam_step_(at::TensorList params, at::TensorList exp_avgs, at::Tensor
     }
   }
   // steps += (found_inf == 0), after the launches on the same stream: no host sync
-  std::vector<at::Tensor> step_list(steps.begin(), steps.end());
-  if (a.has_found_inf) {
-    at::_foreach_add_(step_list, found_inf->reshape({}).eq(0).to(at::kFloat));
-  } else {
-    at::_foreach_add_(step_list, at::Scalar(1.0));
-  }
+  increment_steps(steps, ptr_or_null(found_inf, a.has_found_inf));
 }
 
 void fused_sgd_step_(at::TensorList params, at::TensorList momentum_buffers,
@@ -367,10 +404,10 @@ void fused_sgd_step_(at::TensorList params, at::TensorList momentum_buffers,
                      const std::optional<at::Tensor>& lr_tensor, double lr, double momentum,
                      double dampening, double weight_decay, bool nesterov, bool maximize) {
   const char* op = "tpamp::fused_sgd_step_";
-  if (params.empty()) return;
   const StepArgs a = validate_sgd_step(op, params, momentum_buffers, model_params, grads,
                                        first_step, grad_scale, found_inf, lr_tensor, momentum,
-                                       params[0].device());
+                                       at::Device(kLauncherDevice));
+  if (params.empty()) return;
   const c10::cuda::CUDAGuard guard(a.device);
   const bool has_model = !model_params.empty();
   const bool has_momentum = momentum != 0.0;

@@ -77,17 +77,18 @@ void launch(at::TensorList srcs, at::TensorList dsts, const float* scale_ptr, bo
 }  // namespace
 
 void scale_(at::TensorList tensors, const at::Tensor& scale) {
-  at::Device device(at::kCUDA);
-  validate_scale_and_copy("tpamp::scale_", tensors, tensors, true, scale, at::kCUDA, &device);
+  at::Device device(kLauncherDevice);
+  validate_scale_and_copy("tpamp::scale_", tensors, tensors, true, scale, kLauncherDevice,
+                          &device);
   if (tensors.empty()) return;
   launch(tensors, tensors, scale.data_ptr<float>(), true, device);
 }
 
 void scale_and_copy(at::TensorList srcs, at::TensorList dsts,
                     const std::optional<at::Tensor>& scale) {
-  at::Device device(at::kCUDA);
+  at::Device device(kLauncherDevice);
   const bool has_scale = validate_scale_and_copy("tpamp::scale_and_copy", srcs, dsts, false,
-                                                 scale, at::kCUDA, &device);
+                                                 scale, kLauncherDevice, &device);
   if (srcs.empty()) return;
   launch(srcs, dsts, has_scale ? scale->data_ptr<float>() : nullptr, false, device);
 }

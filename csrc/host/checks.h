@@ -108,4 +108,31 @@ inline void check_no_overlap(const char* op, const std::vector<at::TensorList>& 
   }
 }
 
+// A device scalar the op only reads (scale, found_inf, grad_scale, lr_tensor) must not share
+// memory with any tensor the op writes: the CUDA kernels read it in every block while other blocks
+// write, so `scale_([x, s], s)` would scale by a mix of old and new values. Refused on every
+// device, so both launchers accept the same calls. `scalar` absent or undefined: nothing to check.
+inline void check_scalar_not_written(const char* op, const char* name,
+                                     const std::optional<at::Tensor>& scalar,
+                                     const std::vector<at::TensorList>& lists,
+                                     const std::vector<const char*>& names,
+                                     const std::vector<bool>& written) {
+  if (!scalar.has_value() || !scalar->defined() || scalar->numel() == 0) return;
+  const auto sb = reinterpret_cast<uintptr_t>(scalar->data_ptr());
+  const uintptr_t se = sb + static_cast<uintptr_t>(scalar->numel()) * scalar->element_size();
+  for (size_t k = 0; k < lists.size(); ++k) {
+    if (!written[k]) continue;
+    for (size_t i = 0; i < lists[k].size(); ++i) {
+      const at::Tensor& t = lists[k][i];
+      if (!t.defined() || t.numel() == 0) continue;
+      const auto b = reinterpret_cast<uintptr_t>(t.data_ptr());
+      const uintptr_t e = b + static_cast<uintptr_t>(t.numel()) * t.element_size();
+      TORCH_CHECK(e <= sb || se <= b, op, ": ", name, " and ", names[k], "[", i,
+                  "] overlap in memory; ", name, " is read while ", names[k],
+                  " is written, so it must not share memory with it (pass a separate tensor, "
+                  "e.g. ", name, ".clone())");
+    }
+  }
+}
+
 }  // namespace tpamp

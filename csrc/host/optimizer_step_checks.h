@@ -96,6 +96,20 @@ inline void check_model_list(const char* op, at::TensorList params, at::TensorLi
   }
 }
 
+// grad_scale, found_inf and lr_tensor are read by every block: none may share memory with a list
+// the step writes (checks.h: check_scalar_not_written).
+inline void check_step_scalars_not_written(const char* op,
+                                           const std::optional<at::Tensor>& grad_scale,
+                                           const std::optional<at::Tensor>& found_inf,
+                                           const std::optional<at::Tensor>& lr_tensor,
+                                           const std::vector<at::TensorList>& written_lists,
+                                           const std::vector<const char*>& names) {
+  const std::vector<bool> written(written_lists.size(), true);
+  check_scalar_not_written(op, "grad_scale", grad_scale, written_lists, names, written);
+  check_scalar_not_written(op, "found_inf", found_inf, written_lists, names, written);
+  check_scalar_not_written(op, "lr_tensor", lr_tensor, written_lists, names, written);
+}
+
 // The lists every step op shares: params (fp32), grads (any float dtype), model_params (empty or
 // fp16/bf16), all of one layout per entry; the device scalars.
 inline StepArgs check_step_common(const char* op, at::TensorList params, at::TensorList grads,
@@ -104,7 +118,19 @@ inline StepArgs check_step_common(const char* op, at::TensorList params, at::Ten
                                   const std::optional<at::Tensor>& found_inf,
                                   const std::optional<at::Tensor>& lr_tensor,
                                   at::DeviceType expect, bool allow_remainders = false) {
-  const at::Device device = params.empty() ? at::Device(expect) : params[0].device();
+  // The params' device; with no params, the first device scalar's (an empty step is valid on any
+  // device of the launcher's type), else the launcher's device type.
+  at::Device device(expect);
+  if (!params.empty()) {
+    device = params[0].device();
+  } else {
+    for (const auto* s : {&grad_scale, &found_inf, &lr_tensor}) {
+      if (s->has_value() && (*s)->defined()) {
+        device = (*s)->device();
+        break;
+      }
+    }
+  }
   TORCH_CHECK(device.type() == expect, op, ": expected tensors on ", expect, ", got ", device);
   if (allow_remainders) {
     check_dense_list(op, "params", params, device, {at::kFloat, at::kShort},
@@ -161,6 +187,11 @@ inline StepArgs validate_adam_step(const char* op, at::TensorList params,
                    {"params", "exp_avgs", "exp_avg_sqs", "model_params", "grads", "steps",
                     "exp_avg_scales", "exp_avg_sq_scales"},
                    {true, true, true, true, false, true, true, true}, false);
+  check_step_scalars_not_written(
+      op, grad_scale, found_inf, lr_tensor,
+      {params, exp_avgs, exp_avg_sqs, model_params, steps, exp_avg_scales, exp_avg_sq_scales},
+      {"params", "exp_avgs", "exp_avg_sqs", "model_params", "steps", "exp_avg_scales",
+       "exp_avg_sq_scales"});
   return a;
 }
 
@@ -186,6 +217,9 @@ inline StepArgs validate_sgd_step(const char* op, at::TensorList params,
   check_no_overlap(op, {params, momentum_buffers, model_params, grads},
                    {"params", "momentum_buffers", "model_params", "grads"},
                    {true, true, true, false}, false);
+  check_step_scalars_not_written(op, grad_scale, found_inf, lr_tensor,
+                                 {params, momentum_buffers, model_params},
+                                 {"params", "momentum_buffers", "model_params"});
   return a;
 }
 

@@ -39,6 +39,11 @@ inline GradStatsArgs validate_grad_stats(const char* op, at::TensorList grads, a
     check_no_overlap(op, {grads}, {"grads"}, {true}, false);
   }
   const bool has_scale = check_scale(op, scale, device);
+  if (in_place) {
+    check_scalar_not_written(op, "scale", scale, {grads}, {"grads"}, {true});
+  } else {
+    check_scalar_not_written(op, "scale", scale, {out}, {"out"}, {true});
+  }
   return {device, has_scale};
 }
 
@@ -61,7 +66,9 @@ inline bool validate_scale_and_copy(const char* op, at::TensorList srcs, at::Ten
     check_same_layout(op, "srcs", srcs, "dsts", dsts);
     check_no_overlap(op, {srcs, dsts}, {"srcs", "dsts"}, {false, true}, false);
   }
-  return check_scale(op, scale, device);
+  const bool has_scale = check_scale(op, scale, device);
+  check_scalar_not_written(op, "scale", scale, {dsts}, {in_place ? "tensors" : "dsts"}, {true});
+  return has_scale;
 }
 
 inline void check_one_element(const char* op, const at::Tensor& t, const char* name,
@@ -89,6 +96,8 @@ inline void validate_dynamic_scaler(const char* op, const at::Tensor& scale,
   TORCH_CHECK(growth_interval >= 1, op, ": growth_interval must be >= 1, got ", growth_interval);
   TORCH_CHECK(hysteresis >= 1 && hysteresis <= INT32_MAX, op,
               ": hysteresis must be in [1, 2^31), got ", hysteresis);
+  check_scalar_not_written(op, "found_inf", found_inf, {{scale}, {growth_tracker}, {hysteresis_tracker}},
+                           {"scale", "growth_tracker", "hysteresis_tracker"}, {true, true, true});
 }
 
 }  // namespace tpamp

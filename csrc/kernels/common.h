@@ -58,7 +58,8 @@ struct Lanes<float> {
   static TPAMP_INLINE float is_finite(float x) { return fabsf(x) <= FLT_MAX ? 1.0f : 0.0f; }
   // 1.0f where x == 0 (-0.0 included), else 0.0f.
   static TPAMP_INLINE float is_zero(float x) { return x == 0.0f ? 1.0f : 0.0f; }
-  static TPAMP_INLINE float fmadd(float a, float b, float c) { return a * b + c; }
+  // a * b + c rounded once (an fma on every device: nvcc would contract a * b + c, g++ does not).
+  static TPAMP_INLINE float fmadd(float a, float b, float c) { return fmaf(a, b, c); }
   static TPAMP_INLINE float sqrt(float x) { return sqrtf(x); }  // IEEE (no fast math)
   // Horizontal reductions (trivial for one lane).
   static TPAMP_INLINE float sum(float x) { return x; }
