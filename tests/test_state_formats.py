@@ -493,3 +493,92 @@ def test_distributed_optimizer_dp2_narrow_state(cfg_name):
     if not _kernel_built():
         pytest.skip("tpamp._C with the fused step kernels is not built")
     run_workers(_dist_worker, 2, cfg_name, timeout=60.0)
+
+
+# -- torch.distributed.checkpoint (tpamp.checkpoint): layout- and configuration-free ---------
+
+@pytest.mark.parametrize("src,dst", [("8bit+rem", "fp32"), ("fp32", "bf16+rem"),
+                                     ("bf16+rem", "8bit+rem"), ("8bit+rem", "8bit+rem")])
+def test_dcp_checkpoint_converts_between_configurations(tmp_path, src, dst):
+    from tpamp.checkpoint import load_checkpoint, save_checkpoint
+
+    ms, md = _model(seed=4), _model(seed=5)
+    a = _wrap(ms, **CONFIGS[src])
+    _train(ms, a, 3, 12)
+    save_checkpoint(str(tmp_path), dict(ms.named_parameters()), a)
+    b = _wrap(md, **CONFIGS[dst])
+    load_checkpoint(str(tmp_path), dict(md.named_parameters()), b)
+    for x, y in zip(a.state_dict()["fp32_from_fp16_params"][0],
+                    b.state_dict()["fp32_from_fp16_params"][0]):
+        assert torch.equal(x, y)  # masters exact, whatever the configurations
+    for (m1, v1, s1), (m2, v2, s2) in zip(_decoded_state(a), _decoded_state(b)):
+        assert s1 == s2
+        if dst == "fp32":
+            assert torch.equal(m1, m2) and torch.equal(v1, v2)
+        elif dst == "bf16+rem":
+            assert torch.equal(m2, m1.to(torch.bfloat16).float())
+        else:  # 8-bit: the same values up to one re-quantization (exact codes for 8-bit src)
+            c, s = ops.encode_moment(m1, torch.float8_e4m3fn)
+            torch.testing.assert_close(m2, ops.decode_moment(c, s), rtol=1e-6, atol=0)
+    for group in b.optimizer.param_groups:
+        for p in group["params"]:
+            assert b.optimizer.state[p]["exp_avg"].dtype == CONFIGS[dst].get(
+                "exp_avg_dtype", torch.float32)
+    _train(md, b, 2, 13)
+
+
+def _dist_ckpt_worker(rank, world_size, path, src, dst):
+    import torch.distributed as dist
+    from tpamp.checkpoint import load_checkpoint, save_checkpoint
+
+    dp = dist.new_group(list(range(world_size)))
+
+    def build(seed, cfg):
+        torch.manual_seed(seed)
+        m = torch.nn.Sequential(torch.nn.Linear(40, 300), torch.nn.Linear(300, 7)).to(torch.bfloat16)
+        inner = torch.optim.AdamW(m.parameters(), lr=1e-2, betas=(0.9, 0.95), weight_decay=0.1)
+        return m, tpamp.DistributedOptimizer(inner, data_parallel_group=dp, bucket_size=5000,
+                                             param_names=m.named_parameters(), **CONFIGS[cfg])
+
+    ma, a = build(0, src)
+    gen = torch.Generator().manual_seed(14)
+    for _ in range(3):
+        for p in ma.parameters():
+            p.main_grad.copy_((torch.randn(p.shape, generator=gen) * 1e-2).to(torch.bfloat16))
+        assert a.step().update_successful
+    save_checkpoint(path, dict(ma.named_parameters()), a)
+    mb, b = build(1, dst)
+    load_checkpoint(path, dict(mb.named_parameters()), b)
+    for x, y in zip(a.state_dict()["shard_main_params"], b.state_dict()["shard_main_params"]):
+        assert torch.equal(x, y)  # the fp32 masters of this rank's shard, exactly
+    for x, y in zip(ma.parameters(), mb.parameters()):  # equal but at ties (RNE vs away)
+        torch.testing.assert_close(y.float(), x.float(), rtol=2 ** -7, atol=0)
+    sa, sb = a.optimizer.state, b.optimizer.state
+    for pa, pb in zip(a.optimizer.param_groups[0]["params"], b.optimizer.param_groups[0]["params"]):
+        ma_ = ops.decode_moment(sa[pa]["exp_avg"], sa[pa].get("exp_avg_scale"))
+        mb_ = ops.decode_moment(sb[pb]["exp_avg"], sb[pb].get("exp_avg_scale"))
+        assert sb[pb]["exp_avg"].dtype == CONFIGS[dst].get("exp_avg_dtype", torch.float32)
+        torch.testing.assert_close(mb_, ma_, rtol=0.07, atol=float(ma_.abs().max()) * 2 ** -8)
+    return [p.detach().float().clone() for p in ma.parameters()]
+
+
+def test_distributed_optimizer_dcp_converts_configurations_and_layouts(tmp_path):
+    """DP 2 with 8-bit moments + remainders -> DP 2 with fp32 state (same masters, moments
+    decoded), then the same checkpoint into one process with MixedPrecisionOptimizer + bf16."""
+    if not _kernel_built():
+        pytest.skip("tpamp._C with the fused step kernels is not built")
+    from tpamp.checkpoint import load_checkpoint
+
+    path = str(tmp_path)
+    out = run_workers(_dist_ckpt_worker, 2, path, "8bit+rem", "fp32", timeout=120.0)
+    torch.manual_seed(2)
+    m = _model(seed=2)
+    opt = _wrap(m, **CONFIGS["bf16+rem"])
+    load_checkpoint(path, dict(m.named_parameters()), opt)
+    masters = opt.state_dict()["fp32_from_fp16_params"][0]
+    for x, y in zip(m.parameters(), out[0]):
+        torch.testing.assert_close(x.float(), y, rtol=0, atol=float(y.abs().max()) * 2 ** -7)
+    assert all(torch.isfinite(t).all() for t in masters)
+    for p in opt.optimizer.param_groups[0]["params"]:
+        assert opt.optimizer.state[p]["exp_avg"].dtype == torch.bfloat16
+    _train(m, opt, 2, 15)
