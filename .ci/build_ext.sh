@@ -13,6 +13,8 @@
 #   CUDA_HOME              CUDA toolkit (default /usr/local/cuda)
 #   TORCH_CUDA_ARCH_LIST   GPU architectures (default "8.0;9.0+PTX": quick; setup.py alone adds 10.0, 12.0)
 #   MAX_JOBS               parallel compile jobs (default 2; each needs up to ~2 GB of memory)
+#   TPAMP_CI_SDIST         an sdist (.tar.gz) to install instead of the working tree (-e .); the
+#                          checks then import the installed tpamp from outside the tree
 # Exits non-zero on any failure, saying which step failed.
 
 set -euo pipefail
@@ -46,14 +48,22 @@ step "installing $TORCH_REQ numpy setuptools wheel ninja"
 "$PY" -m pip install ${PIP_ARGS[@]+"${PIP_ARGS[@]}"} "$TORCH_REQ" numpy setuptools wheel ninja \
     || fail "pip install of the build requirements"
 
-step "building tpamp._C (CUDA_HOME=$CUDA_HOME, TORCH_CUDA_ARCH_LIST=$TORCH_CUDA_ARCH_LIST, MAX_JOBS=$MAX_JOBS)"
+if [ -n "${TPAMP_CI_SDIST:-}" ]; then
+    SRC="$(cd "$(dirname "$TPAMP_CI_SDIST")" && pwd)/$(basename "$TPAMP_CI_SDIST")"
+    INSTALL=("$SRC")
+    CHECK_DIR="$(mktemp -d)"  # outside the tree: import the installed tpamp
+else
+    INSTALL=(-e .)
+    CHECK_DIR="$ROOT"
+fi
+step "building tpamp._C from ${INSTALL[*]} (CUDA_HOME=$CUDA_HOME, TORCH_CUDA_ARCH_LIST=$TORCH_CUDA_ARCH_LIST, MAX_JOBS=$MAX_JOBS)"
 start=$(date +%s)
-(cd "$ROOT" && TPAMP_BUILD_CUDA=1 TPAMP_CPU_CAPABILITIES="${TPAMP_CPU_CAPABILITIES:-default}" "$PY" -m pip install -v --no-build-isolation --no-deps -e .) \
+(cd "$ROOT" && TPAMP_BUILD_CUDA=1 TPAMP_CPU_CAPABILITIES="${TPAMP_CPU_CAPABILITIES:-default}" "$PY" -m pip install -v --no-build-isolation --no-deps "${INSTALL[@]}") \
     || fail "building the extension (see the compiler output above)"
 step "built in $(( $(date +%s) - start )) s"
 
-step "checking that torch.ops.tpamp.* are registered"
-(cd "$ROOT" && "$PY" - <<'EOF') || fail "the extension does not load or lacks an op"
+step "checking that torch.ops.tpamp.* are registered (from $CHECK_DIR)"
+(cd "$CHECK_DIR" && "$PY" - <<'EOF') || fail "the extension does not load or lacks an op"
 import torch
 
 import tpamp
@@ -63,13 +73,15 @@ from tpamp import ops
 from tpamp import _ext
 
 assert ops.extension_available(), _ext.status()  # loads tpamp._C and a CPU module
-for name in ("grad_stats_", "grad_stats_out", "scale_", "scale_and_copy", "dynamic_scaler_update_"):
+names = [n.split("::")[1] for n in torch._C._dispatch_get_all_op_names() if n.startswith("tpamp::")]
+assert len(names) >= 7, names
+for name in names:
     op = getattr(torch.ops.tpamp, name).default
     print(op._schema)
     for key in ("CUDA", "CPU", "Autograd", "ADInplaceOrView"):
         assert torch._C._dispatch_has_kernel_for_dispatch_key(op.name(), key), (name, key)
 assert tpamp._C.with_cuda == 1, "tpamp._C was built without the CUDA kernels"
-print(f"tpamp {tpamp.__version__}: tpamp._C loads with torch {torch.__version__} "
+print(f"tpamp {tpamp.__version__} from {tpamp.__file__}: tpamp._C loads with torch {torch.__version__} "
       f"(CUDA {torch.version.cuda})")
 EOF
 step "OK"

@@ -242,7 +242,7 @@ def adam_case(seed, n_params=7, sizes=(1, 9, 513, 65537, 0, 31, 4097), model=tor
         vs.append(torch.rand(n, generator=g) * 0.01)
         steps.append(torch.tensor(float(i % 4 + 1), dtype=torch.float64 if i % 2 else torch.float32))
         if model is not None:
-            models.append(torch.empty(n, dtype=model if i % 2 else torch.bfloat16))
+            models.append(torch.zeros(n, dtype=model if i % 2 else torch.bfloat16))
         grads.append((torch.randn(n, generator=g) * 64).to(DTYPES[i % 3]))
     return params, ms, vs, steps, models, grads
 
@@ -294,7 +294,7 @@ def test_fused_adam_step_with_found_inf_changes_nothing(order):
                           1e-8, 0.0, True, False, [], [])
     for k in range(6):
         for x, y in zip(a[k], case[k]):
-            assert torch.equal(x, y)  # model params were uninitialized: compared bit for bit too
+            assert torch.equal(x, y)
 
 
 def test_fused_adam_step_many_params_and_steps_need_several_launches(order):

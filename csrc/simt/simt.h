@@ -183,7 +183,7 @@ void launch(Site site, const char* kernel_name, void (*kernel)(P...), dim3 grid,
   ([&](unsigned int m_) {                                                                 \
     return ::tpamp::simt::ballot(TPAMP_SIMT_SITE, "__all_sync", m_, (p) ? 1 : 0) == m_;   \
   }(mask))
-#define __syncwarp(...) ::tpamp::simt::syncwarp(TPAMP_SIMT_SITE, ##__VA_ARGS__)
+#define __syncwarp(...) ::tpamp::simt::syncwarp(TPAMP_SIMT_SITE __VA_OPT__(, ) __VA_ARGS__)
 #define __activemask() ::tpamp::simt::active_mask()
 
 namespace tpamp {
