@@ -43,7 +43,7 @@ def main() -> None:
 
     def adam(ops):
         ops.fused_adam_step_(params, state[0], state[1], steps, [], grads, scale, None, None,
-                             1e-3, 0.9, 0.999, 1e-8, 0.0, True, False)
+                             1e-3, 0.9, 0.999, 1e-8, 0.0, True, False, [], [])
 
     for order in ("forward", "random"):
         os.environ["TPAMP_SIMT_ORDER"] = order

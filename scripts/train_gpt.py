@@ -97,6 +97,8 @@ NUMERICS_FLAGS = (
 )
 
 
+_STATE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp8": torch.float8_e4m3fn}
+
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     a = p.add_argument
@@ -125,6 +127,14 @@ def parse_args(argv=None) -> argparse.Namespace:
       help="with --use-distributed-optimizer: start each grad bucket's reduce-scatter during "
            "the last microbatch's backward (the tied embedding's bucket waits for its sum)")
     a("--seed", type=int, default=1234)
+    # optimizer-state storage (Megatron-core's precision-aware optimizer flags; tpamp.state_formats)
+    a("--exp-avg-dtype", choices=sorted(_STATE_DTYPES), default="fp32",
+      help="storage of Adam's exp_avg: fp32, bf16, or fp8 (8-bit e4m3fn codes, a scale per "
+           "256 elements)")
+    a("--exp-avg-sq-dtype", choices=sorted(_STATE_DTYPES), default="fp32",
+      help="storage of Adam's exp_avg_sq (as --exp-avg-dtype)")
+    a("--store-param-remainders", action="store_true",
+      help="--bf16 only: keep bf16 params + int16 remainders instead of fp32 master params")
     # precision and loss scaling (Megatron's flags)
     prec = p.add_mutually_exclusive_group()
     prec.add_argument("--fp16", action="store_true", help="the default")
@@ -399,6 +409,9 @@ def build_optimizer(stage, args, st, dtype):
     kwargs = dict(
         grad_scaler=scaler,
         clip_grad=args.clip_grad,
+        exp_avg_dtype=_STATE_DTYPES[args.exp_avg_dtype],
+        exp_avg_sq_dtype=_STATE_DTYPES[args.exp_avg_sq_dtype],
+        store_param_remainders=args.store_param_remainders,
         log_num_zeros_in_grad=args.log_num_zeros_in_grad,
         grad_stats_group=st.model_parallel_group,
         tensor_parallel_group=st.tp_group,

@@ -562,7 +562,7 @@ def test_opcheck_fused_step_ops(op):
     if op == "fused_adam_step_":
         args = (params, [_randn(s, gen).abs() for s in shapes], [_randn(s, gen).abs() for s in shapes],
                 [torch.tensor(3.0) for _ in shapes], models, grads, scale, skip, None, 1e-3, 0.9,
-                0.999, 1e-8, 0.01, True, False)
+                0.999, 1e-8, 0.01, True, False, [], [])
     else:
         args = (params, [_randn(s, gen) for s in shapes], models, grads, [False, True, False], scale,
                 skip, torch.tensor([0.1]), 0.0, 0.9, 0.1, 0.01, True, False)

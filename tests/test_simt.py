@@ -282,8 +282,8 @@ def test_fused_adam_step_matches_cpu_twin_and_float64(order, decoupled):
     scale = torch.tensor([1.0 / 64])
     lr_t = torch.tensor([2e-3])
     hyper = (1e-3, 0.9, 0.999, 1e-8, 0.01, decoupled, False)
-    SIMT.fused_adam_step_(*a, scale, torch.tensor([0.0]), lr_t, *hyper)
-    CPU.fused_adam_step_(*b, scale, torch.tensor([0.0]), lr_t, *hyper)
+    SIMT.fused_adam_step_(*a, scale, torch.tensor([0.0]), lr_t, *hyper, [], [])
+    CPU.fused_adam_step_(*b, scale, torch.tensor([0.0]), lr_t, *hyper, [], [])
     # the step counts bit for bit; the rest within 2 ulps: g++ contracts Adam's other a * b + c
     # (v * beta2 + (1 - beta2) * g * g, L2's g + p * wd) into fmas in the CPU twin's AVX2 build
     # (as nvcc does on a GPU), not in the emulated launcher (measured: <= 1 ulp for AdamW)
@@ -307,7 +307,7 @@ def test_fused_adam_step_with_found_inf_changes_nothing(order):
     case = adam_case(6)
     a = [clone(x) for x in case]
     SIMT.fused_adam_step_(*a, torch.tensor([0.5]), torch.tensor([1.0]), None, 1e-3, 0.9, 0.999,
-                          1e-8, 0.0, True, False)
+                          1e-8, 0.0, True, False, [], [])
     for k in range(6):
         for x, y in zip(a[k], case[k]):
             assert torch.equal(x, y)
@@ -326,8 +326,8 @@ def test_fused_adam_step_many_params_and_steps_need_several_launches(order):
     vs = [torch.zeros_like(p) for p in params]
     a = [clone(params), clone(ms), clone(vs), clone(steps), [], grads]
     b = [clone(params), clone(ms), clone(vs), clone(steps), [], grads]
-    SIMT.fused_adam_step_(*a, None, None, None, 1e-2, 0.9, 0.99, 1e-8, 0.0, True, True)
-    CPU.fused_adam_step_(*b, None, None, None, 1e-2, 0.9, 0.99, 1e-8, 0.0, True, True)
+    SIMT.fused_adam_step_(*a, None, None, None, 1e-2, 0.9, 0.99, 1e-8, 0.0, True, True, [], [])
+    CPU.fused_adam_step_(*b, None, None, None, 1e-2, 0.9, 0.99, 1e-8, 0.0, True, True, [], [])
     for k in range(3):
         for x, y in zip(a[k], b[k]):
             assert_ulp(x, y, k)  # within 1 ulp: see the test above
@@ -388,7 +388,7 @@ def test_empty_params_are_validated_before_returning(order):
     for op in (SIMT, CPU):
         with pytest.raises(RuntimeError, match="grads has 1 tensors, params has 0|shape"):
             op.fused_adam_step_([], [], [], [], [], [torch.zeros(3)], None, None, None, 1e-3,
-                                0.9, 0.999, 1e-8, 0.0, True, False)
+                                0.9, 0.999, 1e-8, 0.0, True, False, [], [])
         with pytest.raises(RuntimeError, match="found_inf must be a 1-element float32"):
             op.fused_sgd_step_([], [], [], [], [], None, torch.zeros(2), None, 0.1, 0.0, 0.0,
                                0.0, False, False)
@@ -397,7 +397,7 @@ def test_empty_params_are_validated_before_returning(order):
                                0.0, 0.0, False, False)
         # a valid empty step is a no-op on both
         op.fused_adam_step_([], [], [], [], [], [], torch.ones(1), torch.zeros(1), None, 1e-3,
-                            0.9, 0.999, 1e-8, 0.0, True, False)
+                            0.9, 0.999, 1e-8, 0.0, True, False, [], [])
 
 
 def test_a_scalar_sharing_memory_with_a_written_tensor_is_refused(order):
@@ -421,7 +421,7 @@ def test_a_scalar_sharing_memory_with_a_written_tensor_is_refused(order):
         with pytest.raises(RuntimeError, match=r"found_inf and params\[0\] overlap"):
             op.fused_adam_step_([p], [torch.zeros(5)], [torch.zeros(5)], [torch.zeros(1)], [],
                                 [torch.ones(5)], None, p[2:3], None, 1e-3, 0.9, 0.999, 1e-8, 0.0,
-                                True, False)
+                                True, False, [], [])
         mb = torch.zeros(5)
         with pytest.raises(RuntimeError, match=r"lr_tensor and momentum_buffers\[0\] overlap"):
             op.fused_sgd_step_([torch.zeros(5)], [mb], [], [torch.ones(5)], [False], None, None,
@@ -430,7 +430,7 @@ def test_a_scalar_sharing_memory_with_a_written_tensor_is_refused(order):
         with pytest.raises(RuntimeError, match=r"grad_scale and steps\[0\] overlap"):
             op.fused_adam_step_([torch.zeros(5)], [torch.zeros(5)], [torch.zeros(5)], [st], [],
                                 [torch.ones(5)], st, None, None, 1e-3, 0.9, 0.999, 1e-8, 0.0,
-                                True, False)
+                                True, False, [], [])
         sc = torch.ones(1)
         with pytest.raises(RuntimeError, match="found_inf and scale"):
             op.dynamic_scaler_update_(sc, torch.zeros(1, dtype=torch.int32),

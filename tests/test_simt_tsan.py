@@ -56,7 +56,7 @@ ps = [r(n) for n in sizes]
 S.fused_adam_step_(ps, [torch.zeros(p.shape) for p in ps], [torch.zeros(p.shape) for p in ps],
                    [torch.zeros(1, dtype=torch.float64 if i % 2 else torch.float32)
                     for i in range(5)], [torch.empty(p.shape, dtype=torch.float16) for p in ps],
-                   grads, scale, torch.zeros(1), None, 1e-3, 0.9, 0.999, 1e-8, 0.01, True, False)
+                   grads, scale, torch.zeros(1), None, 1e-3, 0.9, 0.999, 1e-8, 0.01, True, False, [], [])
 S.fused_sgd_step_(ps, [torch.zeros(p.shape) for p in ps], [], grads, [True, False] * 2 + [True],
                   None, None, torch.tensor([0.1]), 0.1, 0.9, 0.0, 0.0, True, False)
 print("launchers ran")

@@ -471,7 +471,12 @@ _SETTING_NAMES = (
     "spike warmup",
     "spike grad_norm_min_rel_std",
     "spike loss_min_rel_std",
+    "exp_avg_dtype",
+    "exp_avg_sq_dtype",
+    "store_param_remainders",
 )
+# the optimizer-state storage options (issue 22): 0 where a wrapper has none
+_STATE_DTYPE_CODES = {torch.float32: 1.0, torch.bfloat16: 2.0, torch.float8_e4m3fn: 3.0}
 _WRAPPER_KINDS = {"MixedPrecisionOptimizer": 1.0, "FP32Optimizer": 2.0, "TorchAMPOptimizer": 3.0,
                   "DistributedOptimizer": 4.0}
 _SCALER_KINDS = {None: 0.0, "ConstantGradScaler": 1.0, "DynamicGradScaler": 2.0,
@@ -521,6 +526,10 @@ def _settings(wrapper) -> List[float]:
         scaler = getattr(wrapper, "scaler", None)
     name = type(scaler).__name__ if scaler is not None else None
     v["loss scaler"] = _SCALER_KINDS.get(name, 9.0)
+    for key in ("exp_avg_dtype", "exp_avg_sq_dtype"):
+        dtype = getattr(wrapper, key, None)
+        v[key] = _STATE_DTYPE_CODES.get(dtype, 9.0) if dtype is not None else 0.0
+    v["store_param_remainders"] = float(bool(getattr(wrapper, "store_param_remainders", False)))
     if scaler is None:
         return [v[n] for n in _SETTING_NAMES]
     if isinstance(scaler, torch.amp.GradScaler):
@@ -560,6 +569,8 @@ def _shown(name: str, column: List[float]) -> List[str]:
         return [_kind_name(_SPIKE_WATCH, c) for c in column]
     if name == "spike_detector":
         return ["a SpikeDetector" if c else "None" for c in column]
+    if name in ("exp_avg_dtype", "exp_avg_sq_dtype"):
+        return [_kind_name({str(k): c for k, c in _STATE_DTYPE_CODES.items()}, c) for c in column]
     if name in ("max_scale", "bucket_size"):
         return ["None" if c == math.inf else f"{c:g}" for c in column]
     return [f"{c:g}" for c in column]
@@ -625,6 +636,9 @@ _PER_ELEMENT_STATE = frozenset({
     "exp_avg", "exp_avg_sq", "max_exp_avg_sq", "momentum_buffer", "square_avg", "acc_delta",
     "sum", "ax", "prev", "step_size", "grad_avg", "exp_inf", "mu_product_buffer",
 })
+# tpamp's per-block scales of 8-bit moments (issue 22): present or not by configuration, so
+# their presence does not mark another optimizer class
+NARROW_STATE_KEYS = frozenset({"exp_avg_scale", "exp_avg_sq_scale"})
 
 
 def _keys_filled_on_load(cls) -> set:
@@ -642,7 +656,8 @@ def _all_finite(tensors: Sequence[Tensor]) -> List[bool]:
     """One host read for the finiteness of many tensors (a load-time sync, never in a step)."""
     if not tensors:
         return []
-    flags = [torch.isfinite(_local(t)).all().reshape(1).cpu() for t in tensors]
+    flags = [torch.isfinite(_local(t).float() if _local(t).element_size() == 1 else _local(t))
+             .all().reshape(1).cpu() for t in tensors]
     return torch.cat(flags).tolist()
 
 
@@ -698,7 +713,7 @@ def check_inner_optimizer_state(optimizer, state_dict, where: str = "state_dict[
         check_mapping(swhere, entry)
         p = by_id[pid]
         current = optimizer.state.get(p) or {}
-        if current and set(current) != set(entry):
+        if current and set(current) - NARROW_STATE_KEYS != set(entry) - NARROW_STATE_KEYS:
             raise ValueError(
                 f"{swhere} has keys {sorted(entry)}, this {cls.__name__}'s state for that param "
                 f"has {sorted(current)}: is this the state dict of another optimizer class?"

@@ -145,6 +145,8 @@ from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 import torch
 import torch.distributed as dist
 
+from tpamp import state_formats
+
 __all__ = [
     "CheckpointError",
     "save_checkpoint",
@@ -398,11 +400,18 @@ class _MixedPrecisionHooks:
 
     def sharded_state_dict(self, model_params):
         mains, state = {}, {}
+        remainders = getattr(self.opt, "_remainders", {})
+        model_of = {id(main): model for pairs in self.opt._half_pairs for model, main in pairs}
         for name, main in self._mains(model_params):
-            view = global_view(main, self.tp_group, name=name)
+            if id(main) in remainders:  # the fp32 master, rebuilt exactly (a new tensor)
+                master = self.opt._master_value(main, model_of[id(main)])
+                view = global_view(master, self.tp_group, name=name)
+            else:
+                view = global_view(main, self.tp_group, name=name)
             mains[name] = view
             st = self.opt.optimizer.state.get(main)
             if st:
+                st = state_formats.layout_free_state(st)  # 8-bit moments as float32 values
                 state[name] = {k: self._state_view(v, main, view) for k, v in st.items()}
         groups = [
             {k: v for k, v in g.items() if k != "params"} for g in self.opt.optimizer.param_groups
@@ -424,10 +433,21 @@ class _MixedPrecisionHooks:
         for g in inner.param_groups:
             for p in g["params"]:
                 group_of[id(p)] = g
+        remainders = getattr(self.opt, "_remainders", {})
+        model_of = {id(main): model for pairs in self.opt._half_pairs for model, main in pairs}
         for name, main in self._mains(model_params):
             if name in state["main_params"]:
                 with torch.no_grad():
-                    _local(main).copy_(_local(state["main_params"][name]))
+                    saved = _local(state["main_params"][name])
+                    rem = remainders.get(id(main))
+                    if rem is None:
+                        _local(main).copy_(saved)
+                    else:  # exact: the fp32 master split into bf16 param + remainder
+                        from tpamp import ops
+
+                        hi, lo = ops.split_remainders(saved.to(rem.device))
+                        _local(model_of[id(main)].detach()).copy_(hi)
+                        rem.copy_(lo)
             old = inner.state.get(main, {})
             new = {}
             for k, v in state["state"].get(name, {}).items():
@@ -449,6 +469,8 @@ class _MixedPrecisionHooks:
             mains, models = self.opt._pair_locals()
             if mains:
                 ops.scale_and_copy(mains, models)
+            if hasattr(self.opt, "_convert_state"):
+                self.opt._convert_state()  # moments into this optimizer's configured dtypes
 
     @staticmethod
     def _scalar_device(key, old, main, group):

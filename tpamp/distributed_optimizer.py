@@ -33,13 +33,13 @@ from typing import Dict, List, Optional, Tuple
 import torch
 import torch.distributed as dist
 
-from tpamp import _validation, ops
+from tpamp import _validation, ops, state_formats
 from tpamp.common import FUSED_KINDS, local_tensor, placed_like
 from tpamp.grad_scaler import MegatronGradScaler
 from tpamp.grad_stats import clip_coefficient, counts_toward_norm
 from tpamp.nonfinite import rank_coords
 from tpamp.optimizer import MixedPrecisionOptimizer, OptimizerWrapper, StepResult
-from tpamp.optimizer import check_wrapper_args
+from tpamp.optimizer import check_wrapper_args, state_formats_refuse_generic
 
 __all__ = ["DistributedOptimizer"]
 
@@ -243,6 +243,13 @@ class DistributedOptimizer(OptimizerWrapper):
         parallel_state: a :class:`tpamp.parallel.ParallelState`: this rank's TP, PP and DP
             ranks for ``last_nonfinite`` records (default: TP rank from tensor_parallel_group,
             DP rank from data_parallel_group, PP rank None).
+        exp_avg_dtype, exp_avg_sq_dtype, store_param_remainders: narrow optimizer state, as for
+            MixedPrecisionOptimizer (:mod:`tpamp.state_formats`), on this rank's shard: bf16 /
+            8-bit moments (8-bit blocks of 256 elements start at each piece's first element),
+            and for bf16 buckets an int16 remainder shard instead of the fp32 main shard (the
+            bf16 all-gather input shard then holds the masters' high halves between steps).
+            They need the fused path; a step that would take the generic one raises
+            RuntimeError before anything changes. :meth:`optimizer_state_bytes` counts them.
 
     Attributes:
         last_nonfinite: as MixedPrecisionOptimizer's (tpamp/nonfinite.py), but each param's
@@ -288,8 +295,20 @@ class DistributedOptimizer(OptimizerWrapper):
         spike_detector=None,
         fused_step: bool = True,
         parallel_state=None,
+        exp_avg_dtype: torch.dtype = torch.float32,
+        exp_avg_sq_dtype: torch.dtype = torch.float32,
+        store_param_remainders: bool = False,
     ):
         check_wrapper_args(optimizer, grad_scaler, clip_grad)
+        self.exp_avg_dtype, self.exp_avg_sq_dtype, self.store_param_remainders = (
+            state_formats.check_state_options(
+                optimizer, FUSED_KINDS.get(type(optimizer)), bool(fused_step), exp_avg_dtype,
+                exp_avg_sq_dtype, store_param_remainders,
+                {p.dtype for g in optimizer.param_groups for p in g["params"]
+                 if p.dtype in (torch.float16, torch.bfloat16) and p.requires_grad},
+            )
+        )
+        self._remainders: Dict[int, Tensor] = {}  # id(piece main placeholder) -> int16 view
         if bucket_size is not None and (
             isinstance(bucket_size, bool) or not isinstance(bucket_size, int) or bucket_size < 1
         ):
@@ -488,15 +507,20 @@ class DistributedOptimizer(OptimizerWrapper):
         grad_dtype = torch.float32 if self.grad_reduce_in_fp32 else dtype
         dev = self._device
         grad_data = torch.zeros(numel, dtype=grad_dtype, device=dev)
+        remainders = self.store_param_remainders and dtype == torch.bfloat16
         grad_shard = torch.zeros(shard, dtype=torch.float32, device=dev)
         reduce_out = grad_shard if grad_dtype == torch.float32 else torch.zeros(
             shard, dtype=grad_dtype, device=dev)
         bucket = _Bucket(
             dtype=dtype, params=list(params), offsets=offsets, numel=numel, shard_size=shard,
             grad_data=grad_data,
-            main_shard=torch.zeros(shard, dtype=torch.float32, device=dev),
+            # int16 remainders of the bf16 param_shard with store_param_remainders
+            main_shard=torch.zeros(shard, dtype=torch.int16 if remainders else torch.float32,
+                                   device=dev),
             grad_shard=grad_shard, reduce_out=reduce_out,
         )
+        if remainders:  # the masters' high halves: kept, an input of every step
+            bucket.param_shard = torch.zeros(shard, dtype=dtype, device=dev)
         for p, (a, b) in zip(params, offsets):
             # Megatron-LM's main_grad convention: the param's slot in the grad buffer
             p.main_grad = grad_data[a:b].view(local_tensor(p).shape)
@@ -519,8 +543,18 @@ class DistributedOptimizer(OptimizerWrapper):
                 piece.counts = counts_toward_norm(p, self._tp_rank, self.tensor_parallel_group)
                 with torch.no_grad():
                     flat = local_tensor(p).detach().reshape(-1)
-                    b.main_shard[s - lo:t - lo].copy_(flat[s - a:t - a])
-                piece.main = torch.nn.Parameter(b.main_shard[s - lo:t - lo], requires_grad=True)
+                    if b.main_shard.dtype == torch.int16:  # remainders 0: master = bf16 value
+                        b.param_shard[s - lo:t - lo].copy_(flat[s - a:t - a])
+                    else:
+                        b.main_shard[s - lo:t - lo].copy_(flat[s - a:t - a])
+                if b.main_shard.dtype == torch.int16:  # no fp32 storage: a placeholder key
+                    piece.main = torch.nn.Parameter(
+                        torch.zeros((), device=b.main_shard.device).expand(t - s),
+                        requires_grad=True)
+                    self._remainders[id(piece.main)] = b.main_shard[s - lo:t - lo]
+                else:
+                    piece.main = torch.nn.Parameter(b.main_shard[s - lo:t - lo],
+                                                    requires_grad=True)
                 piece.main.grad = b.grad_shard[s - lo:t - lo]
                 b.pieces.append(piece)
                 by_param.setdefault(id(p), []).append(piece)
@@ -553,6 +587,7 @@ class DistributedOptimizer(OptimizerWrapper):
     _fused_update = MixedPrecisionOptimizer._fused_update
     _fused_adam = MixedPrecisionOptimizer._fused_adam
     _fused_sgd = MixedPrecisionOptimizer._fused_sgd
+    _convert_state = MixedPrecisionOptimizer._convert_state
 
     @contextlib.contextmanager
     def no_sync(self):
@@ -591,7 +626,13 @@ class DistributedOptimizer(OptimizerWrapper):
             for q in self._pieces:
                 a, b = q.param_range
                 srcs.append(local_tensor(q.param).detach().reshape(-1)[a:b])
-                dsts.append(q.main.detach())
+                rem = self._remainders.get(id(q.main))
+                if rem is None:
+                    dsts.append(q.main.detach())
+                else:  # the bf16 value itself, remainder 0
+                    dsts.append(self._bucket_of[id(q.param)].param_shard[
+                        q.shard_range[0]:q.shard_range[1]])
+                    rem.zero_()
             ops.scale_and_copy(srcs, dsts)
 
     def _on_grad_ready(self, param: Tensor) -> None:
@@ -714,6 +755,8 @@ class DistributedOptimizer(OptimizerWrapper):
             raise ValueError("closure is not supported: compute the loss before step()")
         if param_grad_norms and self.param_norm_tracker is None:
             raise ValueError("step(param_grad_norms=True) needs track_param_grad_norms() first")
+        if not self._fused_step_usable():
+            state_formats_refuse_generic(self)  # narrow state needs the fused path
         self._finish_grad_sync()
         fused = self._fused_step_usable()
         scale = self.grad_scaler.inv_scale if self.grad_scaler is not None else None
@@ -836,6 +879,7 @@ class DistributedOptimizer(OptimizerWrapper):
         else this rank's chunk of the output (an in-place all-gather, as Megatron-LM's)."""
         if b.param_data is None:
             b.param_data = torch.empty(b.numel, dtype=b.dtype, device=self._device)
+        if b.param_shard is None:  # (made at construction for remainder buckets)
             r = self._dp_rank
             b.param_shard = (b.main_shard if b.dtype == torch.float32 else
                              b.param_data[r * b.shard_size:(r + 1) * b.shard_size])
@@ -848,14 +892,17 @@ class DistributedOptimizer(OptimizerWrapper):
         for b in self._buckets:
             self._gather_buffers(b)
         if cast:
-            casts = [b for b in self._buckets if b.param_shard is not b.main_shard]
+            casts = [b for b in self._buckets if b.param_shard is not b.main_shard
+                     and b.main_shard.dtype == torch.float32]  # remainders: already bf16
             ops.scale_and_copy([b.main_shard for b in casts], [b.param_shard for b in casts])
         handles = []
         for b in self._buckets:
             d, r = self._dp_size, self._dp_rank
             own = b.param_data[r * b.shard_size:(r + 1) * b.shard_size]
-            if b.dtype == torch.float32 and (self._ring_p2p or d == 1):
-                own.copy_(b.param_shard)  # fp32 params: the main shard is the input
+            if (self._ring_p2p or d == 1) and b.param_shard.data_ptr() != own.data_ptr():
+                # fp32 params (the main shard is the input), remainder buckets (their own
+                # bf16 shard of high halves): into this rank's chunk of the in-place gather
+                own.copy_(b.param_shard)
             if self._ring_p2p:
                 handles.append(_Ring(self.data_parallel_group, b.param_data.view(d, -1),
                                      2 * b.index + 1))
@@ -884,14 +931,44 @@ class DistributedOptimizer(OptimizerWrapper):
         return out
 
     def fp32_state_bytes(self) -> int:
-        """Bytes of fp32 main params and optimizer state this rank holds (for the memory
-        checks and benchmarks): the main shards plus every tensor in the inner state."""
-        total = sum(b.main_shard.numel() * 4 for b in self._buckets)
+        """Bytes of main params and optimizer state this rank holds (for the memory checks
+        and benchmarks): the main shards plus every tensor in the inner state (0-dim ones
+        excepted)."""
+        total = sum(b.main_shard.numel() * b.main_shard.element_size() for b in self._buckets)
         for st in self.optimizer.state.values():
             for v in st.values():
                 if isinstance(v, Tensor) and v.dim() > 0:
                     total += v.numel() * v.element_size()
         return total
+
+    def optimizer_state_bytes(self) -> int:
+        """Bytes this rank holds of main params (the fp32 main shards, or the int16 remainder
+        shards of bf16 buckets with store_param_remainders) and inner optimizer state (every
+        tensor, every dtype: moments, 8-bit scales, step counts)."""
+        total = sum(b.main_shard.numel() * b.main_shard.element_size() for b in self._buckets)
+        for st in self.optimizer.state.values():
+            total += sum(v.numel() * v.element_size() for v in st.values()
+                         if isinstance(v, Tensor))
+        return total
+
+    def _piece_master(self, q: _Piece) -> Tensor:
+        """The fp32 master of a piece (a view; rebuilt from param + remainder: a new tensor)."""
+        rem = self._remainders.get(id(q.main))
+        if rem is None:
+            return q.main.detach()
+        s, t = q.shard_range
+        return ops.join_remainders(self._bucket_of[id(q.param)].param_shard[s:t], rem)
+
+    def _set_piece_master(self, q: _Piece, value: Tensor) -> None:
+        """q's fp32 master = value (split exactly into param + remainder for remainders)."""
+        rem = self._remainders.get(id(q.main))
+        if rem is None:
+            q.main.copy_(value)
+            return
+        s, t = q.shard_range
+        hi, lo = ops.split_remainders(value.to(rem.device))
+        self._bucket_of[id(q.param)].param_shard[s:t].copy_(hi)
+        rem.copy_(lo)
 
     # -- sharded checkpoints (tpamp.checkpoint, torch.distributed.checkpoint) -------------
 
@@ -921,9 +998,10 @@ class DistributedOptimizer(OptimizerWrapper):
             if name in by_name:
                 raise ValueError(f"{name!r}: two pieces of one param on one rank")
             by_name[name] = q
-            mains[name] = self._sharded_view(q, q.main.detach())
+            mains[name] = self._sharded_view(q, self._piece_master(q))
             st = self.optimizer.state.get(q.main)
             if st:
+                st = state_formats.layout_free_state(st)  # 8-bit moments as float32 values
                 state[name] = {
                     k: self._sharded_view(q, v) if isinstance(v, Tensor) and v.shape == q.main.shape
                     else v
@@ -945,7 +1023,7 @@ class DistributedOptimizer(OptimizerWrapper):
         inner = self.optimizer
         with torch.no_grad():
             for name, q in pieces.items():
-                q.main.copy_(_flat_local(state["main_params"][name]))
+                self._set_piece_master(q, _flat_local(state["main_params"][name]))
                 new = {}
                 for k, v in state["state"].get(name, {}).items():
                     if _is_sharded(v):
@@ -960,6 +1038,7 @@ class DistributedOptimizer(OptimizerWrapper):
                     inner.state.pop(q.main, None)
             for g, saved in zip(inner.param_groups, state["param_groups"]):
                 g.update({k: v for k, v in saved.items() if k != "params"})
+            self._convert_state()  # moments into this optimizer's configured dtypes
             self._gather_model_params()
         # as after load_state_dict: a fresh step guard, settings compared again at the next step
         _validation.reset_step_guard(self)
@@ -1012,11 +1091,17 @@ class DistributedOptimizer(OptimizerWrapper):
         return {
             "optimizer": self.optimizer.state_dict(),
             "grad_scaler": self.grad_scaler.state_dict() if self.grad_scaler is not None else None,
-            "shard_main_params": [b.main_shard.detach().clone() for b in self._buckets],
+            "shard_main_params": [self._bucket_master(b) for b in self._buckets],
             "layout": self._layout(),
             **({"spike_detector": self.spike_detector.state_dict()}
                if self.spike_detector is not None else {}),
         }
+
+    def _bucket_master(self, b: _Bucket) -> Tensor:
+        """A bucket's fp32 main shard (a copy; rebuilt from param + remainder shards)."""
+        if b.main_shard.dtype == torch.int16:
+            return ops.join_remainders(b.param_shard, b.main_shard)
+        return b.main_shard.detach().clone()
 
     def _layout(self) -> Dict:
         return {
@@ -1053,12 +1138,27 @@ class DistributedOptimizer(OptimizerWrapper):
                     "checkpoint to change layouts"
                 )
 
+        # remainder buckets (int16 main shard): the saved fp32 shard lands in a scratch
+        # tensor, then is split exactly into the bf16 param shard + remainder
+        scratch = {i: torch.empty(b.shard_size, dtype=torch.float32, device=self._device)
+                   for i, b in enumerate(self._buckets) if b.main_shard.dtype == torch.int16}
+
+        def after_copy():
+            for i, t in scratch.items():
+                b = self._buckets[i]
+                hi, lo = ops.split_remainders(t)
+                b.param_shard.copy_(hi)
+                b.main_shard.copy_(lo)
+            self._convert_state()  # moments into this optimizer's configured dtypes
+            self._gather_model_params()
+
         _validation.load_wrapper_state(
             self, state_dict, mains_key="shard_main_params",
             match_mains=lambda saved: _validation.match_saved_tensors(
-                "state_dict['shard_main_params']", saved, [b.main_shard for b in self._buckets],
+                "state_dict['shard_main_params']", saved,
+                [scratch.get(i, b.main_shard) for i, b in enumerate(self._buckets)],
                 unit="bucket", item="main shard"),
-            after_copy=self._gather_model_params,
+            after_copy=after_copy,
             before=check_layout, agree_group=self.data_parallel_group,
         )
 

@@ -562,6 +562,109 @@ def _step_kernels(device: torch.device, name: str):
     return kernels if kernels is not None and hasattr(kernels, name) else None
 
 
+# -- narrow optimizer state (csrc/kernels/optimizer_step.h defines the formats) --------------
+#
+# The conversions below state the kernels' formats with tensor ops: the torch reference step
+# uses them, and the optimizer wrappers use them to convert state between configurations.
+
+#: Elements per float32 scale of an 8-bit moment (csrc/kernels/optimizer_step.h kMomentBlock).
+MOMENT_BLOCK = 256
+_FP8_MAX = 448.0
+#: The dtypes a stored moment may have (float8_e4m3fn: 8-bit codes with per-block scales).
+MOMENT_DTYPES = (torch.float32, torch.bfloat16, torch.float8_e4m3fn)
+
+
+def _flat_memory_order(t: Tensor) -> Tensor:
+    """A 1-D view of a dense tensor's elements in memory order (the order the kernels walk)."""
+    if t.is_contiguous():
+        return t.view(-1)
+    order = sorted(range(t.dim()), key=lambda d: (-t.stride(d), -t.shape[d]))
+    return t.permute(order).reshape(-1)
+
+
+def _unflatten_like(flat: Tensor, like: Tensor) -> Tensor:
+    """The inverse of _flat_memory_order: a tensor shaped and strided like ``like``."""
+    out = torch.empty_like(like, dtype=flat.dtype, memory_format=torch.preserve_format)
+    _flat_memory_order(out).copy_(flat)
+    return out
+
+
+def moment_blocks(numel: int) -> int:
+    """Number of 8-bit blocks (and float32 scales) of a moment with ``numel`` elements."""
+    return -(-int(numel) // MOMENT_BLOCK)
+
+
+def encode_moment(x: Tensor, dtype: torch.dtype, sqrt: bool = False):
+    """Store float32 moment values ``x`` in ``dtype`` as the kernels do; returns
+    (stored tensor shaped/strided like x, scales or None).
+
+    float32: a copy; bfloat16: round to nearest even; float8_e4m3fn: per block of
+    :data:`MOMENT_BLOCK` elements in memory order, scale = absmax / 448 (float32),
+    codes = e4m3fn(x * (448 / absmax)) (round to nearest even), scales float32
+    [moment_blocks(numel)]; ``sqrt=True`` (exp_avg_sq) quantizes sqrt(x) instead.
+    x: a dense float tensor (any device). Raises ValueError for another dtype."""
+    if dtype not in MOMENT_DTYPES:
+        raise ValueError(f"a moment dtype must be one of {MOMENT_DTYPES}, got {dtype}")
+    x = x.detach().float()
+    if dtype != torch.float8_e4m3fn:
+        return x.to(dtype, copy=True), None
+    flat = _flat_memory_order(x)
+    if sqrt:  # correctly rounded (as the kernels' sqrt); torch's vectorized float sqrt is not
+        flat = flat.double().sqrt().float()
+    n = flat.numel()
+    nb = moment_blocks(n)
+    blocks = torch.nn.functional.pad(flat, (0, nb * MOMENT_BLOCK - n)).view(nb, MOMENT_BLOCK)
+    absmax = blocks.abs().amax(dim=1) if nb else blocks.new_zeros(0)
+    ok = (absmax > 0) & (absmax <= torch.finfo(torch.float32).max)
+    safe = torch.where(ok, absmax, torch.ones_like(absmax))
+    scale = torch.where(ok, safe / _FP8_MAX,
+                        torch.where(absmax == 0, torch.zeros_like(absmax),
+                                    torch.full_like(absmax, math.nan)))
+    inv = torch.where(ok, _FP8_MAX / safe, torch.zeros_like(absmax))
+    codes = (blocks * inv[:, None]).view(-1)[:n].to(torch.float8_e4m3fn)
+    return _unflatten_like(codes, x), scale
+
+
+def decode_moment(t: Tensor, scales: Optional[Tensor] = None, sqrt: bool = False) -> Tensor:
+    """The float32 values of a stored moment, a new tensor (the inverse of :func:`encode_moment`;
+    exact for float32/bfloat16, value = (float(code) * scale) (squared with sqrt=True) for 8-bit)."""
+    if t.dtype != torch.float8_e4m3fn:
+        return t.to(torch.float32, copy=True)
+    if scales is None:
+        raise ValueError("an 8-bit (float8_e4m3fn) moment needs its per-block scales")
+    flat = _flat_memory_order(t).float()
+    n = flat.numel()
+    nb = moment_blocks(n)
+    if scales.numel() != nb:
+        raise ValueError(f"an 8-bit moment of {n} elements has {nb} blocks, got {scales.numel()} scales")
+    vals = torch.nn.functional.pad(flat, (0, nb * MOMENT_BLOCK - n)).view(nb, MOMENT_BLOCK)
+    vals = (vals * scales.reshape(nb, 1).float()).view(-1)[:n]
+    if sqrt:
+        vals = vals * vals
+    return _unflatten_like(vals, t)
+
+
+def join_remainders(param: Tensor, remainder: Tensor) -> Tensor:
+    """The float32 master of a bfloat16 param and its int16 remainder:
+    bits = (bits(param) << 16) + remainder (mod 2^32), exactly (csrc/kernels/optimizer_step.h)."""
+    hi = param.detach().view(torch.int16).to(torch.int64) & 0xFFFF
+    bits = ((hi << 16) + remainder.to(torch.int64)) & 0xFFFFFFFF
+    bits = bits - (bits >= 2**31).to(torch.int64) * 2**32
+    return bits.to(torch.int32).view(torch.float32)
+
+
+def split_remainders(master: Tensor):
+    """(bfloat16 param, int16 remainder) holding the float32 ``master`` exactly: remainder =
+    low 16 bits, param = (bits + 0x8000) >> 16 (round to nearest, ties away from zero)."""
+    u = master.detach().float().contiguous().view(torch.int32).to(torch.int64) & 0xFFFFFFFF
+    lo = u & 0xFFFF
+    rem = (lo - (lo >= 0x8000).to(torch.int64) * 0x10000).to(torch.int16)
+    hi = ((u + 0x8000) >> 16) & 0xFFFF
+    hi = (hi - (hi >= 0x8000).to(torch.int64) * 0x10000).to(torch.int16)
+    param = _unflatten_like(_flat_memory_order(hi.view(torch.bfloat16)), master)
+    return param, _unflatten_like(_flat_memory_order(rem), master)
+
+
 def fused_adam_step_(
     params: Sequence[Tensor],
     grads: Sequence[Tensor],
@@ -579,6 +682,8 @@ def fused_adam_step_(
     weight_decay: float,
     decoupled_weight_decay: bool,
     maximize: bool = False,
+    exp_avg_scales: Optional[Sequence[Optional[Tensor]]] = None,
+    exp_avg_sq_scales: Optional[Sequence[Optional[Tensor]]] = None,
 ) -> None:
     """One Adam/AdamW step of torch.optim.Adam/AdamW (for-loop/fused math) over a list of
     fp32 main params, reading the grads once and writing the fp16/bf16 model params, in place.
@@ -606,6 +711,13 @@ def fused_adam_step_(
         beta1, beta2, eps, weight_decay: the param group's hyperparameters (floats).
         decoupled_weight_decay: True for AdamW, False for Adam's L2 penalty.
         maximize: ascend instead of descend (torch.optim's maximize).
+        exp_avg_scales, exp_avg_sq_scales: narrow state (issue 22; formats in
+            csrc/kernels/optimizer_step.h and :func:`encode_moment`): exp_avgs[i] and
+            exp_avg_sqs[i] may be bfloat16 or float8_e4m3fn; an 8-bit one needs its float32
+            per-block scales (shape [moment_blocks(numel)], contiguous) at index i of these
+            lists (None for the others). params[i] may be the int16 remainder of a bfloat16
+            model_params[i] (no fp32 master: see :func:`join_remainders`); the step is then
+            bit-identical to the fp32-master step on join_remainders(model, remainder).
 
     Raises ValueError/TypeError for mismatched lengths, shapes, devices or dtypes.
     Uses the extension's kernel (CPU or CUDA) when built, else the PyTorch reference.
@@ -616,24 +728,33 @@ def fused_adam_step_(
         model_params = list(model_params)
     op = "fused_adam_step_"
     _check_lengths(op, params, grads=grads, exp_avgs=exp_avgs, exp_avg_sqs=exp_avg_sqs,
-                   steps=steps, model_params=model_params)
+                   steps=steps, model_params=model_params, exp_avg_scales=exp_avg_scales,
+                   exp_avg_sq_scales=exp_avg_sq_scales)
     if not params:
         return
     device = params[0].device
     lr_tensor, lr_float = _lr_args(lr, device)
     hyper = (float(beta1), float(beta2), float(eps), float(weight_decay),
              bool(decoupled_weight_decay), bool(maximize))
+    scale_lists = [_scale_list(exp_avg_scales, exp_avgs, device),
+                   _scale_list(exp_avg_sq_scales, exp_avg_sqs, device)]
+    narrow = _check_narrow_state(op, params, exp_avgs, exp_avg_sqs, model_params, scale_lists)
     lists = [params, grads, exp_avgs, exp_avg_sqs] + ([model_params] if model_params else [])
     kernels = _step_kernels(device, "fused_adam_step_")
     if kernels is not None and _kernel_layouts_ok(lists):
         # the op checks every argument itself (csrc/host/optimizer_step_checks.h)
         kernels.fused_adam_step_(
             params, exp_avgs, exp_avg_sqs, steps, model_params or [], grads, grad_scale,
-            found_inf, lr_tensor, lr_float, *hyper,
+            found_inf, lr_tensor, lr_float, *hyper, *scale_lists,
         )
         return
-    _check_step_lists(op, params, grads, model_params, exp_avgs=exp_avgs,
-                      exp_avg_sqs=exp_avg_sqs)
+    if narrow:
+        _check_step_lists(op, [_master_like(p) for p in params], grads, model_params,
+                          exp_avgs=[_master_like(m) for m in exp_avgs],
+                          exp_avg_sqs=[_master_like(v) for v in exp_avg_sqs])
+    else:
+        _check_step_lists(op, params, grads, model_params, exp_avgs=exp_avgs,
+                          exp_avg_sqs=exp_avg_sqs)
     for i, (p, s) in enumerate(zip(params, steps)):
         if p.device != device:
             raise ValueError(f"{op}: params[{i}] is on {p.device}, params[0] on {device}")
@@ -645,14 +766,57 @@ def fused_adam_step_(
     _check_device_scalar("grad_scale", grad_scale, device)
     _check_device_scalar("found_inf", found_inf, device)
     _adam_step_torch(params, grads, exp_avgs, exp_avg_sqs, steps, model_params, grad_scale,
-                     found_inf, lr_tensor, lr_float, *hyper)
+                     found_inf, lr_tensor, lr_float, *hyper, scale_lists=scale_lists)
+
+
+def _master_like(t: Tensor) -> Tensor:
+    """A float32 stand-in of a narrow state tensor (same shape and device) for the checks."""
+    return t if t.dtype == torch.float32 else torch.empty_like(t, dtype=torch.float32)
+
+
+def _scale_list(scales, moments, device) -> List[Tensor]:
+    """The op's scale list: empty when no moment is 8-bit, else one tensor per param (an
+    empty placeholder where a moment is not 8-bit)."""
+    if not any(m.dtype == torch.float8_e4m3fn for m in moments):
+        return []
+    if scales is None:
+        raise ValueError("8-bit (float8_e4m3fn) moments need their per-block scales")
+    return [s if s is not None else torch.empty(0, dtype=torch.float32, device=device)
+            for s in scales]
+
+
+def _check_narrow_state(op, params, exp_avgs, exp_avg_sqs, model_params, scale_lists) -> bool:
+    """Checks the narrow-state dtypes (the kernel checks them again); returns whether any."""
+    narrow = False
+    for name, lst, scales in (("exp_avgs", exp_avgs, scale_lists[0]),
+                              ("exp_avg_sqs", exp_avg_sqs, scale_lists[1])):
+        for i, t in enumerate(lst):
+            if t.dtype not in MOMENT_DTYPES:
+                raise TypeError(f"{op}: {name}[{i}] has dtype {t.dtype}; expected one of "
+                                f"{MOMENT_DTYPES}")
+            if t.dtype == torch.float8_e4m3fn:
+                sc = scales[i]
+                if sc.dtype != torch.float32 or sc.numel() != moment_blocks(t.numel()):
+                    raise ValueError(
+                        f"{op}: the scales of {name}[{i}] must be float32 with "
+                        f"{moment_blocks(t.numel())} elements, got {sc.dtype} with {sc.numel()}")
+            narrow |= t.dtype != torch.float32
+    for i, p in enumerate(params):
+        if p.dtype == torch.int16:
+            narrow = True
+            if model_params is None or model_params[i].dtype != torch.bfloat16:
+                raise TypeError(
+                    f"{op}: params[{i}] is int16 (the remainders of a bf16 param), so "
+                    f"model_params[{i}] must be the bfloat16 param")
+    return narrow
 
 
 def _adam_step_torch(params, grads, exp_avgs, exp_avg_sqs, steps, model_params, grad_scale,
                      found_inf, lr_tensor, lr, beta1, beta2, eps, weight_decay, decoupled,
-                     maximize):
+                     maximize, scale_lists=([], [])):
     """The reference: csrc/kernels/optimizer_step.h written with tensor ops (float32, scalars
-    from the step count in float64), sync-free: a set found_inf selects the old values."""
+    from the step count in float64), sync-free: a set found_inf selects the old values.
+    Narrow state is decoded to float32 first and encoded after (encode_moment, split_remainders)."""
     device = params[0].device
     keep_old = None if found_inf is None else found_inf.reshape(()) != 0
     sign = -1.0 if maximize else 1.0
@@ -660,7 +824,13 @@ def _adam_step_torch(params, grads, exp_avgs, exp_avg_sqs, steps, model_params, 
     lr_t = lr_tensor.reshape(()).double() if lr_tensor is not None else None
     lr_val = lr_t if lr_t is not None else lr
     w = torch.tensor(1.0 - beta1, dtype=torch.float32).item()  # the float32 lerp weight
-    for i, p in enumerate(params):
+    for i, stored_p in enumerate(params):
+        m_scales = scale_lists[0][i] if scale_lists[0] else None
+        v_scales = scale_lists[1][i] if scale_lists[1] else None
+        rem = stored_p.dtype == torch.int16
+        p = join_remainders(model_params[i], stored_p) if rem else stored_p
+        exp_avg = decode_moment(exp_avgs[i], m_scales)
+        exp_avg_sq = decode_moment(exp_avg_sqs[i], v_scales, sqrt=True)
         step = steps[i].reshape(()).double() + 1.0
         g = grads[i].float()
         g = g * mult if mult is not None else (g * sign if maximize else g.clone())
@@ -671,17 +841,25 @@ def _adam_step_torch(params, grads, exp_avgs, exp_avg_sqs, steps, model_params, 
                 new_p.mul_(decay.float() if isinstance(decay, Tensor) else decay)
             else:
                 g = g + p * weight_decay
-        m = torch.lerp(exp_avgs[i], g, w)
-        v = torch.addcmul(exp_avg_sqs[i] * beta2, g, g, value=1.0 - beta2)
+        m = torch.lerp(exp_avg, g, w)
+        v = torch.addcmul(exp_avg_sq * beta2, g, g, value=1.0 - beta2)
         bias_correction1 = 1.0 - torch.pow(torch.tensor(beta1, dtype=torch.float64, device=device), step)
         bias_correction2 = 1.0 - torch.pow(torch.tensor(beta2, dtype=torch.float64, device=device), step)
         neg_step_size = (-(lr_val / bias_correction1)).float()
         denom = v.sqrt() / bias_correction2.sqrt().float() + eps
         new_p = new_p + neg_step_size * m / denom
         new_step = step.to(steps[i].dtype).reshape(steps[i].shape)
-        outs = [(p, new_p), (exp_avgs[i], m), (exp_avg_sqs[i], v), (steps[i], new_step)]
-        if model_params is not None:
-            outs.append((model_params[i], new_p.to(model_params[i].dtype)))
+        new_m, new_ms = encode_moment(m, exp_avgs[i].dtype)
+        new_v, new_vs = encode_moment(v, exp_avg_sqs[i].dtype, sqrt=True)
+        outs = [(exp_avgs[i], new_m), (exp_avg_sqs[i], new_v), (steps[i], new_step)]
+        outs += [(sc, new) for sc, new in ((m_scales, new_ms), (v_scales, new_vs)) if new is not None]
+        if rem:
+            model_new, rem_new = split_remainders(new_p)
+            outs += [(stored_p, rem_new), (model_params[i], model_new)]
+        else:
+            outs.append((p, new_p))
+            if model_params is not None:
+                outs.append((model_params[i], new_p.to(model_params[i].dtype)))
         for dst, new in outs:
             dst.copy_(new if keep_old is None else torch.where(keep_old, dst, new))
 

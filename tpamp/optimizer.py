@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 import torch.optim.optimizer as _torch_optimizer
 
-from tpamp import _validation, ops
+from tpamp import _validation, ops, state_formats
 from tpamp.common import FUSED_KINDS, collective_device, is_dtensor, local_tensor, placed_like
 from tpamp.grad_scaler import MegatronGradScaler
 from tpamp.grad_stats import clip_coefficient, counts_toward_norm
@@ -141,6 +141,16 @@ class MixedPrecisionOptimizer(OptimizerWrapper):
             plain torch optimizer loads it as it is). With sync_free, SGD with momentum reads
             found_inf on the host once, at its buffers' first step (a skipped first step must
             leave no buffer behind).
+        exp_avg_dtype, exp_avg_sq_dtype: how Adam's moments are stored: torch.float32
+            (default), torch.bfloat16 or torch.float8_e4m3fn (8-bit, one float32 scale per
+            256 elements); store_param_remainders: for bf16 params, keep an int16 remainder
+            instead of an fp32 master (the master is rebuilt exactly in the kernel). Names,
+            formats and conversions: :mod:`tpamp.state_formats` (Megatron-core's
+            precision-aware optimizer, Transformer Engine's FusedAdam). They need the one-pass
+            step (an exact torch.optim.Adam/AdamW, fused_step=True): construction raises
+            ValueError otherwise, and a step that would take the generic path (step hooks,
+            amsgrad, param_grad_norms=True, a scaler that may drop below 1) raises
+            RuntimeError instead. :meth:`optimizer_state_bytes` counts what they save.
         param_names: ``model.named_parameters()`` ((name, param) pairs) or a dict param ->
             name, as DistributedOptimizer takes: the names of ``last_nonfinite`` records (and
             the default of :meth:`track_param_grad_norms`). Under pipeline parallelism give
@@ -198,8 +208,19 @@ class MixedPrecisionOptimizer(OptimizerWrapper):
         fused_step: bool = True,
         param_names=None,
         parallel_state=None,
+        exp_avg_dtype: torch.dtype = torch.float32,
+        exp_avg_sq_dtype: torch.dtype = torch.float32,
+        store_param_remainders: bool = False,
     ):
         check_wrapper_args(optimizer, grad_scaler, clip_grad)
+        self.exp_avg_dtype, self.exp_avg_sq_dtype, self.store_param_remainders = (
+            state_formats.check_state_options(
+                optimizer, FUSED_KINDS.get(type(optimizer)), bool(fused_step), exp_avg_dtype,
+                exp_avg_sq_dtype, store_param_remainders,
+                {p.dtype for g in optimizer.param_groups for p in g["params"]
+                 if p.dtype in _HALF_DTYPES and p.requires_grad},
+            )
+        )
         names = nonfinite_names(param_names)  # checked before anything changes
         self.norm_type = _validation.check_norm_type(norm_type)
         _validation.check_group_member(grad_stats_group, "grad_stats_group")
@@ -228,13 +249,20 @@ class MixedPrecisionOptimizer(OptimizerWrapper):
         # (model param, main param) for each fp16/bf16 param, per group; fp32 params per group
         self._half_pairs: List[List[tuple]] = []
         self._fp32_params: List[List[Tensor]] = []
+        # store_param_remainders: id(main placeholder) -> int16 remainder (local tensor)
+        self._remainders: Dict[int, Tensor] = {}
         has_fp16 = False
         for gi, group in enumerate(optimizer.param_groups):
             pairs, fp32s = [], []
             for pi, param in enumerate(group["params"]):
                 if param.dtype in _HALF_DTYPES and param.requires_grad:
                     has_fp16 |= param.dtype == torch.float16
-                    main = self._make_main_param(param)
+                    if self.store_param_remainders:  # bf16 (checked): no fp32 master
+                        main = _remainder_placeholder(param)
+                        self._remainders[id(main)] = torch.zeros_like(
+                            local_tensor(param.detach()), dtype=torch.int16)
+                    else:
+                        main = self._make_main_param(param)
                     group["params"][pi] = main
                     if param in optimizer.state:
                         optimizer.state[main] = _state_to_fp32(optimizer.state.pop(param))
@@ -308,15 +336,47 @@ class MixedPrecisionOptimizer(OptimizerWrapper):
 
     def reload_model_params(self) -> None:
         """Copy model params -> main params (after the model's weights were changed, e.g. a
-        checkpoint loaded into the model)."""
+        checkpoint loaded into the model); with store_param_remainders the remainders are
+        zeroed (the master becomes the bf16 value)."""
         srcs, dsts = self._pair_locals()
         with torch.no_grad():
             ops.scale_and_copy(dsts, srcs)
+            for rem in self._remainders.values():
+                rem.zero_()
+
+    def optimizer_state_bytes(self) -> int:
+        """Bytes this rank holds of main params (fp32 masters of fp16/bf16 params, or their
+        int16 remainders) and inner optimizer state (every tensor, every dtype: moments, 8-bit
+        scales, step counts). fp32 params are their own masters and are not counted."""
+        total = sum(r.numel() * r.element_size() for r in self._remainders.values())
+        for pairs in self._half_pairs:
+            for _, main in pairs:
+                if id(main) not in self._remainders:
+                    total += local_tensor(main).numel() * 4
+        for st in self.optimizer.state.values():
+            total += sum(local_tensor(v).numel() * v.element_size()
+                         for v in st.values() if isinstance(v, Tensor))
+        return total
+
+    def _master_value(self, main: Tensor, model: Tensor) -> Tensor:
+        """The fp32 master of a pair as a tensor like ``main`` (rebuilt from the remainder)."""
+        rem = self._remainders.get(id(main))
+        if rem is None:
+            return main.detach().clone()
+        value = ops.join_remainders(local_tensor(model.detach()), rem)
+        if local_tensor(main) is not main:  # DTensor: the same mesh and placements
+            from torch.distributed.tensor import DTensor
+
+            return DTensor.from_local(value, main.device_mesh, main.placements, run_check=False,
+                                      shape=main.shape, stride=main.stride())
+        return value
 
     def _pair_locals(self):
         models, mains = [], []
         for pairs in self._half_pairs:
             for model, main in pairs:
+                if id(main) in self._remainders:
+                    continue  # the model param holds the master's high half itself
                 models.append(local_tensor(model.data if not _is_dtensor(model) else model))
                 mains.append(local_tensor(main.data if not _is_dtensor(main) else main))
         return mains, models
@@ -376,6 +436,7 @@ class MixedPrecisionOptimizer(OptimizerWrapper):
         self.last_nonfinite = None  # set by the steps that read the device (not sync_free)
         if self._fused_step_usable():
             return self._step_fused(param_grad_norms)
+        state_formats_refuse_generic(self)
         srcs, outs, mask, all_main = self._collect_grads()
         scale = self.grad_scaler.inv_scale if self.grad_scaler is not None else None
         finite_p = self.norm_type != math.inf
@@ -715,23 +776,42 @@ class MixedPrecisionOptimizer(OptimizerWrapper):
     def _fused_adam(self, group, part, grad_scale, found_inf):
         inner = self.optimizer
         mains, exp_avgs, exp_avg_sqs, steps = [], [], [], []
+        m_scales, v_scales = [], []
+        remainders = getattr(self, "_remainders", {})
+        m_dtype = getattr(self, "exp_avg_dtype", torch.float32)
+        v_dtype = getattr(self, "exp_avg_sq_dtype", torch.float32)
+        narrow = m_dtype != torch.float32 or v_dtype != torch.float32
         for main, _, _, _ in part:
             state = inner.state[main]
-            local = local_tensor(main)
+            rem = remainders.get(id(main))
+            local = rem if rem is not None else local_tensor(main)  # what the kernel steps
             if len(state) == 0:  # torch.optim.Adam's _init_group, with the step on the device
-                state["step"] = torch.zeros((), dtype=_scalar_dtype(), device=local.device)
-                state["exp_avg"] = torch.zeros_like(main, memory_format=torch.preserve_format)
-                state["exp_avg_sq"] = torch.zeros_like(main, memory_format=torch.preserve_format)
-            elif state["step"].device != local.device:
-                state["step"] = state["step"].to(local.device)  # once, after a CPU load
+                if narrow:
+                    state.update(_moments_like_main(state_formats.new_adam_state(
+                        local, _scalar_dtype(), m_dtype, v_dtype), main))
+                else:
+                    state["step"] = torch.zeros((), dtype=_scalar_dtype(), device=local.device)
+                    state["exp_avg"] = torch.zeros_like(main, memory_format=torch.preserve_format)
+                    state["exp_avg_sq"] = torch.zeros_like(main, memory_format=torch.preserve_format)
+            else:
+                if state["step"].device != local.device:
+                    state["step"] = state["step"].to(local.device)  # once, after a CPU load
+                if state_formats.needs_conversion(state, m_dtype, v_dtype):  # loaded otherwise
+                    new = state_formats.convert_adam_state(
+                        {k: local_tensor(v) for k, v in state.items()}, local, m_dtype, v_dtype)
+                    state.clear()
+                    state.update(_moments_like_main(new, main))
             mains.append(local)
             exp_avgs.append(local_tensor(state["exp_avg"]))
             exp_avg_sqs.append(local_tensor(state["exp_avg_sq"]))
             steps.append(state["step"])
+            m_scales.append(state.get("exp_avg_scale"))
+            v_scales.append(state.get("exp_avg_sq_scale"))
         models = [local_tensor(e[1]) for e in part] if part[0][1] is not None else None
         beta1, beta2 = group["betas"]
         ops.fused_adam_step_(
             mains, [e[2] for e in part], exp_avgs, exp_avg_sqs, steps,
+            exp_avg_scales=m_scales, exp_avg_sq_scales=v_scales,
             model_params=models, grad_scale=grad_scale, found_inf=found_inf,
             lr=group["lr"], beta1=beta1, beta2=beta2, eps=group["eps"],
             weight_decay=group["weight_decay"],
@@ -829,8 +909,9 @@ class MixedPrecisionOptimizer(OptimizerWrapper):
         state = {
             "optimizer": self.optimizer.state_dict(),
             "grad_scaler": self.grad_scaler.state_dict() if self.grad_scaler is not None else None,
-            "fp32_from_fp16_params": [
-                [main.detach().clone() for _, main in pairs] for pairs in self._half_pairs
+            "fp32_from_fp16_params": [  # fp32 (Megatron's format), rebuilt from remainders
+                [self._master_value(main, model) for model, main in pairs]
+                for pairs in self._half_pairs
             ],
         }
         if self.spike_detector is not None:  # tpamp's own key beside Megatron's three
@@ -850,17 +931,66 @@ class MixedPrecisionOptimizer(OptimizerWrapper):
         included) or a value of the wrong type, KeyError for a missing key, ValueError for a
         value that does not fit, each naming the key; a failed load leaves the optimizer,
         scaler, detector and params unchanged. The next step compares the settings across
-        ranks again."""
+        ranks again. State saved with other storage options (moment dtypes, remainders) is
+        converted to this optimizer's (:mod:`tpamp.state_formats`)."""
+        # with store_param_remainders a main param is a storage-free placeholder: its saved
+        # fp32 value lands in a scratch tensor, then is split into bf16 param + remainder
+        scratch: Dict[int, Tensor] = {}
+
+        def targets():
+            out = []
+            for pairs in self._half_pairs:
+                group = []
+                for _, main in pairs:
+                    if id(main) in self._remainders:
+                        t = scratch.setdefault(id(main), torch.empty(
+                            main.shape, dtype=torch.float32,
+                            device=self._remainders[id(main)].device))
+                        group.append(t)
+                    else:
+                        group.append(main)
+                out.append(group)
+            return out
+
         _validation.load_wrapper_state(
             self, state_dict, mains_key="fp32_from_fp16_params",
             match_mains=lambda saved: _validation.match_saved_tensors(
-                "state_dict['fp32_from_fp16_params']", saved, self.main_params_by_group()),
-            after_copy=self._copy_mains_to_model,
+                "state_dict['fp32_from_fp16_params']", saved, targets()),
+            after_copy=lambda: self._after_load_copy(scratch),
         )
+
+    def _after_load_copy(self, scratch: Dict[int, Tensor]) -> None:
+        for pairs in self._half_pairs:
+            for model, main in pairs:
+                rem = self._remainders.get(id(main))
+                if rem is not None:  # exact: the fp32 master split into bf16 param + remainder
+                    hi, lo = ops.split_remainders(local_tensor(scratch[id(main)]))
+                    local_tensor(model.detach()).copy_(hi)
+                    rem.copy_(lo)
+        self._copy_mains_to_model()
+        self._convert_state()
 
     def _copy_mains_to_model(self) -> None:
         mains, models = self._pair_locals()
         ops.scale_and_copy(mains, models)
+
+    def _convert_state(self) -> None:
+        """Inner Adam state stored in this optimizer's moment dtypes (after a load that may
+        come from another configuration; torch.optim's load casts state to the param dtype)."""
+        if self._fused_kind != "adam":
+            return
+        m_dtype, v_dtype = self.exp_avg_dtype, self.exp_avg_sq_dtype
+        for group in self.optimizer.param_groups:
+            for main in group["params"]:
+                state = self.optimizer.state.get(main)
+                if not state or not state_formats.needs_conversion(state, m_dtype, v_dtype):
+                    continue
+                rem = self._remainders.get(id(main))
+                like = rem if rem is not None else local_tensor(main)
+                new = state_formats.convert_adam_state(
+                    {k: local_tensor(v) for k, v in state.items()}, like, m_dtype, v_dtype)
+                state.clear()
+                state.update(_moments_like_main(new, main))
 
 
 class FP32Optimizer(MixedPrecisionOptimizer):
@@ -912,6 +1042,53 @@ def _clear(p: Tensor, set_to_none: bool) -> None:
     else:
         p.grad.detach_()
         p.grad.zero_()
+
+
+def _remainder_placeholder(param: Tensor) -> Tensor:
+    """The inner optimizer's param for a bf16 param kept as param + remainder: float32, the
+    param's shape (a DTensor with its mesh and placements), but no storage of its own (an
+    expanded 0-dim zero): the state is keyed by it, the kernel never touches it."""
+    local = local_tensor(param.detach())
+    data = torch.zeros((), dtype=torch.float32, device=local.device).expand(local.shape)
+    if local is not param.detach() and _is_dtensor(param):
+        from torch.distributed.tensor import DTensor
+
+        data = DTensor.from_local(data, param.device_mesh, param.placements, run_check=False,
+                                  shape=param.shape, stride=param.stride())
+    main = torch.nn.Parameter(data, requires_grad=True)
+    for attr in _COPIED_ATTRS:
+        if hasattr(param, attr):
+            setattr(main, attr, getattr(param, attr))
+    return main
+
+
+def _moments_like_main(state: dict, main: Tensor) -> dict:
+    """Adam state whose moments are DTensors like a DTensor main (as torch.optim keeps them);
+    the 8-bit scales stay local (their blocks are this rank's)."""
+    if local_tensor(main) is main:
+        return state
+    from torch.distributed.tensor import DTensor
+
+    out = dict(state)
+    for k in ("exp_avg", "exp_avg_sq"):
+        if k in out and local_tensor(out[k]) is out[k]:
+            out[k] = DTensor.from_local(out[k], main.device_mesh, main.placements,
+                                        run_check=False, shape=main.shape, stride=main.stride())
+    return out
+
+
+def state_formats_refuse_generic(wrapper) -> None:
+    """The generic path (inner optimizer.step()) cannot keep narrow state: raise instead."""
+    if (getattr(wrapper, "exp_avg_dtype", torch.float32) != torch.float32
+            or getattr(wrapper, "exp_avg_sq_dtype", torch.float32) != torch.float32
+            or getattr(wrapper, "store_param_remainders", False)):
+        raise RuntimeError(
+            f"this step would take the generic path (inner optimizer.step(): step hooks, an "
+            f"option the one-pass kernel lacks, param_grad_norms=True or a loss scaler that may "
+            f"drop below 1), which cannot keep exp_avg_dtype={wrapper.exp_avg_dtype}, "
+            f"exp_avg_sq_dtype={wrapper.exp_avg_sq_dtype}, "
+            f"store_param_remainders={wrapper.store_param_remainders}; nothing was changed"
+        )
 
 
 def _state_to_fp32(state: dict) -> dict:

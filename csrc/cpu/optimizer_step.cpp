@@ -12,6 +12,9 @@
 #include "launcher.h"
 #include "vec_lanes.h"
 
+#include <algorithm>
+#include <array>
+#include <cmath>
 #include <cstring>
 #include <type_traits>
 
@@ -76,6 +79,161 @@ void adam_chunk(const G* g, float* p, float* m, float* v, M* model, int64_t n,
     tp.out(p + i, r);
     tm.out(m + i, r);
     tv.out(v + i, r);
+  }
+}
+
+// -- narrow state (kernels/optimizer_step.h): bf16 / 8-bit moments, bf16 params + remainders --
+
+static_assert(kChunkSize % kMomentBlock == 0, "a chunk holds whole moment blocks");
+
+enum class Kind : int { kFloat, kBFloat16, kFp8 };
+
+Kind kind_of(at::ScalarType t) {
+  return t == at::kFloat ? Kind::kFloat : (t == at::kBFloat16 ? Kind::kBFloat16 : Kind::kFp8);
+}
+
+// The 256 float32 values of the e4m3fn codes (fp8_e4m3_decode), built once.
+const float* fp8_table() {
+  static const auto table = [] {
+    std::array<float, 256> t{};
+    for (int c = 0; c < 256; ++c) t[c] = fp8_e4m3_decode(static_cast<uint8_t>(c));
+    return t;
+  }();
+  return table.data();
+}
+
+// One stored moment of a chunk: its memory (float, bf16 bits or e4m3fn codes) and, for 8-bit,
+// the scales of the chunk's blocks.
+struct MomentRef {
+  Kind kind;
+  void* data;     // at the chunk's first element
+  float* scales;  // at the chunk's first block (8-bit only)
+  bool sqrt;      // 8-bit exp_avg_sq: the codes hold sqrt(value)
+};
+
+// Reads n <= kMomentBlock values of block b of a chunk's moment into out (float32).
+inline void read_moment(const MomentRef& r, int64_t b, int64_t n, float* out) {
+  const int64_t o = b * kMomentBlock;
+  switch (r.kind) {
+    case Kind::kFloat:
+      std::memcpy(out, static_cast<const float*>(r.data) + o, static_cast<size_t>(n) * 4);
+      break;
+    case Kind::kBFloat16: {
+      const uint16_t* in = static_cast<const uint16_t*>(r.data) + o;
+      for (int64_t i = 0; i < n; ++i) out[i] = bf16_to_float(in[i]);
+      break;
+    }
+    case Kind::kFp8: {
+      const uint8_t* in = static_cast<const uint8_t*>(r.data) + o;
+      const float* table = fp8_table();
+      const float scale = r.scales[b];
+      for (int64_t i = 0; i < n; ++i) out[i] = table[in[i]] * scale;
+      if (r.sqrt) {
+        for (int64_t i = 0; i < n; ++i) out[i] = out[i] * out[i];
+      }
+      break;
+    }
+  }
+}
+
+// Writes n values of `in` (float32; clobbered for 8-bit exp_avg_sq) to block b of the moment.
+inline void write_moment(const MomentRef& r, int64_t b, int64_t n, float* in) {
+  const int64_t o = b * kMomentBlock;
+  switch (r.kind) {
+    case Kind::kFloat:
+      std::memcpy(static_cast<float*>(r.data) + o, in, static_cast<size_t>(n) * 4);
+      break;
+    case Kind::kBFloat16: {
+      uint16_t* out = static_cast<uint16_t*>(r.data) + o;
+      for (int64_t i = 0; i < n; ++i) out[i] = float_to_bf16(in[i]);
+      break;
+    }
+    case Kind::kFp8: {
+      int64_t i = 0;
+      FVec vmax(0.0f);
+      if constexpr (kUseVec) {
+        for (; i + FVec::size() <= n; i += FVec::size()) {
+          FVec x = FVec::loadu(in + i);
+          if (r.sqrt) x = x.sqrt();
+          x.store(in + i);
+          vmax = at::vec::maximum(vmax, x.abs());
+        }
+      }
+      float absmax = Lanes<FVec>::max_all(vmax);
+      for (; i < n; ++i) {
+        if (r.sqrt) in[i] = sqrtf(in[i]);
+        absmax = max_propagate_nan(absmax, fabsf(in[i]));
+      }
+      const MomentScale s = moment_scale(absmax);
+      r.scales[b] = s.scale;
+      uint8_t* out = static_cast<uint8_t*>(r.data) + o;
+      for (int64_t k = 0; k < n; ++k) out[k] = fp8_e4m3_encode(in[k] * s.inv);
+      break;
+    }
+  }
+}
+
+// adam_chunk for any storage: per block of kMomentBlock elements, the stored values are read into
+// float32 buffers (L1), the same vector math as adam_chunk runs on them, and they are written back
+// in their formats. p: fp32 masters, or null with rem (int16 remainders) and a bf16 model.
+template <typename G, typename M>
+void adam_chunk_narrow(const G* g, float* p, int16_t* rem, const MomentRef& mref,
+                       const MomentRef& vref, M* model, int64_t n, const AdamScalars& scalars) {
+  constexpr bool kModel = !std::is_same_v<M, NoModel>;
+  const AdamScalars s = scalars;
+  alignas(64) float pb[kMomentBlock];
+  alignas(64) float mb[kMomentBlock];
+  alignas(64) float vb[kMomentBlock];
+  alignas(64) std::conditional_t<kModel, M, float> mob[kMomentBlock];  // model values (no rem)
+  for (int64_t b = 0; b * kMomentBlock < n; ++b) {
+    const int64_t o = b * kMomentBlock;
+    const int64_t k = std::min<int64_t>(kMomentBlock, n - o);
+    read_moment(mref, b, k, mb);
+    read_moment(vref, b, k, vb);
+    if (rem != nullptr) {
+      if constexpr (std::is_same_v<M, at::BFloat16>) {
+        const uint16_t* mp = reinterpret_cast<const uint16_t*>(model + o);
+        for (int64_t i = 0; i < k; ++i) pb[i] = join_remainder(mp[i], rem[o + i]);
+      }
+    } else {
+      std::memcpy(pb, p + o, static_cast<size_t>(k) * 4);
+    }
+    int64_t i = 0;
+    auto step = [&](const G* gp, int64_t j) {
+      FVec g0, g1, p0, p1, m0, m1, v0, v1;
+      VecIO<G>::load(gp, g0, g1);
+      VecIO<float>::load(pb + j, p0, p1);
+      VecIO<float>::load(mb + j, m0, m1);
+      VecIO<float>::load(vb + j, v0, v1);
+      adam_element<FVec>(p0, m0, v0, g0, s);
+      adam_element<FVec>(p1, m1, v1, g1, s);
+      VecIO<float>::template store<true, false>(pb + j, p0, p1);
+      VecIO<float>::template store<true, false>(mb + j, m0, m1);
+      VecIO<float>::template store<true, false>(vb + j, v0, v1);
+      if constexpr (kModel) {
+        if (rem == nullptr) VecIO<M>::template store<true, false>(mob + j, p0, p1);
+      }
+    };
+    for (; i + kVecStep <= k; i += kVecStep) step(g + o + i, i);
+    if (i < k) {
+      Tail<G> tg;
+      tg.in(g + o + i, k - i);
+      // the buffers have room: k - i < kVecStep and kMomentBlock is a multiple of kVecStep
+      step(tg.buf, i);
+    }
+    write_moment(mref, b, k, mb);
+    write_moment(vref, b, k, vb);
+    if (rem != nullptr) {
+      if constexpr (std::is_same_v<M, at::BFloat16>) {
+        uint16_t* mp = reinterpret_cast<uint16_t*>(model + o);
+        for (int64_t j = 0; j < k; ++j) split_remainder(pb[j], mp[j], rem[o + j]);
+      }
+    } else {
+      std::memcpy(p + o, pb, static_cast<size_t>(k) * 4);
+      if constexpr (kModel) {
+        std::memcpy(static_cast<void*>(model + o), mob, static_cast<size_t>(k) * sizeof(M));
+      }
+    }
   }
 }
 
@@ -188,11 +346,13 @@ void fused_adam_step_(at::TensorList params, at::TensorList exp_avgs, at::Tensor
                       const std::optional<at::Tensor>& found_inf,
                       const std::optional<at::Tensor>& lr_tensor, double lr, double beta1,
                       double beta2, double eps, double weight_decay, bool decoupled_weight_decay,
-                      bool maximize) {
+                      bool maximize, at::TensorList exp_avg_scales,
+                      at::TensorList exp_avg_sq_scales) {
   const char* op = "tpamp::fused_adam_step_";
   const at::Device device(at::kCPU);
   const StepArgs a = validate_adam_step(op, params, exp_avgs, exp_avg_sqs, steps, model_params,
-                                        grads, grad_scale, found_inf, lr_tensor, device);
+                                        grads, grad_scale, found_inf, lr_tensor, exp_avg_scales,
+                                        exp_avg_sq_scales, device);
   if (params.empty()) return;
   // host memory: reading the device scalars is no sync
   if (a.has_found_inf && found_inf->item<float>() != 0.0f) return;
@@ -204,6 +364,22 @@ void fused_adam_step_(at::TensorList params, at::TensorList exp_avgs, at::Tensor
   for (const auto& st : steps) scalars.push_back(adam_scalars(h, read_step(st) + 1.0, scale, maximize));
   for_each_step_chunk(params, grads, model_params, [&](const auto* g, auto* model, const Chunk& c) {
     const int64_t e = c.entry;
+    const Kind mk = kind_of(exp_avgs[e].scalar_type());
+    const Kind vk = kind_of(exp_avg_sqs[e].scalar_type());
+    const bool remainders = params[e].scalar_type() == at::kShort;
+    if (remainders || mk != Kind::kFloat || vk != Kind::kFloat) {
+      const int64_t first_block = c.offset / kMomentBlock;  // c.offset: a multiple of kChunkSize
+      auto ref = [&](const at::Tensor& t, Kind k, at::TensorList scales, bool sq) {
+        return MomentRef{k, static_cast<char*>(t.data_ptr()) + c.offset * t.element_size(),
+                         k == Kind::kFp8 ? scales[e].data_ptr<float>() + first_block : nullptr,
+                         sq};
+      };
+      adam_chunk_narrow(g, remainders ? nullptr : params[e].data_ptr<float>() + c.offset,
+                        remainders ? params[e].data_ptr<int16_t>() + c.offset : nullptr,
+                        ref(exp_avgs[e], mk, exp_avg_scales, false),
+                        ref(exp_avg_sqs[e], vk, exp_avg_sq_scales, true), model, c.n, scalars[e]);
+      return;
+    }
     adam_chunk(g, params[e].data_ptr<float>() + c.offset,
                exp_avgs[e].data_ptr<float>() + c.offset,
                exp_avg_sqs[e].data_ptr<float>() + c.offset, model, c.n, scalars[e]);

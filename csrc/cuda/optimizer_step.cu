@@ -23,6 +23,8 @@ template <>
 struct MaxTensors<4> { static constexpr int value = 64; };
 template <>
 struct MaxTensors<6> { static constexpr int value = 48; };
+template <>
+struct MaxTensors<8> { static constexpr int value = 36; };
 
 namespace cuda {
 namespace {
@@ -31,6 +33,11 @@ struct NoModel {};
 
 constexpr int kAdamDepth = 6;  // grad, param, exp_avg, exp_avg_sq, model (or null), step
 constexpr int kSgdDepth = 4;   // grad, param, momentum buffer (or null), model (or null)
+// narrow state: grad, param (fp32 or int16 remainder), exp_avg, exp_avg_sq, model (or null),
+// step, exp_avg scales (8-bit, else null), exp_avg_sq scales (8-bit, else null)
+constexpr int kNarrowDepth = 8;
+constexpr int kWarps = kBlockSize / 32;
+static_assert(kMomentBlock == 8 * 32, "one warp reads a moment block as 8 elements per lane");
 
 __device__ __forceinline__ bool skipped(const float* found_inf) {
   return found_inf != nullptr && *found_inf != 0.0f;
@@ -69,6 +76,115 @@ struct AdamFunctor {
       v[i] = vi;
       if constexpr (!std::is_same_v<M, NoModel>) {
         static_cast<M*>(c.addr[4])[c.offset + i] = static_cast<M>(pi);
+      }
+    }
+  }
+};
+
+// Storage of a moment (kernels/optimizer_step.h): float32, bf16, or e4m3fn codes + block scales.
+enum MomentKind : int { kMomentFloat = 0, kMomentBf16 = 1, kMomentFp8 = 2 };
+
+__device__ __forceinline__ float load_moment(const void* data, int64_t i, int kind,
+                                             float scale, bool sq) {
+  if (kind == kMomentFloat) return static_cast<const float*>(data)[i];
+  if (kind == kMomentBf16) return bf16_to_float(static_cast<const uint16_t*>(data)[i]);
+  const float r = fp8_e4m3_decode(static_cast<const uint8_t*>(data)[i]) * scale;
+  return sq ? r * r : r;
+}
+
+__device__ __forceinline__ float warp_max(float x) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) x = max_propagate_nan(x, __shfl_xor_sync(0xffffffffu, x, o));
+  return x;
+}
+
+// Adam/AdamW with narrow state: each warp takes one block of kMomentBlock elements (8 per lane,
+// coalesced), so an 8-bit moment's block max is one warp reduction and no block barrier.
+template <typename G, typename M>
+struct NarrowAdamFunctor {
+  AdamHyper h;
+  const float* grad_scale;
+  const float* found_inf;
+  const float* lr;
+  bool maximize;
+  bool step_is_double;
+  bool remainders;  // params are int16 remainders of the bf16 model params
+  int m_kind;
+  int v_kind;
+
+  __device__ __forceinline__ void operator()(const ChunkInfo<kNarrowDepth>& c) const {
+    if (skipped(found_inf)) return;
+    __shared__ AdamScalars shared;
+    if (threadIdx.x == 0) {
+      AdamHyper hh = h;
+      if (lr != nullptr) hh.lr = static_cast<double>(*lr);
+      const double step = step_is_double ? *static_cast<const double*>(c.addr[5])
+                                         : static_cast<double>(*static_cast<const float*>(c.addr[5]));
+      shared = adam_scalars(hh, step + 1.0, grad_scale != nullptr ? *grad_scale : 1.0f, maximize);
+    }
+    __syncthreads();
+    const AdamScalars s = shared;
+    const int warp = static_cast<int>(threadIdx.x) / 32;
+    const int lane = static_cast<int>(threadIdx.x) % 32;
+    const G* g = static_cast<const G*>(c.addr[0]);
+    float* m_scales = static_cast<float*>(c.addr[6]);
+    float* v_scales = static_cast<float*>(c.addr[7]);
+    for (int base = warp * static_cast<int>(kMomentBlock); base < c.n;
+         base += kWarps * static_cast<int>(kMomentBlock)) {
+      const int64_t block = (c.offset + base) / kMomentBlock;
+      const float ms_in = m_kind == kMomentFp8 ? m_scales[block] : 1.0f;
+      const float vs_in = v_kind == kMomentFp8 ? v_scales[block] : 1.0f;
+      float mv[8], vv[8];
+      float m_max = 0.0f, v_max = 0.0f;
+#pragma unroll
+      for (int k = 0; k < 8; ++k) {
+        const int j = base + lane + 32 * k;
+        mv[k] = 0.0f;
+        vv[k] = 0.0f;
+        if (j >= c.n) continue;
+        const int64_t i = c.offset + j;
+        float p;
+        if (remainders) {
+          p = join_remainder(static_cast<const uint16_t*>(c.addr[4])[i],
+                             static_cast<const int16_t*>(c.addr[1])[i]);
+        } else {
+          p = static_cast<const float*>(c.addr[1])[i];
+        }
+        float m = load_moment(c.addr[2], i, m_kind, ms_in, false);
+        float v = load_moment(c.addr[3], i, v_kind, vs_in, true);
+        adam_element<float>(p, m, v, static_cast<float>(g[i]), s);
+        if (remainders) {
+          uint16_t bits;
+          int16_t rem;
+          split_remainder(p, bits, rem);
+          static_cast<uint16_t*>(c.addr[4])[i] = bits;
+          static_cast<int16_t*>(c.addr[1])[i] = rem;
+        } else {
+          static_cast<float*>(c.addr[1])[i] = p;
+          if constexpr (!std::is_same_v<M, NoModel>) static_cast<M*>(c.addr[4])[i] = static_cast<M>(p);
+        }
+        if (v_kind == kMomentFp8) v = sqrtf(v);  // 8-bit exp_avg_sq holds sqrt(v)
+        mv[k] = m;
+        vv[k] = v;
+        m_max = max_propagate_nan(m_max, fabsf(m));
+        v_max = max_propagate_nan(v_max, fabsf(v));
+      }
+      MomentScale msc{1.0f, 1.0f}, vsc{1.0f, 1.0f};
+      if (m_kind == kMomentFp8) msc = moment_scale(warp_max(m_max));
+      if (v_kind == kMomentFp8) vsc = moment_scale(warp_max(v_max));
+      if (lane == 0 && m_kind == kMomentFp8) m_scales[block] = msc.scale;
+      if (lane == 0 && v_kind == kMomentFp8) v_scales[block] = vsc.scale;
+#pragma unroll
+      for (int k = 0; k < 8; ++k) {
+        const int j = base + lane + 32 * k;
+        if (j >= c.n) continue;
+        const int64_t i = c.offset + j;
+        if (m_kind == kMomentFloat) static_cast<float*>(c.addr[2])[i] = mv[k];
+        if (m_kind == kMomentBf16) static_cast<uint16_t*>(c.addr[2])[i] = float_to_bf16(mv[k]);
+        if (m_kind == kMomentFp8) static_cast<uint8_t*>(c.addr[2])[i] = fp8_e4m3_encode(mv[k] * msc.inv);
+        if (v_kind == kMomentFloat) static_cast<float*>(c.addr[3])[i] = vv[k];
+        if (v_kind == kMomentBf16) static_cast<uint16_t*>(c.addr[3])[i] = float_to_bf16(vv[k]);
+        if (v_kind == kMomentFp8) static_cast<uint8_t*>(c.addr[3])[i] = fp8_e4m3_encode(vv[k] * vsc.inv);
       }
     }
   }
@@ -163,6 +279,10 @@ int dtype_slot(at::ScalarType t) {
   return t == at::kFloat ? 0 : (t == at::kHalf ? 1 : 2);
 }
 
+int moment_kind(at::ScalarType t) {
+  return t == at::kFloat ? kMomentFloat : (t == at::kBFloat16 ? kMomentBf16 : kMomentFp8);
+}
+
 const float* ptr_or_null(const std::optional<at::Tensor>& t, bool present) {
   return present ? t->const_data_ptr<float>() : nullptr;
 }
@@ -175,18 +295,41 @@ void fused_adam_step_(at::TensorList params, at::TensorList exp_avgs, at::Tensor
                       const std::optional<at::Tensor>& found_inf,
                       const std::optional<at::Tensor>& lr_tensor, double lr, double beta1,
                       double beta2, double eps, double weight_decay, bool decoupled_weight_decay,
-                      bool maximize) {
+                      bool maximize, at::TensorList exp_avg_scales,
+                      at::TensorList exp_avg_sq_scales) {
   const char* op = "tpamp::fused_adam_step_";
   const StepArgs a = validate_adam_step(op, params, exp_avgs, exp_avg_sqs, steps, model_params,
-                                        grads, grad_scale, found_inf, lr_tensor,
-                                        at::Device(kLauncherDevice));
+                                        grads, grad_scale, found_inf, lr_tensor, exp_avg_scales,
+                                        exp_avg_sq_scales, at::Device(kLauncherDevice));
   if (params.empty()) return;
   const c10::cuda::CUDAGuard guard(a.device);
   const bool has_model = !model_params.empty();
   const AdamHyper h{lr, beta1, beta2, eps, weight_decay, decoupled_weight_decay};
   // entries grouped by (grad dtype, model dtype, step dtype)
   std::vector<TensorEntry<kAdamDepth>> groups[3][3][2];
+  // narrow state: grouped by (grad, model, step dtype) x (exp_avg kind, exp_avg_sq kind, remainders)
+  std::vector<TensorEntry<kNarrowDepth>> narrow[3][3][2][3][3][2];
   for (size_t i = 0; i < params.size(); ++i) {
+    const int mk = moment_kind(exp_avgs[i].scalar_type());
+    const int vk = moment_kind(exp_avg_sqs[i].scalar_type());
+    const bool rem = params[i].scalar_type() == at::kShort;
+    if (mk != kMomentFloat || vk != kMomentFloat || rem) {
+      TensorEntry<kNarrowDepth> e;
+      e.addr = {const_cast<void*>(grads[i].const_data_ptr()), params[i].data_ptr(),
+                exp_avgs[i].data_ptr(), exp_avg_sqs[i].data_ptr(),
+                has_model ? model_params[i].data_ptr() : nullptr, steps[i].data_ptr(),
+                mk == kMomentFp8 ? exp_avg_scales[i].data_ptr() : nullptr,
+                vk == kMomentFp8 ? exp_avg_sq_scales[i].data_ptr() : nullptr};
+      e.numel = params[i].numel();
+      e.slot = 0;
+      e.index = static_cast<int32_t>(i);
+      e.flags = kWrite;
+      narrow[dtype_slot(grads[i].scalar_type())]
+            [has_model ? dtype_slot(model_params[i].scalar_type()) : 0]
+            [steps[i].scalar_type() == at::kDouble ? 1 : 0][mk][vk][rem ? 1 : 0]
+                .push_back(e);
+      continue;
+    }
     TensorEntry<kAdamDepth> e;
     e.addr = {const_cast<void*>(grads[i].const_data_ptr()), params[i].data_ptr(),
               exp_avgs[i].data_ptr(), exp_avg_sqs[i].data_ptr(),
@@ -218,6 +361,34 @@ void fused_adam_step_(at::TensorList params, at::TensorList exp_avgs, at::Tensor
                                              ptr_or_null(lr_tensor, a.has_lr_tensor), maximize,
                                              si == 1});
             });
+      }
+    }
+  }
+  for (int gi = 0; gi < 3; ++gi) {
+    for (int mi = 0; mi < 3; ++mi) {
+      for (int si = 0; si < 2; ++si) {
+        for (int mk = 0; mk < 3; ++mk) {
+          for (int vk = 0; vk < 3; ++vk) {
+            for (int ri = 0; ri < 2; ++ri) {
+              const auto& entries = narrow[gi][mi][si][mk][vk][ri];
+              if (entries.empty()) continue;
+              const size_t first = static_cast<size_t>(entries[0].index);
+              dispatch_grad_model(
+                  grads[first].scalar_type(), has_model,
+                  has_model ? model_params[first].scalar_type() : at::kFloat,
+                  [&](auto g_tag, auto m_tag) {
+                    using G = decltype(g_tag);
+                    using M = decltype(m_tag);
+                    multi_tensor_apply<kNarrowDepth>(
+                        entries,
+                        NarrowAdamFunctor<G, M>{h, ptr_or_null(grad_scale, a.has_grad_scale),
+                                                ptr_or_null(found_inf, a.has_found_inf),
+                                                ptr_or_null(lr_tensor, a.has_lr_tensor), maximize,
+                                                si == 1, ri == 1, mk, vk});
+                  });
+            }
+          }
+        }
       }
     }
   }

@@ -4,6 +4,11 @@
 #pragma once
 
 #include "checks.h"
+#include "../kernels/optimizer_step.h"
+
+#include <algorithm>
+#include <initializer_list>
+#include <string>
 
 #include <ATen/core/List.h>
 
@@ -32,6 +37,50 @@ inline void check_fp32_list(const char* op, const char* name, at::TensorList ts)
   for (size_t i = 0; i < ts.size(); ++i) {
     TORCH_CHECK(ts[i].scalar_type() == at::kFloat, op, ": ", name, "[", i, "] has dtype ",
                 ts[i].scalar_type(), "; expected float32");
+  }
+}
+
+// Every tensor of a list: defined, on `device`, one of `dtypes`, non-overlapping and dense.
+inline void check_dense_list(const char* op, const char* name, at::TensorList ts,
+                             const at::Device& device, std::initializer_list<at::ScalarType> dtypes,
+                             const char* expected) {
+  for (size_t i = 0; i < ts.size(); ++i) {
+    const at::Tensor& t = ts[i];
+    TORCH_CHECK(t.defined(), op, ": ", name, "[", i, "] is undefined");
+    TORCH_CHECK(t.device() == device, op, ": ", name, "[", i, "] is on ", t.device(),
+                ", expected ", device, " (all tensors on one device)");
+    TORCH_CHECK(std::find(dtypes.begin(), dtypes.end(), t.scalar_type()) != dtypes.end(), op,
+                ": ", name, "[", i, "] has dtype ", t.scalar_type(), "; expected ", expected);
+    TORCH_CHECK(t.numel() <= 1 || t.is_non_overlapping_and_dense(), op, ": ", name, "[", i,
+                "] must be non-overlapping and dense, got sizes ", t.sizes(), " and strides ",
+                t.strides());
+  }
+}
+
+// A moment list (float32, bfloat16 or float8_e4m3fn) and its scales: for every 8-bit entry i,
+// scales[i] is a contiguous float32 tensor of num_moment_blocks(numel) elements (one per block
+// of kMomentBlock, kernels/optimizer_step.h); scales is empty when no entry is 8-bit.
+inline void check_moment_list(const char* op, const char* name, at::TensorList moments,
+                              const char* scale_name, at::TensorList scales,
+                              at::TensorList params, const at::Device& device) {
+  check_dense_list(op, name, moments, device, {at::kFloat, at::kBFloat16, at::kFloat8_e4m3fn},
+                   "float32, bfloat16 or float8_e4m3fn");
+  check_same_layout(op, "params", params, name, moments);
+  bool any8 = false;
+  for (const auto& t : moments) any8 |= t.scalar_type() == at::kFloat8_e4m3fn;
+  TORCH_CHECK(scales.size() == moments.size() || (!any8 && scales.empty()), op, ": ",
+              scale_name, " has ", scales.size(), " tensors, ", name, " has ", moments.size(),
+              " (pass one per param when any is float8_e4m3fn, else none)");
+  for (size_t i = 0; i < moments.size() && any8; ++i) {
+    if (moments[i].scalar_type() != at::kFloat8_e4m3fn) continue;
+    const at::Tensor& sc = scales[i];
+    const int64_t blocks = num_moment_blocks(moments[i].numel());
+    TORCH_CHECK(sc.defined() && sc.device() == device && sc.scalar_type() == at::kFloat &&
+                    sc.is_contiguous() && sc.numel() == blocks,
+                op, ": ", scale_name, "[", i, "] must be a contiguous float32 tensor of ", blocks,
+                " elements (one per block of ", kMomentBlock, ") on ", device, ", got ",
+                sc.defined() ? sc.toString() : "undefined",
+                sc.defined() ? " of " + std::to_string(sc.numel()) + " elements" : "");
   }
 }
 
@@ -68,7 +117,7 @@ inline StepArgs check_step_common(const char* op, at::TensorList params, at::Ten
                                   const std::optional<at::Tensor>& grad_scale,
                                   const std::optional<at::Tensor>& found_inf,
                                   const std::optional<at::Tensor>& lr_tensor,
-                                  at::DeviceType expect) {
+                                  at::DeviceType expect, bool allow_remainders = false) {
   // The params' device; with no params, the first device scalar's (an empty step is valid on any
   // device of the launcher's type), else the launcher's device type.
   at::Device device(expect);
@@ -83,14 +132,27 @@ inline StepArgs check_step_common(const char* op, at::TensorList params, at::Ten
     }
   }
   TORCH_CHECK(device.type() == expect, op, ": expected tensors on ", expect, ", got ", device);
-  check_float_list(op, "params", params, device);
-  check_fp32_list(op, "params", params);
+  if (allow_remainders) {
+    check_dense_list(op, "params", params, device, {at::kFloat, at::kShort},
+                     "float32 (fp32 main params) or int16 (remainders of bf16 model_params)");
+  } else {
+    check_float_list(op, "params", params, device);
+    check_fp32_list(op, "params", params);
+  }
   check_float_list(op, "grads", grads, device);
   check_same_layout(op, "params", params, "grads", grads);
   TORCH_CHECK(model_params.empty() || model_params.size() == params.size(), op,
               ": model_params has ", model_params.size(), " tensors, params has ", params.size(),
               " (pass none, or one per param)");
   check_model_list(op, params, model_params, device);
+  for (size_t i = 0; i < params.size(); ++i) {
+    TORCH_CHECK(params[i].scalar_type() != at::kShort ||
+                    (!model_params.empty() && model_params[i].scalar_type() == at::kBFloat16),
+                op, ": params[", i, "] is int16 (the remainders of a bf16 param), so "
+                "model_params[", i, "] must be the bfloat16 param, got ",
+                model_params.empty() ? std::string("no model_params")
+                                     : std::string(c10::toString(model_params[i].scalar_type())));
+  }
   const bool gs = check_device_scalar(op, "grad_scale", grad_scale, device);
   const bool fi = check_device_scalar(op, "found_inf", found_inf, device);
   const bool lt = check_device_scalar(op, "lr_tensor", lr_tensor, device);
@@ -104,15 +166,13 @@ inline StepArgs validate_adam_step(const char* op, at::TensorList params,
                                    const std::optional<at::Tensor>& grad_scale,
                                    const std::optional<at::Tensor>& found_inf,
                                    const std::optional<at::Tensor>& lr_tensor,
+                                   at::TensorList exp_avg_scales, at::TensorList exp_avg_sq_scales,
                                    const at::Device& launcher) {
   const StepArgs a = check_step_common(op, params, grads, model_params, grad_scale, found_inf,
-                                       lr_tensor, launcher.type());
-  for (const auto& [name, list] : {std::pair<const char*, at::TensorList>{"exp_avgs", exp_avgs},
-                                   {"exp_avg_sqs", exp_avg_sqs}}) {
-    check_float_list(op, name, list, a.device);
-    check_fp32_list(op, name, list);
-    check_same_layout(op, "params", params, name, list);
-  }
+                                       lr_tensor, launcher.type(), /*allow_remainders=*/true);
+  check_moment_list(op, "exp_avgs", exp_avgs, "exp_avg_scales", exp_avg_scales, params, a.device);
+  check_moment_list(op, "exp_avg_sqs", exp_avg_sqs, "exp_avg_sq_scales", exp_avg_sq_scales,
+                    params, a.device);
   TORCH_CHECK(steps.size() == params.size(), op, ": steps has ", steps.size(),
               " tensors, params has ", params.size());
   for (size_t i = 0; i < steps.size(); ++i) {
@@ -122,12 +182,16 @@ inline StepArgs validate_adam_step(const char* op, at::TensorList params,
                 op, ": steps[", i, "] must be a 1-element float32/float64 tensor on ", a.device,
                 ", got ", s.defined() ? s.toString() : "undefined");
   }
-  check_no_overlap(op, {params, exp_avgs, exp_avg_sqs, model_params, grads, steps},
-                   {"params", "exp_avgs", "exp_avg_sqs", "model_params", "grads", "steps"},
-                   {true, true, true, true, false, true}, false);
+  check_no_overlap(op, {params, exp_avgs, exp_avg_sqs, model_params, grads, steps,
+                       exp_avg_scales, exp_avg_sq_scales},
+                   {"params", "exp_avgs", "exp_avg_sqs", "model_params", "grads", "steps",
+                    "exp_avg_scales", "exp_avg_sq_scales"},
+                   {true, true, true, true, false, true, true, true}, false);
   check_step_scalars_not_written(
-      op, grad_scale, found_inf, lr_tensor, {params, exp_avgs, exp_avg_sqs, model_params, steps},
-      {"params", "exp_avgs", "exp_avg_sqs", "model_params", "steps"});
+      op, grad_scale, found_inf, lr_tensor,
+      {params, exp_avgs, exp_avg_sqs, model_params, steps, exp_avg_scales, exp_avg_sq_scales},
+      {"params", "exp_avgs", "exp_avg_sqs", "model_params", "steps", "exp_avg_scales",
+       "exp_avg_sq_scales"});
   return a;
 }
 

@@ -14,6 +14,8 @@
 
 #include "common.h"
 
+#include <cstring>
+
 namespace tpamp {
 
 // Hyperparameters of one Adam/AdamW param group (float64, as torch.optim holds them).
@@ -78,6 +80,129 @@ TPAMP_INLINE void adam_element(V& p, V& m, V& v, V g, const AdamScalars& s) {
   v = v * V(s.beta2) + V(s.one_minus_beta2) * g * g;
   const V denom = Lanes<V>::sqrt(v) / V(s.bias_correction2_sqrt) + V(s.eps);
   p = p + V(s.neg_step_size) * m / denom;
+}
+
+// -- narrow storage of the Adam state (issue 22) ---------------------------------------------
+//
+// The update above always runs in float32; these functions only read and write the stored
+// values. Both launchers use them (the CPU launcher on 256-element blocks it vectorizes, the CUDA
+// launcher per element), so one definition fixes every bit of the formats:
+//
+// * bfloat16 moments: float32 -> bf16 rounds to nearest even (NaN stays NaN), bf16 -> float32 is
+//   exact.
+// * 8-bit moments: torch.float8_e4m3fn codes, blockwise: each block of kMomentBlock consecutive
+//   elements of a tensor (the last block may be shorter) has one float32 scale,
+//   scale = absmax / 448 (448 = e4m3fn's largest finite value); code = e4m3fn(x * (448 / absmax))
+//   rounded to nearest even, so the block's largest |x| maps to +-448; value = float(code) *
+//   scale. exp_avg_sq is stored as the codes of sqrt(exp_avg_sq) (the quantity the denominator
+//   uses; twice the dynamic range in exp_avg_sq): value = (float(code) * scale)^2. An all-zero
+//   block has scale 0 and codes 0. (torchao's and bitsandbytes' 8-bit Adam quantize blockwise
+//   too, with a dynamic-tree codebook instead of e4m3fn.)
+// * bf16 params with 16-bit remainders (Transformer Engine's FusedAdam store_param_remainders,
+//   Megatron-core's precision-aware optimizer): the float32 master x is not stored; its bits are
+//   bits(x) = (bits(param) << 16) + int32(remainder) (mod 2^32), and a new x is split as
+//   remainder = int16(low 16 bits of x), bits(param) = (bits(x) + 0x8000) >> 16. So x is exact
+//   (the step is bit-identical to the fp32-master step), and the bf16 param is x rounded to
+//   nearest with ties away from zero: it differs from round-to-nearest-even (what a model param
+//   written from an fp32 master gets) only when the low 16 bits are exactly 0x8000 and the high
+//   half is even, by one bf16 ulp away from zero. No 16-bit remainder can do better: under
+//   round-to-nearest-even an even bf16 value has 65537 float32 preimages.
+
+constexpr int64_t kMomentBlock = 256;  // elements per scale of an 8-bit moment; divides kChunkSize
+constexpr float kFp8Max = 448.0f;      // largest finite torch.float8_e4m3fn
+
+TPAMP_INLINE int64_t num_moment_blocks(int64_t numel) {
+  return (numel + kMomentBlock - 1) / kMomentBlock;
+}
+
+TPAMP_INLINE uint32_t float_to_bits(float x) {
+#if defined(__CUDA_ARCH__)
+  return __float_as_uint(x);
+#else
+  uint32_t u;
+  memcpy(&u, &x, sizeof(u));
+  return u;
+#endif
+}
+
+TPAMP_INLINE float bits_to_float(uint32_t u) {
+#if defined(__CUDA_ARCH__)
+  return __uint_as_float(u);
+#else
+  float x;
+  memcpy(&x, &u, sizeof(x));
+  return x;
+#endif
+}
+
+TPAMP_INLINE float bf16_to_float(uint16_t b) { return bits_to_float(static_cast<uint32_t>(b) << 16); }
+
+// Round to nearest even; NaN -> a quiet NaN of the same sign.
+TPAMP_INLINE uint16_t float_to_bf16(float x) {
+  const uint32_t u = float_to_bits(x);
+  if ((u & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((u >> 16) | 0x0040u);
+  return static_cast<uint16_t>((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+}
+
+// The float32 master of a bf16 param with its remainder (see above).
+TPAMP_INLINE float join_remainder(uint16_t param_bits, int16_t remainder) {
+  return bits_to_float((static_cast<uint32_t>(param_bits) << 16) +
+                       static_cast<uint32_t>(static_cast<int32_t>(remainder)));
+}
+
+TPAMP_INLINE void split_remainder(float x, uint16_t& param_bits, int16_t& remainder) {
+  const uint32_t u = float_to_bits(x);
+  remainder = static_cast<int16_t>(static_cast<uint16_t>(u & 0xffffu));
+  param_bits = static_cast<uint16_t>((u + 0x8000u) >> 16);
+}
+
+// e4m3fn code of q, |q| <= 448 (larger finite values saturate to +-448), round to nearest even;
+// NaN -> 0x7f | sign. The same result as torch's float32 -> float8_e4m3fn conversion there.
+TPAMP_INLINE uint8_t fp8_e4m3_encode(float q) {
+  const uint32_t u = float_to_bits(q);
+  const uint32_t sign = (u >> 24) & 0x80u;
+  uint32_t a = u & 0x7fffffffu;
+  if (a > 0x7f800000u) return static_cast<uint8_t>(0x7fu | sign);
+  uint32_t code;
+  if (a < 0x3c800000u) {  // |q| < 2^-6: subnormal codes, steps of 2^-9 (16384 has ulp 2^-9)
+    code = float_to_bits(bits_to_float(a) + 16384.0f) - 0x46800000u;
+  } else {
+    a += 0x7ffffu + ((a >> 20) & 1u);          // round the mantissa to 3 bits, nearest even
+    code = (a >> 20) - ((127u - 7u) << 3);     // rebias the exponent (8 -> 4 bits)
+    if (code > 0x7eu) code = 0x7eu;
+  }
+  return static_cast<uint8_t>(code | sign);
+}
+
+TPAMP_INLINE float fp8_e4m3_decode(uint8_t c) {
+  const uint32_t e = (c >> 3) & 0xfu, m = c & 7u;
+  float mag;
+  if (e == 0) {
+    mag = static_cast<float>(m) * 0.001953125f;  // 2^-9
+  } else if (e == 15 && m == 7) {
+    mag = bits_to_float(0x7fc00000u);
+  } else {
+    mag = bits_to_float(((e + 120u) << 23) | (m << 20));
+  }
+  return (c & 0x80u) ? -mag : mag;
+}
+
+// A block's scale and its multiplier for encoding, from the block's max |value| (NaN if any).
+struct MomentScale {
+  float scale;  // stored: value = float(code) * scale
+  float inv;    // code = e4m3fn(x * inv)
+};
+
+TPAMP_INLINE MomentScale moment_scale(float absmax) {
+  MomentScale s;
+  if (absmax > 0.0f && absmax <= FLT_MAX) {
+    s.scale = absmax / kFp8Max;
+    s.inv = kFp8Max / absmax;
+  } else {  // all zero: codes 0, scale 0; inf/NaN: codes 0, scale NaN (the block reads NaN)
+    s.scale = absmax == 0.0f ? 0.0f : bits_to_float(0x7fc00000u);
+    s.inv = 0.0f;
+  }
+  return s;
 }
 
 // Hyperparameters of one SGD param group.

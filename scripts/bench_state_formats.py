@@ -1,0 +1,171 @@
+"""Benchmark the optimizer-state storage options (issue 22): bytes per parameter and step time.
+
+A benchmark, not a test. For DP = 1, 2, 4 (``--dps``), ranks are fork-started processes with a
+gloo group over tcp://127.0.0.1, one thread each. Every rank builds one bf16 model per
+configuration (``--numel`` elements in ``--tensors`` tensors of odd sizes, two param groups, as
+scripts/bench_distributed_optimizer.py) wrapped in ``tpamp.DistributedOptimizer`` (AdamW,
+clip_grad=1.0, zero count on, the one-pass fused step) with the state stored as:
+
+    fp32      exp_avg / exp_avg_sq float32, fp32 main params (today's default)
+    bf16      both moments bfloat16
+    bf16+rem  both moments bfloat16, bf16 params + int16 remainders (no fp32 master)
+    fp8       both moments 8-bit (float8_e4m3fn codes, one float32 scale per 256 elements)
+    fp8+rem   8-bit moments + remainders
+
+Reported per DP size (rank 0; every rank holds the same amount up to padding):
+* ``optimizer_state_bytes()`` / N: main params or remainders + moments (+ scales) per model
+  parameter on this rank; with the bf16 param and its bf16 main_grad (``--grad-reduce-in-bf16``;
+  the default reduces in fp32, 4 bytes) the whole per-param footprint is param + grad + this.
+* step time of ``step()`` (reduce-scatter, statistics, one-pass update, all-gather), the
+  configurations interleaved round-robin over ``--reps`` rounds on the same bf16 grads; medians
+  and the paired median of each configuration's ratio to fp32 in the same round.
+
+Run::
+
+    python scripts/bench_state_formats.py                   # defaults below
+    python scripts/bench_state_formats.py --numel 2e6 --reps 5 --dps 1,2 --json out.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import socket
+import statistics
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir))
+import tpamp  # noqa: E402
+
+CONFIGS = {
+    "fp32": dict(),
+    "bf16": dict(exp_avg_dtype=torch.bfloat16, exp_avg_sq_dtype=torch.bfloat16),
+    "bf16+rem": dict(exp_avg_dtype=torch.bfloat16, exp_avg_sq_dtype=torch.bfloat16,
+                     store_param_remainders=True),
+    "fp8": dict(exp_avg_dtype=torch.float8_e4m3fn, exp_avg_sq_dtype=torch.float8_e4m3fn),
+    "fp8+rem": dict(exp_avg_dtype=torch.float8_e4m3fn, exp_avg_sq_dtype=torch.float8_e4m3fn,
+                    store_param_remainders=True),
+}
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--numel", type=float, default=4e6, help="model elements")
+    p.add_argument("--tensors", type=int, default=24)
+    p.add_argument("--dps", default="1,2,4")
+    p.add_argument("--reps", type=int, default=10)
+    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--grad-reduce-in-bf16", action="store_true",
+                   help="reduce grads in bf16 (2-byte main_grad) instead of fp32")
+    p.add_argument("--configs", default=",".join(CONFIGS))
+    p.add_argument("--json", default=None)
+    return p.parse_args(argv)
+
+
+def _sizes(numel, tensors):
+    base = numel // tensors
+    sizes = [base + (i * 7919) % 1013 - 506 for i in range(tensors)]
+    sizes[-1] += numel - sum(sizes)
+    return sizes
+
+
+def _worker(rank, world, port, args, queue):
+    os.environ["OMP_NUM_THREADS"] = "1"
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=world, timeout=datetime.timedelta(seconds=600))
+    try:
+        numel = int(args.numel)
+        sizes = _sizes(numel, args.tensors)
+        names = args.configs.split(",")
+        gen = torch.Generator().manual_seed(0)
+        init = [(torch.randn(n, generator=gen) * 0.02).to(torch.bfloat16) for n in sizes]
+        grads = [(torch.randn(n, generator=gen) * 1e-3).to(torch.bfloat16) for n in sizes]
+        opts, models = {}, {}
+        for name in names:
+            params = [torch.nn.Parameter(t.clone()) for t in init]
+            groups = [{"params": params[0::2], "weight_decay": 0.1},
+                      {"params": params[1::2], "weight_decay": 0.0}]
+            inner = torch.optim.AdamW(groups, lr=1e-4, betas=(0.9, 0.95))
+            opts[name] = tpamp.DistributedOptimizer(
+                inner, clip_grad=1.0, log_num_zeros_in_grad=True,
+                data_parallel_group=dist.group.WORLD,
+                grad_reduce_in_fp32=not args.grad_reduce_in_bf16, **CONFIGS[name])
+            models[name] = params
+        times = {n: [] for n in names}
+        for r in range(args.warmup + args.reps):
+            for name in names:
+                for p, g in zip(models[name], grads):
+                    p.main_grad.copy_(g)
+                dist.barrier()
+                t0 = time.perf_counter()
+                ok = opts[name].step().update_successful
+                dt = time.perf_counter() - t0
+                assert ok
+                if r >= args.warmup:
+                    times[name].append(dt * 1e3)
+        out = {}
+        for name in names:
+            ratios = [a / b for a, b in zip(times[name], times["fp32"])] if "fp32" in times else []
+            out[name] = {
+                "state_bytes": opts[name].optimizer_state_bytes(),
+                "bytes_per_param": opts[name].optimizer_state_bytes() / numel,
+                "median_ms": statistics.median(times[name]),
+                "min_ms": min(times[name]),
+                "paired_ratio_vs_fp32": statistics.median(ratios) if ratios else None,
+            }
+        if rank == 0:
+            queue.put(out)
+    finally:
+        dist.destroy_process_group()
+
+
+def _free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    results = {}
+    ctx = mp.get_context("fork")
+    for d in [int(x) for x in args.dps.split(",")]:
+        queue = ctx.SimpleQueue()
+        port = _free_port()
+        procs = [ctx.Process(target=_worker, args=(r, d, port, args, queue)) for r in range(d)]
+        for p in procs:
+            p.start()
+        out = queue.get()
+        for p in procs:
+            p.join(timeout=600)
+            if p.exitcode != 0:
+                raise SystemExit(f"rank exited with {p.exitcode}")
+        results[d] = out
+        print(f"DP {d}: N = {int(args.numel):,} bf16 params per replica, rank 0")
+        print(f"  {'config':<9} {'state B/param':>13} {'median ms':>10} {'min ms':>8} {'x fp32':>7}")
+        for name, r in out.items():
+            ratio = r["paired_ratio_vs_fp32"]
+            print(f"  {name:<9} {r['bytes_per_param']:>13.3f} {r['median_ms']:>10.1f} "
+                  f"{r['min_ms']:>8.1f} {ratio if ratio is not None else float('nan'):>7.2f}")
+    meta = {
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "machine": platform.processor() or platform.machine(), "cpus": os.cpu_count(),
+        "load_avg": os.getloadavg(), "torch": torch.__version__, "args": vars(args),
+    }
+    print(f"load average after: {meta['load_avg']}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"meta": meta, "results": results}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
