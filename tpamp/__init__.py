@@ -26,6 +26,7 @@ from tpamp import checkpoint  # save/load_checkpoint: layout-free, torch.distrib
 from tpamp.logger import TrainingLogger
 from tpamp.spikes import GradSpikeError, SpikeDecision, SpikeDetector
 from tpamp.param_norms import ParamGradNormTracker
+from tpamp import fsdp  # FSDP2 (fully_shard) + DTensor TP: fully_shard_optimizer
 from tpamp.model import (
     NaiveAMPModel,
     TF32Flags,

@@ -66,12 +66,16 @@ class ParamGradNormTracker:
     order of ``named_params``); inf or nan for a param whose gradient overflowed on that step (which
     shows where an overflow came from). ``names``: every name of the whole model.
 
+    ``shard_group``: the ranks that hold pieces of the same params, so may give the same names
+    (default: the optimizer's TP group; under FSDP2, whose params are also sharded over DP, the
+    whole TP x DP mesh: tpamp.fsdp.track_param_grad_norms).
+
     Raises ValueError when a (non-shared) param of the optimizer has no name, a name is given
-    twice on one rank, or the same name comes from two ranks of different TP groups (two
+    twice on one rank, or the same name comes from two ranks of different shard groups (two
     pipeline stages using stage-local names).
     """
 
-    def __init__(self, optimizer, named_params: Iterable[Tuple[str, Tensor]]):
+    def __init__(self, optimizer, named_params: Iterable[Tuple[str, Tensor]], *, shard_group=None):
         self.optimizer = optimizer
         self.norm_type = optimizer.norm_type
         group = optimizer.grad_stats_group
@@ -108,7 +112,9 @@ class ParamGradNormTracker:
                 "param that is not a shared tied copy (their norms must add up to the grad norm)"
             )
         local_names.sort(key=position.__getitem__)
-        self.names = _gather_names(local_names, group, optimizer.tensor_parallel_group)
+        if shard_group is None:
+            shard_group = optimizer.tensor_parallel_group
+        self.names = _gather_names(local_names, group, shard_group)
         self._slot = {name: i for i, name in enumerate(self.names)}
         self.norms: Optional[Dict[str, float]] = None
 
@@ -161,8 +167,9 @@ class ParamGradNormTracker:
         return top_k(self.norms or {}, k)
 
 def _gather_names(local_names: List[str], group, tp_group) -> List[str]:
-    """Every rank's names, deduplicated, in rank order. TP peers hold the same names (their
-    shards of one param); the same name from ranks of different TP groups is an error."""
+    """Every rank's names, deduplicated, in rank order. The ranks of one shard group (TP peers;
+    under FSDP2 the TP x DP mesh) hold the same names (their shards of one param); the same name
+    from ranks of different shard groups is an error."""
     if group is None:
         return list(local_names)
     tp_key = min(dist.get_process_group_ranks(tp_group)) if tp_group is not None else dist.get_rank()
