@@ -294,3 +294,55 @@ def test_misuse_is_refused_with_a_clear_error():
         assert "torch.float16" in errors[1] and "MixedPrecisionPolicy" in errors[1]
     with pytest.raises(ValueError, match="dtype must be one of"):
         tpamp.fsdp.mixed_precision_policy(torch.float64)
+
+
+# ----------------------------------------------------------------------------- the main job
+
+FSDP2_TP2_DP2 = ["--use-torch-fsdp2", "--tensor-model-parallel-size", "2",
+                 "--pipeline-model-parallel-size", "1"]
+
+
+def test_main_job_fsdp2_tp2_dp2_trains_logs_and_resumes_bit_identically(tmp_path):
+    """scripts/train_gpt.py --use-torch-fsdp2 on TP 2 x DP 2 (4 ranks, fp16): the log's fields,
+    a falling loss, per-parameter norms (global names) whose root-sum-square is the logged grad
+    norm, and a resume from the DCP checkpoint of iteration 4 that repeats iterations 5-8."""
+    from test_train_gpt import ITERS, assert_loss_falls, check_records, run_train
+
+    run = tmp_path / "run"
+    records, summary, stdout = run_train(
+        run, *FSDP2_TP2_DP2, "--log-num-zeros-in-grad", "--log-param-grad-norms", "100",
+        "--save", str(tmp_path / "ckpt"), "--save-interval", "4",
+    )
+    check_records(records, loss_scaling=True)
+    assert_loss_falls(records)
+    assert (summary["tp"], summary["pp"], summary["dp"]) == (2, 1, 2)
+    assert summary["torch_fsdp2"] is True and "(FSDP2 fully_shard)" in stdout
+    logged = [r for r in records if "param_grad_norms" in r]
+    assert len(logged) == ITERS // 2
+    for r in logged:
+        norms = r["param_grad_norms"]
+        assert "blocks.1.mlp.fc1.weight" in norms and "wte.weight" in norms
+        assert len(norms) == 2 + 12 * 2 + 2  # wte, wpe, 12 per block, ln_f: each once
+        assert math.sqrt(sum(v * v for v in norms.values())) == pytest.approx(
+            r["grad_norm"], rel=1e-5)
+    resumed, _, _ = run_train(tmp_path / "resumed", *FSDP2_TP2_DP2, "--log-param-grad-norms",
+                              "100", "--load", str(tmp_path / "ckpt"), "--ckpt-step", "4")
+    assert [r["iteration"] for r in resumed] == list(range(5, ITERS + 1))
+    for a, b in zip(records[4:], resumed):
+        for key in ("loss", "grad_norm", "loss_scale", "skipped", "param_grad_norms"):
+            assert a.get(key) == b.get(key), (key, a, b)
+
+
+def test_main_job_fsdp2_fp32_equals_the_default_data_parallel_path(tmp_path):
+    """In fp32, FSDP2 (grads reduce-scattered by fully_shard, sharded AdamW on the DTensor
+    params) and the default path (grads all-reduced over DP, MixedPrecisionOptimizer) train
+    the same model on the same batches: the same losses and global grad norms."""
+    from test_train_gpt import run_train
+
+    fsdp, summary, _ = run_train(tmp_path / "fsdp2", "--fp32", *FSDP2_TP2_DP2)
+    assert summary["dtype"] == "float32" and summary["torch_fsdp2"] is True
+    plain, summary, _ = run_train(tmp_path / "plain", "--fp32", *FSDP2_TP2_DP2[1:])
+    assert (summary["tp"], summary["pp"], summary["dp"]) == (2, 1, 2)
+    for a, b in zip(fsdp, plain):
+        assert a["loss"] == pytest.approx(b["loss"], rel=1e-5, abs=1e-5), (a, b)
+        assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=1e-4), (a, b)

@@ -42,6 +42,9 @@ Usage (every rank)::
     result = opt.step(param_grad_norms=True)    # StepResult; tracker.norms {name: norm}
     opt.zero_grad()
 
+A forward with no backward (evaluation) leaves FSDP2's root module unsharded: call
+``model.reshard()`` after it, before the next ``named_parameters()`` (e.g. a checkpoint).
+
 Not covered: HSDP (a ``Replicate`` DP dim: its replicas would be counted twice) and pipeline
 parallelism (torch.distributed.pipelining hangs on gloo, pytorch#132644; not run here).
 """
