@@ -51,6 +51,7 @@ parallelism (torch.distributed.pipelining hangs on gloo, pytorch#132644; not run
 
 from __future__ import annotations
 
+import weakref
 from typing import Iterable, Optional, Tuple
 
 import torch
@@ -63,6 +64,8 @@ __all__ = ["mixed_precision_policy", "fully_shard_optimizer", "track_param_grad_
 
 Tensor = torch.Tensor
 _POLICY_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+# optimizer built by fully_shard_optimizer -> the DP group of its mesh
+_DP_GROUPS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
 
 def mixed_precision_policy(dtype: torch.dtype):
@@ -163,9 +166,12 @@ def fully_shard_optimizer(optimizer: torch.optim.Optimizer, mesh, *, tp_dim: str
     dp_dim, tp = _mesh_dims(mesh, tp_dim)
     _check_fsdp_params(optimizer, dp_dim)
     tp_group = mesh[tp].get_group() if tp is not None else None
-    return FP32Optimizer(
+    dp_group = mesh[dp_dim].get_group() if mesh.ndim == 2 else mesh.get_group()
+    opt = FP32Optimizer(
         optimizer, grad_stats_group=_mesh_group(mesh), tensor_parallel_group=tp_group, **kwargs
     )
+    _DP_GROUPS[opt] = dp_group
+    return opt
 
 
 def track_param_grad_norms(optimizer, named_params: Iterable[Tuple[str, Tensor]]):
@@ -174,9 +180,15 @@ def track_param_grad_norms(optimizer, named_params: Iterable[Tuple[str, Tensor]]
     so all give the same names. Returns the :class:`tpamp.param_norms.ParamGradNormTracker`,
     also set as ``optimizer.param_norm_tracker``; after ``optimizer.step(param_grad_norms=True)``
     its ``norms`` are {name: norm of the full, unsharded gradient} on every rank. A collective
-    over the mesh (every rank calls it once). Raises ValueError as the tracker does."""
+    over the mesh (every rank calls it once). Raises ValueError for an optimizer that
+    :func:`fully_shard_optimizer` did not build, and as the tracker does."""
+    if optimizer not in _DP_GROUPS:
+        raise ValueError(
+            "track_param_grad_norms takes an optimizer built by tpamp.fsdp.fully_shard_optimizer, "
+            f"got {type(optimizer).__name__}"
+        )
     tracker = ParamGradNormTracker(
-        optimizer, named_params, shard_group=optimizer.grad_stats_group
+        optimizer, named_params, data_parallel_group=_DP_GROUPS[optimizer]
     )
     optimizer.param_norm_tracker = tracker
     return tracker

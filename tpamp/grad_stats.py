@@ -80,20 +80,6 @@ def is_tensor_parallel_shard(param: Tensor, tensor_parallel_group=None) -> bool:
     return False
 
 
-_DP_DIM_NAMES = ("dp", "dp_shard", "dp_replicate", "data_parallel", "fsdp", "hsdp", "dp_shard_cp")
-
-
-def _one_dim_mesh_is_tp(mesh, tensor_parallel_group) -> bool:
-    """Is the dim of this 1-D mesh the TP dim? (see is_tensor_parallel_shard)"""
-    name = (mesh.mesh_dim_names or (None,))[0]
-    if name in _TP_DIM_NAMES:
-        return True
-    if tensor_parallel_group is not None:
-        ranks = dist.get_process_group_ranks(tensor_parallel_group)
-        return sorted(mesh.mesh.flatten().tolist()) == sorted(ranks)
-    return name not in _DP_DIM_NAMES
-
-
 def _tp_rank(tensor_parallel_group) -> int:
     if tensor_parallel_group is None:
         return 0
@@ -272,3 +258,17 @@ def count_zeros_fp32(
     if grad_stats_group is not None:
         dist.all_reduce(zeros, op=dist.ReduceOp.SUM, group=grad_stats_group)
     return zeros
+
+
+_DP_DIM_NAMES = ("dp", "dp_shard", "dp_replicate", "data_parallel", "fsdp", "hsdp", "dp_shard_cp")
+
+
+def _one_dim_mesh_is_tp(mesh, tensor_parallel_group) -> bool:
+    """Is the dim of this 1-D mesh the TP dim? (see is_tensor_parallel_shard)"""
+    name = (mesh.mesh_dim_names or (None,))[0]
+    if name in _TP_DIM_NAMES:
+        return True
+    if tensor_parallel_group is not None:
+        ranks = dist.get_process_group_ranks(tensor_parallel_group)
+        return sorted(mesh.mesh.flatten().tolist()) == sorted(ranks)
+    return name not in _DP_DIM_NAMES

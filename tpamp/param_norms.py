@@ -29,7 +29,7 @@ from typing import Dict, Iterable, List, Optional, Sequence, Tuple
 import torch
 import torch.distributed as dist
 
-from tpamp.grad_stats import local_tensor
+from tpamp.grad_stats import collective_device, local_tensor
 
 __all__ = ["ParamGradNormTracker", "root_sum_square", "top_k"]
 
@@ -66,16 +66,16 @@ class ParamGradNormTracker:
     order of ``named_params``); inf or nan for a param whose gradient overflowed on that step (which
     shows where an overflow came from). ``names``: every name of the whole model.
 
-    ``shard_group``: the ranks that hold pieces of the same params, so may give the same names
-    (default: the optimizer's TP group; under FSDP2, whose params are also sharded over DP, the
-    whole TP x DP mesh: tpamp.fsdp.track_param_grad_norms).
+    ``data_parallel_group``: a group whose ranks hold pieces of the same params (FSDP2 shards
+    every param over DP: tpamp.fsdp.track_param_grad_norms), so they give the same names too.
 
     Raises ValueError when a (non-shared) param of the optimizer has no name, a name is given
     twice on one rank, or the same name comes from two ranks of different shard groups (two
     pipeline stages using stage-local names).
     """
 
-    def __init__(self, optimizer, named_params: Iterable[Tuple[str, Tensor]], *, shard_group=None):
+    def __init__(self, optimizer, named_params: Iterable[Tuple[str, Tensor]], *,
+                 data_parallel_group=None):
         self.optimizer = optimizer
         self.norm_type = optimizer.norm_type
         group = optimizer.grad_stats_group
@@ -112,9 +112,8 @@ class ParamGradNormTracker:
                 "param that is not a shared tied copy (their norms must add up to the grad norm)"
             )
         local_names.sort(key=position.__getitem__)
-        if shard_group is None:
-            shard_group = optimizer.tensor_parallel_group
-        self.names = _gather_names(local_names, group, shard_group)
+        self.names = _gather_names(local_names, group, optimizer.tensor_parallel_group,
+                                   data_parallel_group)
         self._slot = {name: i for i, name in enumerate(self.names)}
         self.norms: Optional[Dict[str, float]] = None
 
@@ -166,13 +165,18 @@ class ParamGradNormTracker:
         """The ``k`` largest of :attr:`norms` (:func:`top_k`); {} before any step."""
         return top_k(self.norms or {}, k)
 
-def _gather_names(local_names: List[str], group, tp_group) -> List[str]:
-    """Every rank's names, deduplicated, in rank order. The ranks of one shard group (TP peers;
-    under FSDP2 the TP x DP mesh) hold the same names (their shards of one param); the same name
-    from ranks of different shard groups is an error."""
+def _gather_names(local_names: List[str], group, tp_group, dp_group=None) -> List[str]:
+    """Every rank's names, deduplicated, in rank order. TP peers hold the same names (their
+    shards of one param), and so do the ranks of ``dp_group`` (FSDP2's DP shards); the same
+    name from ranks of different TP x DP groups is an error."""
     if group is None:
         return list(local_names)
     tp_key = min(dist.get_process_group_ranks(tp_group)) if tp_group is not None else dist.get_rank()
+    if dp_group is not None and dist.get_world_size(dp_group) > 1:
+        # one key per (TP x DP) block: the smallest TP-group leader among the DP peers
+        key = torch.tensor([tp_key], dtype=torch.int64, device=collective_device(dp_group))
+        dist.all_reduce(key, op=dist.ReduceOp.MIN, group=dp_group)
+        tp_key = int(key.item())
     gathered = [None] * dist.get_world_size(group)
     dist.all_gather_object(gathered, (tp_key, local_names), group=group)
     names, owner = [], {}
