@@ -168,7 +168,7 @@ LAYOUTS = [
 def test_matches_fp64_unsharded_model(tp, world, dtype, tol):
     steps = 3
     ref, ref_params = _reference(steps)
-    results = run_workers(_run, world, tp, dtype, steps, None, timeout=60)
+    results = run_workers(_run, world, tp, dtype, steps, None, timeout=120)
     for rank, res in enumerate(results):
         for step, (got, want) in enumerate(zip(res["records"], ref), start=1):
             where = f"rank {rank} step {step}"
@@ -212,7 +212,7 @@ def _assert_params_close(got_params, ref_params, ref, dtype):
 def test_inf_in_one_shard_skips_on_every_rank(tp, world, inject_rank):
     steps, bad = 3, 2
     ref, ref_params = _reference(steps, skip_steps=(bad,))
-    results = run_workers(_run, world, tp, torch.float16, steps, (bad, inject_rank), timeout=60)
+    results = run_workers(_run, world, tp, torch.float16, steps, (bad, inject_rank), timeout=120)
     scale0 = results[0]["records"][0]["scale"]
     for rank, res in enumerate(results):
         rec = res["records"]
@@ -257,7 +257,7 @@ def _resume(rank, world, tp, ckpt_dir):
 
 @pytest.mark.parametrize("tp,world", [(1, 2), (2, 4)], ids=["dp2", "tp2xdp2"])
 def test_dcp_resume_is_bit_identical(tp, world, tmp_path):
-    results = run_workers(_resume, world, tp, str(tmp_path / "ckpt"), timeout=90)
+    results = run_workers(_resume, world, tp, str(tmp_path / "ckpt"), timeout=150)
     for rank, res in enumerate(results):
         assert res["iteration"] == 2
         assert res["scale"][0] == res["scale"][1], rank
@@ -294,6 +294,9 @@ def test_misuse_is_refused_with_a_clear_error():
         assert "torch.float16" in errors[1] and "MixedPrecisionPolicy" in errors[1]
     with pytest.raises(ValueError, match="dtype must be one of"):
         tpamp.fsdp.mixed_precision_policy(torch.float64)
+    plain = tpamp.FP32Optimizer(torch.optim.SGD([torch.nn.Parameter(torch.ones(2))], lr=0.1))
+    with pytest.raises(ValueError, match="built by tpamp.fsdp.fully_shard_optimizer"):
+        tpamp.fsdp.track_param_grad_norms(plain, [("w", plain.param_groups[0]["params"][0])])
 
 
 # ----------------------------------------------------------------------------- the main job
