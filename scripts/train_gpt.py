@@ -373,8 +373,8 @@ def fully_shard_stage(stage: GPTStage, st, dtype) -> GPTStage:
 
     policy = tpamp.fsdp.mixed_precision_policy(dtype)
     dp_mesh = st.mesh["dp"]
-    for module in stage.modules():
-        if module is not stage and module_has_fp32_attr(module) and any(module.parameters()):
+    for module in reversed(list(stage.modules())):  # inner modules before outer ones
+        if module is not stage and module_has_fp32_attr(module) and list(module.parameters()):
             fully_shard(module, mesh=dp_mesh,
                         mp_policy=tpamp.fsdp.mixed_precision_policy(torch.float32))
     for block in stage.blocks:
