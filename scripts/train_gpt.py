@@ -40,6 +40,12 @@ What happens:
   those reduce-scatters from backward hooks during the last microbatch's backward; the tied
   word embedding has a bucket of its own that waits for step(), since its two copies' grads
   are summed over the embedding group after backward, before they may be reduced over DP.
+- With ``--use-torch-fsdp2`` (Megatron-LM's flag; pipeline size 1) data parallelism is
+  PyTorch's FSDP2: after TP, each block and the whole model go through ``fully_shard`` on the
+  DP sub-mesh with ``MixedPrecisionPolicy(param_dtype=fp16/bf16, reduce_dtype=float32)``. The
+  sharded fp32 DTensor params are the master weights; ``tpamp.fsdp.fully_shard_optimizer``
+  wraps AdamW in ``tpamp.FP32Optimizer`` with the loss scaler, and found_inf, the grad norm,
+  zeros and per-parameter norms are reduced over the whole TP x DP mesh (tpamp/fsdp.py).
 - Learning rate: linear warm-up, then cosine decay (``torch.optim.lr_scheduler.LambdaLR``),
   advanced only after a successful step, as in Megatron-LM's training loop: a skipped step
   (overflow or spike) does not use up the schedule.
@@ -126,6 +132,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     a("--overlap-grad-reduce", action="store_true",
       help="with --use-distributed-optimizer: start each grad bucket's reduce-scatter during "
            "the last microbatch's backward (the tied embedding's bucket waits for its sum)")
+    a("--use-torch-fsdp2", action="store_true",
+      help="shard params, grads and optimizer state over DP with torch's fully_shard (FSDP2) "
+           "and a MixedPrecisionPolicy from --fp16/--bf16 (pipeline size 1; tpamp.fsdp)")
     a("--seed", type=int, default=1234)
     # optimizer-state storage (Megatron-core's precision-aware optimizer flags; tpamp.state_formats)
     a("--exp-avg-dtype", choices=sorted(_STATE_DTYPES), default="fp32",
@@ -370,7 +379,7 @@ def setup_distributed(args):
     return st, device
 
 
-def build_stage(cfg: GPTConfig, st, dtype, device, seed: int) -> GPTStage:
+def build_stage(cfg: GPTConfig, st, dtype, device, seed: int, fsdp2: bool = False) -> GPTStage:
     """This rank's stage: seeded fp32 init, tied head copied from the first stage, cast to
     ``dtype`` (fp32 islands, e.g. --fp32-final-layernorm, stay fp32), then TP-sharded with
     parallelize_module (vocab-parallel embedding and head copy). Cast before sharding: the
@@ -383,8 +392,30 @@ def build_stage(cfg: GPTConfig, st, dtype, device, seed: int) -> GPTStage:
         with torch.no_grad():
             dist.broadcast(weight, src=st.pp_ranks[0], group=st.embedding_group)
     # src_data_rank=None: every TP rank holds the same seeded full weights and keeps its shard
+    if fsdp2:
+        return fully_shard_stage(parallelize_stage(stage, st.tp_mesh), st, dtype)
     stage.cast_(dtype)
     return parallelize_stage(stage, st.tp_mesh)
+
+
+def fully_shard_stage(stage: GPTStage, st, dtype) -> GPTStage:
+    """--use-torch-fsdp2: the TP-sharded fp32 stage through FSDP2's ``fully_shard`` on the DP
+    sub-mesh, each block, then the whole stage (its params stay fp32: the master weights;
+    forward and backward run in ``dtype`` through the MixedPrecisionPolicy). An fp32 island
+    (--fp32-final-layernorm) gets its own fully_shard with an fp32 policy."""
+    from torch.distributed.fsdp import fully_shard
+    from tpamp import module_has_fp32_attr
+
+    policy = tpamp.fsdp.mixed_precision_policy(dtype)
+    dp_mesh = st.mesh["dp"]
+    for module in reversed(list(stage.modules())):  # inner modules before outer ones
+        if module is not stage and module_has_fp32_attr(module) and list(module.parameters()):
+            fully_shard(module, mesh=dp_mesh,
+                        mp_policy=tpamp.fsdp.mixed_precision_policy(torch.float32))
+    for block in stage.blocks:
+        fully_shard(block, mesh=dp_mesh, mp_policy=policy)
+    fully_shard(stage, mesh=dp_mesh, mp_policy=policy)
+    return stage
 
 
 def build_optimizer(stage, args, st, dtype):
@@ -421,6 +452,9 @@ def build_optimizer(stage, args, st, dtype):
             args.spike_policy, threshold=args.spike_threshold, window=args.spike_window,
             warmup=args.spike_warmup,
         )
+    if args.use_torch_fsdp2:  # the sharded fp32 params are the masters; stats over TP x DP
+        del kwargs["grad_stats_group"], kwargs["tensor_parallel_group"]
+        return tpamp.fsdp.fully_shard_optimizer(adamw, st.mesh["dp", "tp"], **kwargs)
     if args.use_distributed_optimizer:  # it reduces the grads over DP itself, in step()
         # the tied embedding's grad is summed over the embedding group (first + last stage)
         # after backward, on its main_grad: its bucket must wait for that sum, so it is
@@ -467,6 +501,13 @@ def lr_at(it: int, args) -> float:
 def main(argv=None):
     args = parse_args(argv)
     dtype = torch.bfloat16 if args.bf16 else torch.float32 if args.fp32 else torch.float16
+    if args.use_torch_fsdp2 and args.use_distributed_optimizer:
+        raise ValueError("--use-torch-fsdp2 and --use-distributed-optimizer exclude each other")
+    if args.use_torch_fsdp2 and args.pipeline_model_parallel_size != 1:
+        raise ValueError(
+            f"--use-torch-fsdp2 needs --pipeline-model-parallel-size 1, got "
+            f"{args.pipeline_model_parallel_size} (torch.distributed.pipelining hangs on gloo)"
+        )
     st, device = setup_distributed(args)
     dp = st.dims.dp
     if args.global_batch_size is not None:
@@ -503,7 +544,7 @@ def main(argv=None):
     text = open(args.data, "rb").read() if args.data else default_text()[: args.data_max_bytes]
     data = ByteData(text, args.seq_length, args.valid_fraction)
     torch.manual_seed(args.seed)
-    stage = build_stage(cfg, st, dtype, device, args.seed)
+    stage = build_stage(cfg, st, dtype, device, args.seed, fsdp2=args.use_torch_fsdp2)
     optimizer = build_optimizer(stage, args, st, dtype)
     # Megatron-LM: the schedule advances only on successful steps (scheduler.step() below)
     scheduler = torch.optim.lr_scheduler.LambdaLR(
@@ -515,7 +556,10 @@ def main(argv=None):
         raise ValueError(f"--log-param-grad-norms must be >= 0, got {args.log_param_grad_norms}")
     tracker = None
     if args.log_param_grad_norms:  # names with the global layer index: unique across stages
-        tracker = optimizer.track_param_grad_norms(stage.global_named_parameters())
+        if args.use_torch_fsdp2:  # every rank of the TP x DP mesh holds a piece of each param
+            tracker = tpamp.fsdp.track_param_grad_norms(optimizer, stage.global_named_parameters())
+        else:
+            tracker = optimizer.track_param_grad_norms(stage.global_named_parameters())
     act_shape = (args.micro_batch_size, args.seq_length, args.hidden_size)
     # what crosses a pipeline stage boundary: the residual stream
     act_dtype = torch.float32 if args.fp32_residual_connection else dtype
@@ -523,7 +567,8 @@ def main(argv=None):
     say(
         f"GPT {count_params(cfg) / 1e6:.2f}M params ({cfg.num_layers} layers, hidden "
         f"{cfg.hidden_size}, {cfg.num_attention_heads} heads, seq {cfg.seq_length}, vocab 256) | "
-        f"{dist.get_world_size()} ranks: TP {st.dims.tp} x PP {st.dims.pp} x DP {dp} on "
+        f"{dist.get_world_size()} ranks: TP {st.dims.tp} x PP {st.dims.pp} x DP {dp}"
+        f"{' (FSDP2 fully_shard)' if args.use_torch_fsdp2 else ''} on "
         f"{device.type} ({dist.get_backend()}) | {str(dtype).replace('torch.', '')}"
         f"{''.join(' +' + n for n in numerics)} | "
         f"global batch {global_batch} = micro {args.micro_batch_size} x {num_microbatches} "
@@ -563,6 +608,8 @@ def main(argv=None):
                 stage, mbs, st, act_shape, act_dtype,
                 fp16_lm_cross_entropy=args.fp16_lm_cross_entropy,
             )
+        if args.use_torch_fsdp2:  # FSDP2's root keeps its params unsharded after a forward
+            stage.reshard()           # with no backward: back to the sharded fp32 masters
         return mean_over_dp(losses, st) if st.is_last_stage else float("nan")
 
     train_gen = torch.Generator().manual_seed(args.seed)
@@ -591,7 +638,8 @@ def main(argv=None):
                 fp16_lm_cross_entropy=args.fp16_lm_cross_entropy,
                 overlap_grad_reduce=args.overlap_grad_reduce,
             )
-        if not args.use_distributed_optimizer:  # DistributedOptimizer.step reduce-scatters
+        # DistributedOptimizer.step and FSDP2's backward reduce-scatter the grads themselves
+        if not (args.use_distributed_optimizer or args.use_torch_fsdp2):
             all_reduce_data_parallel_grads(stage, st)
         all_reduce_embedding_grads(stage, st)
         if st.is_last_stage:  # the DP mean, so that every DP replica judges the same loss
@@ -668,6 +716,7 @@ def main(argv=None):
             "pp": st.dims.pp,
             "dp": dp,
             "distributed_optimizer": args.use_distributed_optimizer,
+            "torch_fsdp2": args.use_torch_fsdp2,
         }
         say(
             f"done: {summary['iterations']} iterations in {elapsed:.1f} s "

@@ -28,6 +28,7 @@ from tpamp.spikes import GradSpikeError, SpikeDecision, SpikeDetector
 from tpamp.param_norms import ParamGradNormTracker
 from tpamp import nonfinite
 from tpamp.nonfinite import NonFiniteActivation, NonFiniteGrad, NonFiniteTracer
+from tpamp import fsdp  # FSDP2 (fully_shard) + DTensor TP: fully_shard_optimizer
 from tpamp.model import (
     NaiveAMPModel,
     TF32Flags,

@@ -59,8 +59,12 @@ def is_tensor_parallel_shard(param: Tensor, tensor_parallel_group=None) -> bool:
     """True if ``param`` is one TP rank's shard (each rank holds different data).
 
     Megatron attribute ``tensor_model_parallel=True``, or a DTensor with a Shard placement on
-    its TP mesh dim: the only dim of a 1-D mesh, a dim named "tp" (or "tensor"...), or the dim
-    whose group is ``tensor_parallel_group``.
+    its TP mesh dim: a dim named "tp" (or "tensor"...), the dim whose group is
+    ``tensor_parallel_group``, or the only dim of a 1-D mesh -- unless that 1-D mesh is known to
+    be another one: its ranks differ from ``tensor_parallel_group``'s, or (without that group)
+    it is named as a data-parallel dim ("dp", "dp_shard", "fsdp"...). So a param that
+    ``torch.distributed.fsdp.fully_shard`` shards over the DP mesh only (e.g. a LayerNorm weight
+    under TP x FSDP) is not a TP shard: it is replicated over TP (tpamp/fsdp.py).
     """
     if getattr(param, "tensor_model_parallel", False):
         return True
@@ -72,7 +76,7 @@ def is_tensor_parallel_shard(param: Tensor, tensor_parallel_group=None) -> bool:
         if not placement.is_shard():
             continue
         if mesh.ndim == 1:
-            return True
+            return _one_dim_mesh_is_tp(mesh, tensor_parallel_group)
         if dim < len(names) and names[dim] in _TP_DIM_NAMES:
             return True
         if tensor_parallel_group is not None and mesh.get_group(dim) == tensor_parallel_group:
@@ -211,3 +215,17 @@ def count_zeros_fp32(
     if grad_stats_group is not None:
         dist.all_reduce(zeros, op=dist.ReduceOp.SUM, group=grad_stats_group)
     return zeros
+
+
+_DP_DIM_NAMES = ("dp", "dp_shard", "dp_replicate", "data_parallel", "fsdp", "hsdp", "dp_shard_cp")
+
+
+def _one_dim_mesh_is_tp(mesh, tensor_parallel_group) -> bool:
+    """Is the dim of this 1-D mesh the TP dim? (see is_tensor_parallel_shard)"""
+    name = (mesh.mesh_dim_names or (None,))[0]
+    if name in _TP_DIM_NAMES:
+        return True
+    if tensor_parallel_group is not None:
+        ranks = dist.get_process_group_ranks(tensor_parallel_group)
+        return sorted(mesh.mesh.flatten().tolist()) == sorted(ranks)
+    return name not in _DP_DIM_NAMES

@@ -66,8 +66,11 @@ class ParamGradNormTracker:
     order of ``named_params``); inf or nan for a param whose gradient overflowed on that step (which
     shows where an overflow came from). ``names``: every name of the whole model.
 
+    ``data_parallel_group``: a group whose ranks hold pieces of the same params (FSDP2 shards
+    every param over DP: tpamp.fsdp.track_param_grad_norms), so they give the same names too.
+
     Raises ValueError when a (non-shared) param of the optimizer has no name, a name is given
-    twice on one rank, or the same name comes from two ranks of different TP groups (two
+    twice on one rank, or the same name comes from two ranks of different shard groups (two
     pipeline stages using stage-local names).
     """
 

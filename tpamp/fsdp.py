@@ -1,0 +1,194 @@
+"""tpamp under PyTorch-native FSDP2 (``torch.distributed.fsdp.fully_shard``) and DTensor TP.
+
+The layout torchtitan builds: a 2-D DeviceMesh ``(dp, tp)``; tensor parallelism with
+``parallelize_module`` on ``mesh["tp"]``, then ``fully_shard`` of each block and of the root on
+``mesh["dp"]`` with ``MixedPrecisionPolicy(param_dtype=fp16/bf16, reduce_dtype=float32)``.
+FSDP2 keeps every param as an fp32 DTensor sharded over DP (``Shard(0)``; TP params on the 2-D
+mesh, e.g. ``(_StridedShard(0), Shard(0))``), all-gathers it in fp16/bf16 for forward and
+backward, and reduce-scatters the grads in fp32 into ``param.grad`` (sharded like the param,
+divided by the DP size). Those sharded fp32 params are the master weights: tpamp wraps the
+optimizer with :class:`tpamp.FP32Optimizer` (no second fp32 copy) and supplies what FSDP2 does
+not have:
+
+* the dynamic loss scale with hysteresis and min scale (:class:`tpamp.DynamicGradScaler`,
+  Megatron-LM's semantics): ``opt.scale_loss(loss).backward()`` runs the fp16 backward on the
+  scaled loss; ``step()`` unscales the fp32 sharded grads;
+* the inf/nan decision agreed over the whole mesh: the grad-stats group is every rank of the
+  mesh (TP x DP), so an inf in one DP rank's shard skips the step on every rank, nothing changed;
+* the global grad norm (clipping), zero count and per-parameter grad norms with every element
+  counted once: a DP shard counts on its rank, a TP shard on its rank, a param replicated over
+  TP (FSDP2 shards it over the DP mesh only, e.g. a LayerNorm weight) on TP rank 0 only
+  (tpamp.grad_stats.is_tensor_parallel_shard);
+* the spike detector (``spike_detector=``) and the checkpoints of
+  :func:`tpamp.checkpoint.save_checkpoint` / ``load_checkpoint`` (torch.distributed.checkpoint;
+  FSDP2's DTensors are saved as they are, in global shapes, with the optimizer state and the
+  loss scaler; all-or-nothing load).
+
+Usage (every rank)::
+
+    mesh = init_device_mesh("cpu", (dp, tp), mesh_dim_names=("dp", "tp"))
+    parallelize_module(model, mesh["tp"], plan)                   # TP first
+    policy = tpamp.fsdp.mixed_precision_policy(torch.float16)
+    for block in model.blocks:
+        fully_shard(block, mesh=mesh["dp"], mp_policy=policy)
+    fully_shard(model, mesh=mesh["dp"], mp_policy=policy)
+    opt = tpamp.fsdp.fully_shard_optimizer(
+        torch.optim.AdamW(model.parameters(), lr=3e-4), mesh,
+        grad_scaler=tpamp.DynamicGradScaler(initial_scale=2.0**16, hysteresis=2),
+        clip_grad=1.0, log_num_zeros_in_grad=True)
+    tracker = tpamp.fsdp.track_param_grad_norms(opt, model.named_parameters())
+    loss = loss_fn(model(x), y)
+    opt.scale_loss(loss).backward()
+    result = opt.step(param_grad_norms=True)    # StepResult; tracker.norms {name: norm}
+    opt.zero_grad()
+
+A forward with no backward (evaluation) leaves FSDP2's root module unsharded: call
+``model.reshard()`` after it, before the next ``named_parameters()`` (e.g. a checkpoint).
+
+Not covered: HSDP (a ``Replicate`` DP dim: its replicas would be counted twice) and pipeline
+parallelism (torch.distributed.pipelining hangs on gloo, pytorch#132644; not run here).
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import Iterable, Optional, Tuple
+
+import torch
+import torch.distributed as dist
+
+from tpamp.optimizer import FP32Optimizer
+from tpamp.param_norms import ParamGradNormTracker
+
+__all__ = ["mixed_precision_policy", "fully_shard_optimizer", "track_param_grad_norms"]
+
+Tensor = torch.Tensor
+_POLICY_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+# optimizer built by fully_shard_optimizer -> the DP group of its mesh
+_DP_GROUPS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+
+
+def mixed_precision_policy(dtype: torch.dtype):
+    """FSDP2's ``MixedPrecisionPolicy`` for training in ``dtype`` on fp32 master weights:
+    params all-gathered in ``dtype`` (float16/bfloat16; None for float32), grads reduced in
+    float32 (as Megatron-LM reduces in fp32 with ``--accumulate-allreduce-grads-in-fp32``).
+    Raises ValueError for another dtype."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    if dtype not in _POLICY_DTYPES:
+        raise ValueError(f"dtype must be one of {_POLICY_DTYPES}, got {dtype!r}")
+    return MixedPrecisionPolicy(
+        param_dtype=None if dtype == torch.float32 else dtype, reduce_dtype=torch.float32
+    )
+
+
+def _mesh_dims(mesh, tp_dim: str) -> Tuple[str, Optional[str]]:
+    from torch.distributed.device_mesh import DeviceMesh
+
+    if not isinstance(mesh, DeviceMesh):
+        raise TypeError(f"mesh must be a torch.distributed DeviceMesh, got {type(mesh).__name__}")
+    names = tuple(mesh.mesh_dim_names or ())
+    if mesh.ndim not in (1, 2) or len(names) != mesh.ndim:
+        raise ValueError(
+            f"mesh must be a named 1-D DP mesh or a 2-D (dp, {tp_dim!r}) mesh, got {mesh.ndim} "
+            f"dims named {names}"
+        )
+    if mesh.ndim == 1:
+        if names[0] == tp_dim:
+            raise ValueError(f"a 1-D mesh must be the DP mesh, got the TP dim {tp_dim!r}")
+        return names[0], None
+    if tp_dim not in names:
+        raise ValueError(f"a 2-D mesh needs a dim named {tp_dim!r} (tp_dim), got {names}")
+    return names[1 - names.index(tp_dim)], tp_dim
+
+
+def _mesh_group(mesh):
+    """A process group of every rank of ``mesh`` (the default group when the mesh is the world;
+    otherwise ``dist.new_group``, a collective of every rank of the default group)."""
+    ranks = sorted(mesh.mesh.flatten().tolist())
+    if ranks == list(range(dist.get_world_size())):
+        return dist.group.WORLD
+    return dist.new_group(ranks)
+
+
+def _check_fsdp_params(optimizer, dp_dim: str) -> None:
+    from torch.distributed.tensor import DTensor
+
+    for gi, group in enumerate(getattr(optimizer, "param_groups", [])):
+        for pi, p in enumerate(group["params"]):
+            where = f"param {pi} of param group {gi}"
+            if not isinstance(p, DTensor):
+                raise TypeError(
+                    f"{where} is a {type(p).__name__}, not a DTensor sharded by fully_shard: "
+                    "call fully_shard on the model before building the optimizer"
+                )
+            if p.dtype != torch.float32:
+                raise TypeError(
+                    f"{where} has dtype {p.dtype}; fully_shard's sharded params are the fp32 "
+                    "master weights: keep the model fp32 and give the compute dtype to "
+                    "MixedPrecisionPolicy(param_dtype=...) (tpamp.fsdp.mixed_precision_policy)"
+                )
+            names = tuple(p.device_mesh.mesh_dim_names or ())
+            # Shard, or _StridedShard (fully_shard over a TP-sharded dim 0: not a Shard
+            # subclass, is_shard() False): both have a tensor dim, Replicate/Partial do not
+            if dp_dim not in names or getattr(p.placements[names.index(dp_dim)], "dim", None) is None:
+                raise ValueError(
+                    f"{where} is not sharded over the DP mesh dim {dp_dim!r} (mesh dims {names}, "
+                    f"placements {tuple(p.placements)}); expected fully_shard's Shard on "
+                    f"{dp_dim!r} (HSDP's Replicate is not supported)"
+                )
+
+
+def fully_shard_optimizer(optimizer: torch.optim.Optimizer, mesh, *, tp_dim: str = "tp",
+                          **kwargs) -> FP32Optimizer:
+    """:class:`tpamp.FP32Optimizer` around ``optimizer`` for ``fully_shard``'ed params: the
+    fp32 sharded DTensor params are the master weights (no copy is made) and found_inf, the
+    grad norm, the zero count and per-parameter norms are reduced over every rank of ``mesh``.
+
+    optimizer: a torch.optim.Optimizer over the params of a model already sharded with
+        ``fully_shard`` (fp32 DTensors, Shard on the DP dim of ``mesh``).
+    mesh: the DeviceMesh FSDP2 shards over, 1-D (DP only; any dim name but ``tp_dim``) or 2-D
+        with a dim named ``tp_dim`` (TP x FSDP; the other dim is DP). A sub-mesh of a larger
+        mesh is fine (e.g. ``mesh["dp", "tp"]`` of tpamp.parallel's ``(pp, dp, tp)`` mesh).
+    tp_dim: the name of the TP dim.
+    kwargs: the other arguments of :class:`tpamp.MixedPrecisionOptimizer` (grad_scaler,
+        clip_grad, norm_type, log_num_zeros_in_grad, skip_nonfinite, spike_detector,
+        fused_step, sync_free), with its guards (step guard, cross-rank settings check).
+
+    Collective when ``mesh`` does not span the whole default group (a ``new_group``).
+    Raises TypeError for a mesh that is not a DeviceMesh or a param that is not an fp32
+    DTensor; ValueError for a mesh of other dims, a param not sharded over the DP dim, or
+    grad_stats_group / tensor_parallel_group given (this function sets them).
+    """
+    for key in ("grad_stats_group", "tensor_parallel_group"):
+        if key in kwargs:
+            raise ValueError(f"fully_shard_optimizer sets {key} from the mesh; do not pass it")
+    dp_dim, tp = _mesh_dims(mesh, tp_dim)
+    _check_fsdp_params(optimizer, dp_dim)
+    tp_group = mesh[tp].get_group() if tp is not None else None
+    dp_group = mesh[dp_dim].get_group() if mesh.ndim == 2 else mesh.get_group()
+    opt = FP32Optimizer(
+        optimizer, grad_stats_group=_mesh_group(mesh), tensor_parallel_group=tp_group, **kwargs
+    )
+    _DP_GROUPS[opt] = dp_group
+    return opt
+
+
+def track_param_grad_norms(optimizer, named_params: Iterable[Tuple[str, Tensor]]):
+    """Per-parameter grad norms for a :func:`fully_shard_optimizer` (the FSDP2 counterpart of
+    ``optimizer.track_param_grad_norms``): every rank of the mesh holds a piece of every param,
+    so all give the same names. Returns the :class:`tpamp.param_norms.ParamGradNormTracker`,
+    also set as ``optimizer.param_norm_tracker``; after ``optimizer.step(param_grad_norms=True)``
+    its ``norms`` are {name: norm of the full, unsharded gradient} on every rank. A collective
+    over the mesh (every rank calls it once). Raises ValueError for an optimizer that
+    :func:`fully_shard_optimizer` did not build, and as the tracker does."""
+    if optimizer not in _DP_GROUPS:
+        raise ValueError(
+            "track_param_grad_norms takes an optimizer built by tpamp.fsdp.fully_shard_optimizer, "
+            f"got {type(optimizer).__name__}"
+        )
+    tracker = ParamGradNormTracker(
+        optimizer, named_params, data_parallel_group=_DP_GROUPS[optimizer]
+    )
+    optimizer.param_norm_tracker = tracker
+    return tracker
