@@ -143,6 +143,10 @@ struct Fiber {
   int arg = 0;
   int width = 32;
   uint64_t result = 0;
+  // ThreadSanitizer: barriers / warp operations this fiber passed in this block (their parity
+  // picks the sync object, so an early arrival at the next one is no edge into the last one)
+  unsigned int bar_gen = 0;
+  unsigned int warp_gen = 0;
 };
 
 size_t stack_bytes() {
@@ -175,8 +179,12 @@ int g_ndone = 0;
 std::string g_error;  // set: abort the launch
 
 // ThreadSanitizer synchronisation objects (their addresses).
-char g_sync_launch, g_sync_end, g_sync_barrier;
-char g_sync_warp[kMaxThreadsPerBlock / kWarpSize];
+char g_sync_launch, g_sync_end;
+// two of each, used alternately: a sync object shared by consecutive barriers would let a
+// thread that arrives early at the next barrier release into the one its peers still leave,
+// a false happens-before edge that hides exactly the missing-barrier races
+char g_sync_barrier2[2];
+char g_sync_warp[kMaxThreadsPerBlock / kWarpSize][2];
 
 TPAMP_SIMT_NO_TSAN const char* short_path(const char* file) {
   if (file == nullptr) return "?";
@@ -532,6 +540,8 @@ TPAMP_SIMT_NO_TSAN void run_block(const std::string& order, std::mt19937_64& rng
     f->tid = uint3{static_cast<unsigned int>(i) % bx, (static_cast<unsigned int>(i) / bx) % by,
                    static_cast<unsigned int>(i) / (bx * by)};
     f->state = State::kRunnable;
+    f->bar_gen = 0;
+    f->warp_gen = 0;
     prepare(f);
     seq[i] = order == "reverse" ? n - 1 - i : i;
   }
@@ -582,11 +592,12 @@ TPAMP_SIMT_NO_TSAN int syncthreads(Site site, int kind, int predicate) {
   f->bar_kind = kind;
   f->bar_pred = predicate;
 #ifdef TPAMP_SIMT_TSAN
-  __tsan_release(&g_sync_barrier);
+  char* sync = &g_sync_barrier2[f->bar_gen++ & 1u];
+  __tsan_release(sync);
 #endif
   yield(false);
 #ifdef TPAMP_SIMT_TSAN
-  __tsan_acquire(&g_sync_barrier);
+  __tsan_acquire(sync);
 #endif
   return f->bar_result;
 }
@@ -612,7 +623,7 @@ TPAMP_SIMT_NO_TSAN uint64_t warp_op(Site site, int kind, const char* name, unsig
   f->arg = arg;
   f->width = width;
 #ifdef TPAMP_SIMT_TSAN
-  char* sync = &g_sync_warp[warp_of(f)];
+  char* sync = &g_sync_warp[warp_of(f)][f->warp_gen++ & 1u];
   __tsan_release(sync);
 #endif
   yield(false);
