@@ -836,13 +836,19 @@ def _class_name(obj) -> str:
     return f"{cls.__module__}.{cls.__qualname__}"
 
 
-def _param_group_index(mains: Mapping[str, Any], inner) -> Dict[str, int]:
+def _param_group_index(mains: Mapping[str, Any], inner, optimizer=None,
+                       model_params: Optional[Mapping[str, Tensor]] = None) -> Dict[str, int]:
     """{name: index of the inner optimizer's param group that steps it} for the main params
     this rank holds, found by memory: a main param (or a box of a DP shard) lies inside one
     tensor of one group (a MixedPrecisionOptimizer's main param, a DistributedOptimizer's
-    shard piece), whatever the wrapper."""
+    shard piece), whatever the wrapper. A main param that has no memory of its own (bf16
+    params + remainders: its value is rebuilt for the save) is placed by the wrapper's
+    ``param_group_indices()`` (id(model param) -> group) through ``model_params``."""
     if inner is None:
         return {}
+    by_model = {}
+    if model_params is not None and hasattr(optimizer, "param_group_indices"):
+        by_model = optimizer.param_group_indices()
     spans = []
     for gi, g in enumerate(inner.param_groups):
         for p in g["params"]:
@@ -861,6 +867,8 @@ def _param_group_index(mains: Mapping[str, Any], inner) -> Dict[str, int]:
         i = bisect.bisect_right(starts, ptr) - 1
         if i >= 0 and ptr < spans[i][1] and spans[i][3] == parts[0].device:
             out[name] = spans[i][2]
+        elif id(model_params.get(name) if model_params is not None else None) in by_model:
+            out[name] = by_model[id(model_params[name])]
     return out
 
 
@@ -1024,7 +1032,8 @@ def _save_state_dict(model_params, optimizer, hooks, tp_group, extra):
                     sd[f"{_STATE}{n}.{k}"] = v
         sd[_GROUPS] = tuple(osd["param_groups"])  # a tuple: DCP keeps it one object
         groups_here = {
-            n: gi for n, gi in _param_group_index(osd["main_params"], _inner_optimizer(optimizer)).items()
+            n: gi for n, gi in _param_group_index(osd["main_params"], _inner_optimizer(optimizer),
+                                            optimizer, model_params).items()
             if n not in shared
         }
         scaler = getattr(optimizer, "grad_scaler", None)
@@ -1390,7 +1399,8 @@ def _plan_reads(plan, path, model_params, optimizer, hooks, tp_group, extra, res
                     plan.saved(f"{_STATE}{n}.{k}", like=v)
         if not reset:
             plan.saved(_GROUPS)
-            _check_optimizer_meta(plan, optimizer, osd, _shared_names(model_params))
+            _check_optimizer_meta(plan, optimizer, osd, _shared_names(model_params),
+                                  model_params)
         scaler = getattr(optimizer, "grad_scaler", None)
         if scaler is not None:
             saved_keys = set(plan.under(_SCALER))
@@ -1421,7 +1431,7 @@ def _plan_reads(plan, path, model_params, optimizer, hooks, tp_group, extra, res
     return views, osd, scaler, detector
 
 
-def _check_optimizer_meta(plan: _Plan, optimizer, osd, shared) -> None:
+def _check_optimizer_meta(plan: _Plan, optimizer, osd, shared, model_params=None) -> None:
     """The saved optimizer's class and param-group structure against this one's (plan time)."""
     inner = _inner_optimizer(optimizer)
     if inner is None:
@@ -1455,7 +1465,8 @@ def _check_optimizer_meta(plan: _Plan, optimizer, osd, shared) -> None:
     saved_of = {n: i for i, g in enumerate(saved_groups) for n in g["params"]}
     moved = [
         f"{n!r} (group {gi} here, {saved_of.get(n)} in the checkpoint)"
-        for n, gi in sorted(_param_group_index(osd["main_params"], inner).items())
+        for n, gi in sorted(_param_group_index(osd["main_params"], inner, optimizer,
+                                               model_params).items())
         if n not in shared and saved_of.get(n) != gi and _MAIN + n in plan.md
     ]
     if moved:

@@ -719,6 +719,11 @@ class DistributedOptimizer(OptimizerWrapper):
                     out.append((repr(name), p, p.grad))
         return out
 
+    def param_group_indices(self) -> Dict[int, int]:
+        """id(model param) -> index of the inner optimizer's param group that steps its pieces
+        on this rank (params with no piece here are absent)."""
+        return {id(q.param): q.group_index for q in self._pieces}
+
     def bucket_layout(self) -> List[Tuple[str, int]]:
         """(model dtype, padded number of elements) of each bucket, in reduce order; every DP
         rank must have the same (checked across DP on the first step)."""

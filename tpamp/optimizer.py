@@ -417,6 +417,18 @@ class MixedPrecisionOptimizer(OptimizerWrapper):
                     out.append((f"fp32 param {i} of param group {gi}", p, grad))
         return out
 
+    def param_group_indices(self) -> Dict[int, int]:
+        """id(model param) -> index of the inner optimizer's param group that steps it (through
+        its main param, or itself for an fp32 param), for the params this optimizer steps
+        (checkpoints record the param-group structure by name with it)."""
+        out: Dict[int, int] = {}
+        for gi, (pairs, fp32s) in enumerate(zip(self._half_pairs, self._fp32_params)):
+            for model, _ in pairs:
+                out[id(model)] = gi
+            for p in fp32s:
+                out[id(p)] = gi
+        return out
+
     def main_params_by_group(self) -> List[List[Tensor]]:
         """Per param group, the fp32 main params of its fp16/bf16 params (what state_dict saves
         as ``fp32_from_fp16_params``)."""
