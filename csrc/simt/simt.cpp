@@ -7,7 +7,8 @@
 // (__sanitizer_start/finish_switch_fiber); ThreadSanitizer sees one fiber per CUDA thread index
 // (__tsan_create_fiber / __tsan_switch_to_fiber, synchronising only fiber -> launching thread),
 // and the happens-before edges CUDA gives: launch start -> every thread, every thread -> launch
-// end, a barrier's arrivals -> its departures, a warp operation's lanes -> each other; plus
+// end, a barrier's arrivals -> its departures, a warp operation's lanes -> each other (two sync
+// objects used alternately, so an early arrival at the next barrier is no edge into this one); plus
 // block -> next block (static __shared__ storage is reused by every block, so races between
 // blocks of one launch are not reported). The runtime's own
 // bookkeeping is hidden from ThreadSanitizer (no_sanitize), so its reports name kernel lines only.
