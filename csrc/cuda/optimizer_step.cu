@@ -136,7 +136,7 @@ struct NarrowAdamFunctor {
       const float vs_in = v_kind == kMomentFp8 ? v_scales[block] : 1.0f;
       float mv[8], vv[8];
       float m_max = 0.0f, v_max = 0.0f;
-#pragma unroll
+#pragma unroll 1  // unrolled, cicc took > 12 min per arch on this functor (40 s like this)
       for (int k = 0; k < 8; ++k) {
         const int j = base + lane + 32 * k;
         mv[k] = 0.0f;
@@ -174,7 +174,7 @@ struct NarrowAdamFunctor {
       if (v_kind == kMomentFp8) vsc = moment_scale(warp_max(v_max));
       if (lane == 0 && m_kind == kMomentFp8) m_scales[block] = msc.scale;
       if (lane == 0 && v_kind == kMomentFp8) v_scales[block] = vsc.scale;
-#pragma unroll
+#pragma unroll 1  // unrolled, cicc took > 12 min per arch on this functor (40 s like this)
       for (int k = 0; k < 8; ++k) {
         const int j = base + lane + 32 * k;
         if (j >= c.n) continue;
