@@ -43,6 +43,22 @@ __device__ __forceinline__ bool skipped(const float* found_inf) {
   return found_inf != nullptr && *found_inf != 0.0f;
 }
 
+// This chunk's Adam scalars (bias corrections from its tensor's step count): thread 0 computes
+// them once per block, the others read them after the barrier.
+__device__ __forceinline__ AdamScalars block_adam_scalars(AdamHyper h, const float* lr,
+                                                          const void* step, bool step_is_double,
+                                                          const float* grad_scale, bool maximize) {
+  __shared__ AdamScalars shared;
+  if (threadIdx.x == 0) {
+    if (lr != nullptr) h.lr = static_cast<double>(*lr);
+    const double n = step_is_double ? *static_cast<const double*>(step)
+                                    : static_cast<double>(*static_cast<const float*>(step));
+    shared = adam_scalars(h, n + 1.0, grad_scale != nullptr ? *grad_scale : 1.0f, maximize);
+  }
+  __syncthreads();
+  return shared;
+}
+
 template <typename G, typename M>
 struct AdamFunctor {
   AdamHyper h;
@@ -54,16 +70,8 @@ struct AdamFunctor {
 
   __device__ __forceinline__ void operator()(const ChunkInfo<kAdamDepth>& c) const {
     if (skipped(found_inf)) return;
-    __shared__ AdamScalars shared;
-    if (threadIdx.x == 0) {
-      AdamHyper hh = h;
-      if (lr != nullptr) hh.lr = static_cast<double>(*lr);
-      const double step = step_is_double ? *static_cast<const double*>(c.addr[5])
-                                         : static_cast<double>(*static_cast<const float*>(c.addr[5]));
-      shared = adam_scalars(hh, step + 1.0, grad_scale != nullptr ? *grad_scale : 1.0f, maximize);
-    }
-    __syncthreads();
-    const AdamScalars s = shared;
+    const AdamScalars s =
+        block_adam_scalars(h, lr, c.addr[5], step_is_double, grad_scale, maximize);
     const G* g = static_cast<const G*>(c.addr[0]) + c.offset;
     float* p = static_cast<float*>(c.addr[1]) + c.offset;
     float* m = static_cast<float*>(c.addr[2]) + c.offset;
@@ -114,16 +122,8 @@ struct NarrowAdamFunctor {
 
   __device__ __forceinline__ void operator()(const ChunkInfo<kNarrowDepth>& c) const {
     if (skipped(found_inf)) return;
-    __shared__ AdamScalars shared;
-    if (threadIdx.x == 0) {
-      AdamHyper hh = h;
-      if (lr != nullptr) hh.lr = static_cast<double>(*lr);
-      const double step = step_is_double ? *static_cast<const double*>(c.addr[5])
-                                         : static_cast<double>(*static_cast<const float*>(c.addr[5]));
-      shared = adam_scalars(hh, step + 1.0, grad_scale != nullptr ? *grad_scale : 1.0f, maximize);
-    }
-    __syncthreads();
-    const AdamScalars s = shared;
+    const AdamScalars s =
+        block_adam_scalars(h, lr, c.addr[5], step_is_double, grad_scale, maximize);
     const int warp = static_cast<int>(threadIdx.x) / 32;
     const int lane = static_cast<int>(threadIdx.x) % 32;
     const G* g = static_cast<const G*>(c.addr[0]);
