@@ -190,6 +190,74 @@ def test_narrow_step_equals_fp32_step_on_decoded_state(m_dtype, v_dtype, remaind
         assert float(steps[i]) == 5.0
 
 
+def _np_bf16_with_nan(x: torch.Tensor) -> np.ndarray:
+    """float32 -> bf16 bits as documented in csrc/kernels/optimizer_step.h: round to nearest
+    even; a NaN keeps its sign and high mantissa bits and is made quiet (| 0x0040)."""
+    u = _np_bits(x).astype(np.uint64)
+    nan = (u & 0x7FFFFFFF) > 0x7F800000
+    return np.where(nan, (u >> 16) | 0x0040, (u + 0x7FFF + ((u >> 16) & 1)) >> 16).astype(np.uint16)
+
+
+@pytest.mark.parametrize("m_dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("remainders", [False, True])
+def test_bf16_moments_keep_the_format_for_nan_and_inf(m_dtype, remainders):
+    """Grads with NaN and +-inf (no found_inf: the step runs) in vectors that also hold finite
+    lanes, in tails and in whole vectors, and stored moments that are NaNs with payloads: the bf16
+    moments hold exactly the documented bits of the fp32-state step's values (a NaN's sign and
+    payload too, whatever the CPU capability), finite lanes beside them are untouched."""
+    if not _kernel_built():
+        pytest.skip("tpamp._C with the fused step kernels is not built")
+    gen = torch.Generator().manual_seed(5)
+    params, models, grads, ms, vs, steps = [], [], [], [], [], []
+    for n in SIZES:
+        master = torch.randn(n, generator=gen)
+        g = torch.randn(n, generator=gen)
+        bad = torch.randperm(n, generator=gen)[: max(1, n // 50)]
+        g[bad] = torch.tensor([float("nan"), float("inf"), -float("inf"), -float("nan")]).repeat(
+            bad.numel())[: bad.numel()]
+        if n >= 64:
+            g[32:48] = float("nan")  # a whole vector (AVX2: 16 lanes) of NaN
+        grads.append(g.to(torch.bfloat16))
+        m = (torch.randn(n, generator=gen) * 1e-3).to(m_dtype)
+        v = (torch.rand(n, generator=gen) * 1e-6).to(torch.bfloat16)
+        # stored NaNs with payloads and signs (torch's own conversion writes 0xffff for every
+        # NaN; the documented format keeps sign and payload): quiet, signalling, negative
+        at = torch.randperm(n, generator=gen)[: max(1, n // 40)]
+        nan16 = torch.tensor([0x7FC1, 0x7F81, -0x0060], dtype=torch.int16)  # -0x60 = 0xffa0
+        v.view(torch.int16)[at] = nan16.repeat(at.numel())[: at.numel()]
+        if m_dtype == torch.bfloat16:
+            m.view(torch.int16)[at.flip(0)] = nan16.repeat(at.numel())[: at.numel()]
+        else:
+            m.view(torch.int32)[at.flip(0)] = 0x7FC12345
+        ms.append(m), vs.append(v), steps.append(torch.tensor(2.0))
+        if remainders:
+            hi, lo = ops.split_remainders(master)
+            params.append(lo), models.append(hi)
+        else:
+            params.append(master), models.append(master.to(torch.bfloat16))
+    ref_p = [ops.join_remainders(h, l) if remainders else p.clone()
+             for p, h, l in zip(params, models, params)]
+    ref_m = [m.float().clone() for m in ms]  # .float() of a float32 tensor is the tensor
+    ref_v = [v.float() for v in vs]
+    ref_models = [m.clone() for m in models]
+    ops.fused_adam_step_(ref_p, grads, ref_m, ref_v, [s.clone() for s in steps],
+                         model_params=ref_models, **HYPER)
+    ops.fused_adam_step_(params, grads, ms, vs, steps, model_params=models, **HYPER)
+    for i in range(len(SIZES)):
+        assert bool(ref_v[i].isnan().any()), i  # the case is exercised
+        if remainders:
+            assert np.array_equal(_np_join(models[i], params[i]), _np_bits(ref_p[i])), i
+        else:
+            assert np.array_equal(_np_bits(params[i]), _np_bits(ref_p[i])), i
+        if m_dtype == torch.bfloat16:
+            assert np.array_equal(ms[i].view(torch.int16).numpy().view(np.uint16),
+                                  _np_bf16_with_nan(ref_m[i])), i
+        else:
+            assert np.array_equal(_np_bits(ms[i]), _np_bits(ref_m[i])), i
+        assert np.array_equal(vs[i].view(torch.int16).numpy().view(np.uint16),
+                              _np_bf16_with_nan(ref_v[i])), i
+
+
 def test_remainders_bit_identical_to_fp32_masters_over_hundreds_of_steps():
     """300 steps, fresh random grads each step (the same for both runs): the master rebuilt
     from param + remainder equals the fp32-master run's master bit for bit at every step, and

@@ -13,7 +13,6 @@
 #include "vec_lanes.h"
 
 #include <algorithm>
-#include <array>
 #include <cmath>
 #include <cstring>
 #include <type_traits>
@@ -92,16 +91,6 @@ Kind kind_of(at::ScalarType t) {
   return t == at::kFloat ? Kind::kFloat : (t == at::kBFloat16 ? Kind::kBFloat16 : Kind::kFp8);
 }
 
-// The 256 float32 values of the e4m3fn codes (fp8_e4m3_decode), built once.
-const float* fp8_table() {
-  static const auto table = [] {
-    std::array<float, 256> t{};
-    for (int c = 0; c < 256; ++c) t[c] = fp8_e4m3_decode(static_cast<uint8_t>(c));
-    return t;
-  }();
-  return table.data();
-}
-
 // One stored moment of a chunk: its memory (float, bf16 bits or e4m3fn codes) and, for 8-bit,
 // the scales of the chunk's blocks.
 struct MomentRef {
@@ -111,127 +100,204 @@ struct MomentRef {
   bool sqrt;      // 8-bit exp_avg_sq: the codes hold sqrt(value)
 };
 
-// Reads n <= kMomentBlock values of block b of a chunk's moment into out (float32).
-inline void read_moment(const MomentRef& r, int64_t b, int64_t n, float* out) {
+// The loops below call the scalar, branch-free format functions of kernels/optimizer_step.h on
+// one block (<= kMomentBlock elements, in L1); -O3 compiles them to vector code for every
+// capability (checked with -fopt-info-vec), so the bits are those of the CUDA launcher.
+
+// The float32 values of block b of a chunk's float32 or 8-bit moment: float32 moments in place,
+// 8-bit ones decoded into buf (bf16 moments are converted in registers: MomentLanes). n <=
+// kMomentBlock.
+inline float* read_moment(const MomentRef& r, int64_t b, int64_t n, float* __restrict buf) {
   const int64_t o = b * kMomentBlock;
   switch (r.kind) {
     case Kind::kFloat:
-      std::memcpy(out, static_cast<const float*>(r.data) + o, static_cast<size_t>(n) * 4);
-      break;
-    case Kind::kBFloat16: {
-      const uint16_t* in = static_cast<const uint16_t*>(r.data) + o;
-      for (int64_t i = 0; i < n; ++i) out[i] = bf16_to_float(in[i]);
-      break;
-    }
+      return static_cast<float*>(r.data) + o;
+    case Kind::kBFloat16:
+      return nullptr;  // not staged
     case Kind::kFp8: {
-      const uint8_t* in = static_cast<const uint8_t*>(r.data) + o;
-      const float* table = fp8_table();
+      const uint8_t* __restrict in = static_cast<const uint8_t*>(r.data) + o;
       const float scale = r.scales[b];
-      for (int64_t i = 0; i < n; ++i) out[i] = table[in[i]] * scale;
       if (r.sqrt) {
-        for (int64_t i = 0; i < n; ++i) out[i] = out[i] * out[i];
+        for (int64_t i = 0; i < n; ++i) {
+          const float x = fp8_e4m3_decode(in[i]) * scale;
+          buf[i] = x * x;
+        }
+      } else {
+        for (int64_t i = 0; i < n; ++i) buf[i] = fp8_e4m3_decode(in[i]) * scale;
       }
-      break;
+      return buf;
     }
   }
+  return buf;
 }
 
-// Writes n values of `in` (float32; clobbered for 8-bit exp_avg_sq) to block b of the moment.
-inline void write_moment(const MomentRef& r, int64_t b, int64_t n, float* in) {
+// Stores the n values of buf (from read_moment) to block b of an 8-bit moment (float32 moments
+// were updated in place, bf16 ones in registers). buf is clobbered for 8-bit exp_avg_sq.
+inline void write_moment(const MomentRef& r, int64_t b, int64_t n, float* __restrict buf) {
   const int64_t o = b * kMomentBlock;
   switch (r.kind) {
     case Kind::kFloat:
-      std::memcpy(static_cast<float*>(r.data) + o, in, static_cast<size_t>(n) * 4);
+    case Kind::kBFloat16:
       break;
-    case Kind::kBFloat16: {
-      uint16_t* out = static_cast<uint16_t*>(r.data) + o;
-      for (int64_t i = 0; i < n; ++i) out[i] = float_to_bf16(in[i]);
-      break;
-    }
     case Kind::kFp8: {
       int64_t i = 0;
       FVec vmax(0.0f);
       if constexpr (kUseVec) {
         for (; i + FVec::size() <= n; i += FVec::size()) {
-          FVec x = FVec::loadu(in + i);
-          if (r.sqrt) x = x.sqrt();
-          x.store(in + i);
+          FVec x = FVec::loadu(buf + i);
+          if (r.sqrt) {
+            x = x.sqrt();
+            x.store(buf + i);
+          }
           vmax = at::vec::maximum(vmax, x.abs());
         }
       }
       float absmax = Lanes<FVec>::max_all(vmax);
       for (; i < n; ++i) {
-        if (r.sqrt) in[i] = sqrtf(in[i]);
-        absmax = max_propagate_nan(absmax, fabsf(in[i]));
+        if (r.sqrt) buf[i] = sqrtf(buf[i]);
+        absmax = max_propagate_nan(absmax, fabsf(buf[i]));
       }
       const MomentScale s = moment_scale(absmax);
       r.scales[b] = s.scale;
-      uint8_t* out = static_cast<uint8_t*>(r.data) + o;
-      for (int64_t k = 0; k < n; ++k) out[k] = fp8_e4m3_encode(in[k] * s.inv);
+      const float inv = s.inv;
+      uint8_t* __restrict out = static_cast<uint8_t*>(r.data) + o;
+      for (int64_t k = 0; k < n; ++k) out[k] = fp8_e4m3_encode(buf[k] * inv);
       break;
     }
   }
 }
 
-// adam_chunk for any storage: per block of kMomentBlock elements, the stored values are read into
-// float32 buffers (L1), the same vector math as adam_chunk runs on them, and they are written back
-// in their formats. p: fp32 masters, or null with rem (int16 remainders) and a bf16 model.
+// bf16 values from two float registers, as float_to_bf16 (round to nearest even): at::vec's
+// conversion rounds the same way, but the bits it gives a NaN depend on the CPU capability, so
+// registers holding a NaN are converted lane by lane.
+inline void store_bf16(uint16_t* out, const FVec& a, const FVec& b) {
+  if ((a.isnan() | b.isnan()).zero_mask() == (1 << FVec::size()) - 1) {  // no NaN lane
+    at::vec::convert_from_float<at::BFloat16>(a, b).store(out);
+    return;
+  }
+  alignas(64) float t[kVecStep];
+  a.store(t);
+  b.store(t + FVec::size());
+  for (int64_t i = 0; i < kVecStep; ++i) out[i] = float_to_bf16(t[i]);
+}
+
+// A moment of one block as the vector loop reads and writes it: float32 values (the stored
+// float32 moment, or an L1 buffer of decoded 8-bit values) or bf16 bits, converted in registers.
+struct MomentLanes {
+  float* f;     // float32 values, or null
+  uint16_t* h;  // bf16 bits (when f is null)
+  void load(int64_t j, FVec& a, FVec& b) const {
+    if (f != nullptr) {
+      VecIO<float>::load(f + j, a, b);
+    } else {
+      VecIO<at::BFloat16>::load(reinterpret_cast<const at::BFloat16*>(h + j), a, b);
+    }
+  }
+  void store(int64_t j, FVec& a, FVec& b) const {
+    if (f != nullptr) {
+      VecIO<float>::template store<true, false>(f + j, a, b);
+    } else {
+      store_bf16(h + j, a, b);
+    }
+  }
+};
+
+// The last r < kVecStep elements of a moment, copied into zero-padded memory and back.
+struct MomentTail {
+  Tail<float> tf;
+  Tail<uint16_t> th;
+  MomentLanes lanes(const MomentLanes& m, int64_t j, int64_t r) {
+    if (m.f != nullptr) {
+      tf.in(m.f + j, r);
+      return MomentLanes{tf.buf, nullptr};
+    }
+    th.in(m.h + j, r);
+    return MomentLanes{nullptr, th.buf};
+  }
+  void out(const MomentLanes& m, int64_t j, int64_t r) const {
+    if (m.f != nullptr) {
+      tf.out(m.f + j, r);
+    } else {
+      th.out(m.h + j, r);
+    }
+  }
+};
+
+// adam_chunk for any storage: per block of kMomentBlock elements, the vector math of adam_chunk
+// runs on float32 values read in place (float32 moments and masters), converted in registers
+// (bf16 moments) or decoded into L1 buffers first (8-bit moments, and the masters rebuilt from
+// remainders), and the stored values are written back in their formats. p: fp32 masters, or null
+// with rem (int16 remainders) and a bf16 model.
 template <typename G, typename M>
 void adam_chunk_narrow(const G* g, float* p, int16_t* rem, const MomentRef& mref,
                        const MomentRef& vref, M* model, int64_t n, const AdamScalars& scalars) {
   constexpr bool kModel = !std::is_same_v<M, NoModel>;
+  constexpr bool kBf16Model = std::is_same_v<M, at::BFloat16>;
   const AdamScalars s = scalars;
-  alignas(64) float pb[kMomentBlock];
-  alignas(64) float mb[kMomentBlock];
-  alignas(64) float vb[kMomentBlock];
-  alignas(64) std::conditional_t<kModel, M, float> mob[kMomentBlock];  // model values (no rem)
+  alignas(64) float pbuf[kMomentBlock];
+  alignas(64) float mbuf[kMomentBlock];
+  alignas(64) float vbuf[kMomentBlock];
+  auto lanes_of = [](const MomentRef& r, int64_t o, float* values) {
+    return values != nullptr ? MomentLanes{values, nullptr}
+                             : MomentLanes{nullptr, static_cast<uint16_t*>(r.data) + o};
+  };
   for (int64_t b = 0; b * kMomentBlock < n; ++b) {
     const int64_t o = b * kMomentBlock;
     const int64_t k = std::min<int64_t>(kMomentBlock, n - o);
-    read_moment(mref, b, k, mb);
-    read_moment(vref, b, k, vb);
-    if (rem != nullptr) {
-      if constexpr (std::is_same_v<M, at::BFloat16>) {
-        const uint16_t* mp = reinterpret_cast<const uint16_t*>(model + o);
-        for (int64_t i = 0; i < k; ++i) pb[i] = join_remainder(mp[i], rem[o + i]);
+    const MomentLanes ml = lanes_of(mref, o, read_moment(mref, b, k, mbuf));
+    const MomentLanes vl = lanes_of(vref, o, read_moment(vref, b, k, vbuf));
+    float* pb = p != nullptr ? p + o : pbuf;
+    if constexpr (kBf16Model) {
+      if (rem != nullptr) {
+        const uint16_t* __restrict mp = reinterpret_cast<const uint16_t*>(model + o);
+        const int16_t* __restrict rp = rem + o;
+        for (int64_t i = 0; i < k; ++i) pbuf[i] = join_remainder(mp[i], rp[i]);
       }
-    } else {
-      std::memcpy(pb, p + o, static_cast<size_t>(k) * 4);
     }
-    int64_t i = 0;
-    auto step = [&](const G* gp, int64_t j) {
+    auto step = [&](const G* gp, float* pp, const MomentLanes& mm, const MomentLanes& vv,
+                    int64_t j, M* modelp) {
       FVec g0, g1, p0, p1, m0, m1, v0, v1;
       VecIO<G>::load(gp, g0, g1);
-      VecIO<float>::load(pb + j, p0, p1);
-      VecIO<float>::load(mb + j, m0, m1);
-      VecIO<float>::load(vb + j, v0, v1);
+      VecIO<float>::load(pp, p0, p1);
+      mm.load(j, m0, m1);
+      vv.load(j, v0, v1);
       adam_element<FVec>(p0, m0, v0, g0, s);
       adam_element<FVec>(p1, m1, v1, g1, s);
-      VecIO<float>::template store<true, false>(pb + j, p0, p1);
-      VecIO<float>::template store<true, false>(mb + j, m0, m1);
-      VecIO<float>::template store<true, false>(vb + j, v0, v1);
+      VecIO<float>::template store<true, false>(pp, p0, p1);
+      mm.store(j, m0, m1);
+      vv.store(j, v0, v1);
       if constexpr (kModel) {
-        if (rem == nullptr) VecIO<M>::template store<true, false>(mob + j, p0, p1);
+        if (rem == nullptr) VecIO<M>::template store<true, false>(modelp, p0, p1);
       }
     };
-    for (; i + kVecStep <= k; i += kVecStep) step(g + o + i, i);
-    if (i < k) {
-      Tail<G> tg;
-      tg.in(g + o + i, k - i);
-      // the buffers have room: k - i < kVecStep and kMomentBlock is a multiple of kVecStep
-      step(tg.buf, i);
+    int64_t i = 0;
+    for (; i + kVecStep <= k; i += kVecStep) {
+      step(g + o + i, pb + i, ml, vl, i, kModel ? model + o + i : nullptr);
     }
-    write_moment(mref, b, k, mb);
-    write_moment(vref, b, k, vb);
-    if (rem != nullptr) {
-      if constexpr (std::is_same_v<M, at::BFloat16>) {
-        uint16_t* mp = reinterpret_cast<uint16_t*>(model + o);
-        for (int64_t j = 0; j < k; ++j) split_remainder(pb[j], mp[j], rem[o + j]);
-      }
-    } else {
-      std::memcpy(p + o, pb, static_cast<size_t>(k) * 4);
+    if (i < k) {  // the last block's tail: through zero-padded copies, as adam_chunk
+      const int64_t r = k - i;
+      Tail<G> tg;
+      Tail<float> tp;
+      MomentTail tm, tv;
+      Tail<std::conditional_t<kModel, M, float>> tmodel;
+      tg.in(g + o + i, r);
+      tp.in(pb + i, r);
+      step(tg.buf, tp.buf, tm.lanes(ml, i, r), tv.lanes(vl, i, r), 0,
+           kModel ? reinterpret_cast<M*>(tmodel.buf) : nullptr);
+      tp.out(pb + i, r);
+      tm.out(ml, i, r);
+      tv.out(vl, i, r);
       if constexpr (kModel) {
-        std::memcpy(static_cast<void*>(model + o), mob, static_cast<size_t>(k) * sizeof(M));
+        if (rem == nullptr) tmodel.out(model + o + i, r);
+      }
+    }
+    write_moment(mref, b, k, mbuf);
+    write_moment(vref, b, k, vbuf);
+    if constexpr (kBf16Model) {
+      if (rem != nullptr) {
+        uint16_t* __restrict mp = reinterpret_cast<uint16_t*>(model + o);
+        int16_t* __restrict rp = rem + o;
+        for (int64_t j = 0; j < k; ++j) split_remainder(pbuf[j], mp[j], rp[j]);
       }
     }
   }

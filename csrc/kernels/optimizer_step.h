@@ -137,11 +137,20 @@ TPAMP_INLINE float bits_to_float(uint32_t u) {
 
 TPAMP_INLINE float bf16_to_float(uint16_t b) { return bits_to_float(static_cast<uint32_t>(b) << 16); }
 
-// Round to nearest even; NaN -> a quiet NaN of the same sign.
+// c ? a : b with integer masks, no branch: the format functions below compute every case and
+// select, so the CPU launcher's loops over a block compile to vector code (a ternary lets g++
+// sink a float operation into a branch, and a loop with a branch that may trap stays scalar).
+TPAMP_INLINE uint32_t select_bits(bool c, uint32_t a, uint32_t b) {
+  const uint32_t mask = 0u - static_cast<uint32_t>(c);
+  return (a & mask) | (b & ~mask);
+}
+
+// Round to nearest even; NaN -> a quiet NaN of the same sign. Branch-free.
 TPAMP_INLINE uint16_t float_to_bf16(float x) {
   const uint32_t u = float_to_bits(x);
-  if ((u & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((u >> 16) | 0x0040u);
-  return static_cast<uint16_t>((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+  const uint32_t rounded = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
+  const uint32_t quiet_nan = (u >> 16) | 0x0040u;
+  return static_cast<uint16_t>(select_bits((u & 0x7fffffffu) > 0x7f800000u, quiet_nan, rounded));
 }
 
 // The float32 master of a bf16 param with its remainder (see above).
@@ -158,33 +167,27 @@ TPAMP_INLINE void split_remainder(float x, uint16_t& param_bits, int16_t& remain
 
 // e4m3fn code of q, |q| <= 448 (larger finite values saturate to +-448), round to nearest even;
 // NaN -> 0x7f | sign. The same result as torch's float32 -> float8_e4m3fn conversion there.
+// Branch-free, as float_to_bf16.
 TPAMP_INLINE uint8_t fp8_e4m3_encode(float q) {
   const uint32_t u = float_to_bits(q);
   const uint32_t sign = (u >> 24) & 0x80u;
-  uint32_t a = u & 0x7fffffffu;
-  if (a > 0x7f800000u) return static_cast<uint8_t>(0x7fu | sign);
-  uint32_t code;
-  if (a < 0x3c800000u) {  // |q| < 2^-6: subnormal codes, steps of 2^-9 (16384 has ulp 2^-9)
-    code = float_to_bits(bits_to_float(a) + 16384.0f) - 0x46800000u;
-  } else {
-    a += 0x7ffffu + ((a >> 20) & 1u);          // round the mantissa to 3 bits, nearest even
-    code = (a >> 20) - ((127u - 7u) << 3);     // rebias the exponent (8 -> 4 bits)
-    if (code > 0x7eu) code = 0x7eu;
-  }
-  return static_cast<uint8_t>(code | sign);
+  const uint32_t a = u & 0x7fffffffu;
+  // |q| < 2^-6: subnormal codes, steps of 2^-9 (16384 has ulp 2^-9, so the add rounds there)
+  const uint32_t subnormal = float_to_bits(bits_to_float(a) + 16384.0f) - 0x46800000u;
+  // else: round the mantissa to 3 bits (nearest even), rebias the exponent (8 -> 4 bits)
+  const uint32_t normal = ((a + 0x7ffffu + ((a >> 20) & 1u)) >> 20) - ((127u - 7u) << 3);
+  const uint32_t finite = select_bits(a < 0x3c800000u, subnormal, select_bits(normal > 0x7eu, 0x7eu, normal));
+  return static_cast<uint8_t>(select_bits(a > 0x7f800000u, 0x7fu, finite) | sign);
 }
 
+// Branch-free: |value| from the code's 7 low bits, then the sign bit.
 TPAMP_INLINE float fp8_e4m3_decode(uint8_t c) {
-  const uint32_t e = (c >> 3) & 0xfu, m = c & 7u;
-  float mag;
-  if (e == 0) {
-    mag = static_cast<float>(m) * 0.001953125f;  // 2^-9
-  } else if (e == 15 && m == 7) {
-    mag = bits_to_float(0x7fc00000u);
-  } else {
-    mag = bits_to_float(((e + 120u) << 23) | (m << 20));
-  }
-  return (c & 0x80u) ? -mag : mag;
+  const uint32_t low = static_cast<uint32_t>(c) & 0x7fu;  // exponent (4 bits) and mantissa (3)
+  // subnormal (exponent 0): mantissa x 2^-9; normal: rebias the exponent (4 -> 8 bits)
+  const uint32_t subnormal = float_to_bits(static_cast<float>(low & 7u) * 0.001953125f);
+  const uint32_t normal = (low << 20) + ((127u - 7u) << 23);
+  const uint32_t mag = select_bits(low == 0x7fu, 0x7fc00000u, select_bits(low < 8u, subnormal, normal));
+  return bits_to_float(mag | ((static_cast<uint32_t>(c) & 0x80u) << 24));
 }
 
 // A block's scale and its multiplier for encoding, from the block's max |value| (NaN if any).
