@@ -104,16 +104,18 @@ struct MomentRef {
 // one block (<= kMomentBlock elements, in L1); -O3 compiles them to vector code for every
 // capability (checked with -fopt-info-vec), so the bits are those of the CUDA launcher.
 
-// The float32 values of block b of a chunk's float32 or 8-bit moment: float32 moments in place,
-// 8-bit ones decoded into buf (bf16 moments are converted in registers: MomentLanes). n <=
-// kMomentBlock.
+// The float32 values of block b of a chunk's moment: float32 moments in place, the others decoded
+// into buf. n <= kMomentBlock.
 inline float* read_moment(const MomentRef& r, int64_t b, int64_t n, float* __restrict buf) {
   const int64_t o = b * kMomentBlock;
   switch (r.kind) {
     case Kind::kFloat:
       return static_cast<float*>(r.data) + o;
-    case Kind::kBFloat16:
-      return nullptr;  // not staged
+    case Kind::kBFloat16: {
+      const uint16_t* __restrict in = static_cast<const uint16_t*>(r.data) + o;
+      for (int64_t i = 0; i < n; ++i) buf[i] = bf16_to_float(in[i]);
+      return buf;
+    }
     case Kind::kFp8: {
       const uint8_t* __restrict in = static_cast<const uint8_t*>(r.data) + o;
       const float scale = r.scales[b];
@@ -131,32 +133,29 @@ inline float* read_moment(const MomentRef& r, int64_t b, int64_t n, float* __res
   return buf;
 }
 
-// Stores the n values of buf (from read_moment) to block b of an 8-bit moment (float32 moments
-// were updated in place, bf16 ones in registers). buf is clobbered for 8-bit exp_avg_sq.
-inline void write_moment(const MomentRef& r, int64_t b, int64_t n, float* __restrict buf) {
+// Stores the n values of buf (from read_moment) to block b of a bf16 or 8-bit moment (float32
+// moments were updated in place). For 8-bit exp_avg_sq (r.sqrt), buf holds sqrt(exp_avg_sq):
+// the step keeps the root its denominator takes.
+inline void write_moment(const MomentRef& r, int64_t b, int64_t n, const float* __restrict buf) {
   const int64_t o = b * kMomentBlock;
   switch (r.kind) {
     case Kind::kFloat:
-    case Kind::kBFloat16:
       break;
+    case Kind::kBFloat16: {
+      uint16_t* __restrict out = static_cast<uint16_t*>(r.data) + o;
+      for (int64_t i = 0; i < n; ++i) out[i] = float_to_bf16(buf[i]);
+      break;
+    }
     case Kind::kFp8: {
       int64_t i = 0;
       FVec vmax(0.0f);
       if constexpr (kUseVec) {
         for (; i + FVec::size() <= n; i += FVec::size()) {
-          FVec x = FVec::loadu(buf + i);
-          if (r.sqrt) {
-            x = x.sqrt();
-            x.store(buf + i);
-          }
-          vmax = at::vec::maximum(vmax, x.abs());
+          vmax = at::vec::maximum(vmax, FVec::loadu(buf + i).abs());
         }
       }
       float absmax = Lanes<FVec>::max_all(vmax);
-      for (; i < n; ++i) {
-        if (r.sqrt) buf[i] = sqrtf(buf[i]);
-        absmax = max_propagate_nan(absmax, fabsf(buf[i]));
-      }
+      for (; i < n; ++i) absmax = max_propagate_nan(absmax, fabsf(buf[i]));
       const MomentScale s = moment_scale(absmax);
       r.scales[b] = s.scale;
       const float inv = s.inv;
@@ -167,85 +166,27 @@ inline void write_moment(const MomentRef& r, int64_t b, int64_t n, float* __rest
   }
 }
 
-// bf16 values from two float registers, as float_to_bf16 (round to nearest even): at::vec's
-// conversion rounds the same way, but the bits it gives a NaN depend on the CPU capability, so
-// registers holding a NaN are converted lane by lane.
-inline void store_bf16(uint16_t* out, const FVec& a, const FVec& b) {
-  if ((a.isnan() | b.isnan()).zero_mask() == (1 << FVec::size()) - 1) {  // no NaN lane
-    at::vec::convert_from_float<at::BFloat16>(a, b).store(out);
-    return;
-  }
-  alignas(64) float t[kVecStep];
-  a.store(t);
-  b.store(t + FVec::size());
-  for (int64_t i = 0; i < kVecStep; ++i) out[i] = float_to_bf16(t[i]);
-}
-
-// A moment of one block as the vector loop reads and writes it: float32 values (the stored
-// float32 moment, or an L1 buffer of decoded 8-bit values) or bf16 bits, converted in registers.
-struct MomentLanes {
-  float* f;     // float32 values, or null
-  uint16_t* h;  // bf16 bits (when f is null)
-  void load(int64_t j, FVec& a, FVec& b) const {
-    if (f != nullptr) {
-      VecIO<float>::load(f + j, a, b);
-    } else {
-      VecIO<at::BFloat16>::load(reinterpret_cast<const at::BFloat16*>(h + j), a, b);
-    }
-  }
-  void store(int64_t j, FVec& a, FVec& b) const {
-    if (f != nullptr) {
-      VecIO<float>::template store<true, false>(f + j, a, b);
-    } else {
-      store_bf16(h + j, a, b);
-    }
-  }
-};
-
-// The last r < kVecStep elements of a moment, copied into zero-padded memory and back.
-struct MomentTail {
-  Tail<float> tf;
-  Tail<uint16_t> th;
-  MomentLanes lanes(const MomentLanes& m, int64_t j, int64_t r) {
-    if (m.f != nullptr) {
-      tf.in(m.f + j, r);
-      return MomentLanes{tf.buf, nullptr};
-    }
-    th.in(m.h + j, r);
-    return MomentLanes{nullptr, th.buf};
-  }
-  void out(const MomentLanes& m, int64_t j, int64_t r) const {
-    if (m.f != nullptr) {
-      tf.out(m.f + j, r);
-    } else {
-      th.out(m.h + j, r);
-    }
-  }
-};
-
 // adam_chunk for any storage: per block of kMomentBlock elements, the vector math of adam_chunk
-// runs on float32 values read in place (float32 moments and masters), converted in registers
-// (bf16 moments) or decoded into L1 buffers first (8-bit moments, and the masters rebuilt from
-// remainders), and the stored values are written back in their formats. p: fp32 masters, or null
-// with rem (int16 remainders) and a bf16 model.
+// runs on float32 values, read in place (float32 moments and masters) or decoded into L1 buffers
+// first (bf16 and 8-bit moments, masters rebuilt from remainders), and the stored values are
+// written back in their formats. p: fp32 masters, or null with rem (int16 remainders) and a bf16
+// model.
 template <typename G, typename M>
 void adam_chunk_narrow(const G* g, float* p, int16_t* rem, const MomentRef& mref,
                        const MomentRef& vref, M* model, int64_t n, const AdamScalars& scalars) {
   constexpr bool kModel = !std::is_same_v<M, NoModel>;
   constexpr bool kBf16Model = std::is_same_v<M, at::BFloat16>;
   const AdamScalars s = scalars;
+  // 8-bit exp_avg_sq stores sqrt(v): the step hands over the root its denominator takes
+  const bool v_root = vref.kind == Kind::kFp8 && vref.sqrt;
   alignas(64) float pbuf[kMomentBlock];
   alignas(64) float mbuf[kMomentBlock];
   alignas(64) float vbuf[kMomentBlock];
-  auto lanes_of = [](const MomentRef& r, int64_t o, float* values) {
-    return values != nullptr ? MomentLanes{values, nullptr}
-                             : MomentLanes{nullptr, static_cast<uint16_t*>(r.data) + o};
-  };
   for (int64_t b = 0; b * kMomentBlock < n; ++b) {
     const int64_t o = b * kMomentBlock;
     const int64_t k = std::min<int64_t>(kMomentBlock, n - o);
-    const MomentLanes ml = lanes_of(mref, o, read_moment(mref, b, k, mbuf));
-    const MomentLanes vl = lanes_of(vref, o, read_moment(vref, b, k, vbuf));
+    float* mb = read_moment(mref, b, k, mbuf);
+    float* vb = read_moment(vref, b, k, vbuf);
     float* pb = p != nullptr ? p + o : pbuf;
     if constexpr (kBf16Model) {
       if (rem != nullptr) {
@@ -254,45 +195,48 @@ void adam_chunk_narrow(const G* g, float* p, int16_t* rem, const MomentRef& mref
         for (int64_t i = 0; i < k; ++i) pbuf[i] = join_remainder(mp[i], rp[i]);
       }
     }
-    auto step = [&](const G* gp, float* pp, const MomentLanes& mm, const MomentLanes& vv,
-                    int64_t j, M* modelp) {
-      FVec g0, g1, p0, p1, m0, m1, v0, v1;
+    auto step = [&](const G* gp, float* pp, float* mp, float* vp, M* modelp) {
+      FVec g0, g1, p0, p1, m0, m1, v0, v1, r0, r1;
       VecIO<G>::load(gp, g0, g1);
       VecIO<float>::load(pp, p0, p1);
-      mm.load(j, m0, m1);
-      vv.load(j, v0, v1);
-      adam_element<FVec>(p0, m0, v0, g0, s);
-      adam_element<FVec>(p1, m1, v1, g1, s);
+      VecIO<float>::load(mp, m0, m1);
+      VecIO<float>::load(vp, v0, v1);
+      adam_element<FVec>(p0, m0, v0, g0, s, v_root ? &r0 : nullptr);
+      adam_element<FVec>(p1, m1, v1, g1, s, v_root ? &r1 : nullptr);
       VecIO<float>::template store<true, false>(pp, p0, p1);
-      mm.store(j, m0, m1);
-      vv.store(j, v0, v1);
+      VecIO<float>::template store<true, false>(mp, m0, m1);
+      if (v_root) {
+        VecIO<float>::template store<true, false>(vp, r0, r1);
+      } else {
+        VecIO<float>::template store<true, false>(vp, v0, v1);
+      }
       if constexpr (kModel) {
         if (rem == nullptr) VecIO<M>::template store<true, false>(modelp, p0, p1);
       }
     };
     int64_t i = 0;
     for (; i + kVecStep <= k; i += kVecStep) {
-      step(g + o + i, pb + i, ml, vl, i, kModel ? model + o + i : nullptr);
+      step(g + o + i, pb + i, mb + i, vb + i, kModel ? model + o + i : nullptr);
     }
     if (i < k) {  // the last block's tail: through zero-padded copies, as adam_chunk
       const int64_t r = k - i;
       Tail<G> tg;
-      Tail<float> tp;
-      MomentTail tm, tv;
+      Tail<float> tp, tm, tv;
       Tail<std::conditional_t<kModel, M, float>> tmodel;
       tg.in(g + o + i, r);
       tp.in(pb + i, r);
-      step(tg.buf, tp.buf, tm.lanes(ml, i, r), tv.lanes(vl, i, r), 0,
-           kModel ? reinterpret_cast<M*>(tmodel.buf) : nullptr);
+      tm.in(mb + i, r);
+      tv.in(vb + i, r);
+      step(tg.buf, tp.buf, tm.buf, tv.buf, kModel ? reinterpret_cast<M*>(tmodel.buf) : nullptr);
       tp.out(pb + i, r);
-      tm.out(ml, i, r);
-      tv.out(vl, i, r);
+      tm.out(mb + i, r);
+      tv.out(vb + i, r);
       if constexpr (kModel) {
         if (rem == nullptr) tmodel.out(model + o + i, r);
       }
     }
-    write_moment(mref, b, k, mbuf);
-    write_moment(vref, b, k, vbuf);
+    write_moment(mref, b, k, mb);
+    write_moment(vref, b, k, vb);
     if constexpr (kBf16Model) {
       if (rem != nullptr) {
         uint16_t* __restrict mp = reinterpret_cast<uint16_t*>(model + o);

@@ -152,7 +152,9 @@ struct NarrowAdamFunctor {
         }
         float m = load_moment(c.addr[2], i, m_kind, ms_in, false);
         float v = load_moment(c.addr[3], i, v_kind, vs_in, true);
-        adam_element<float>(p, m, v, static_cast<float>(g[i]), s);
+        float v_root;  // 8-bit exp_avg_sq holds sqrt(v): the root the step takes
+        adam_element<float>(p, m, v, static_cast<float>(g[i]), s,
+                            v_kind == kMomentFp8 ? &v_root : nullptr);
         if (remainders) {
           uint16_t bits;
           int16_t rem;
@@ -163,7 +165,7 @@ struct NarrowAdamFunctor {
           static_cast<float*>(c.addr[1])[i] = p;
           if constexpr (!std::is_same_v<M, NoModel>) static_cast<M*>(c.addr[4])[i] = static_cast<M>(p);
         }
-        if (v_kind == kMomentFp8) v = sqrtf(v);  // 8-bit exp_avg_sq holds sqrt(v)
+        if (v_kind == kMomentFp8) v = v_root;
         mv[k] = m;
         vv[k] = v;
         m_max = max_propagate_nan(m_max, fabsf(m));

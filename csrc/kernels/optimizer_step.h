@@ -70,15 +70,19 @@ TPAMP_INLINE AdamScalars adam_scalars(const AdamHyper& h, double step, float gra
 }
 
 // One Adam/AdamW update of p (fp32 main param), m (exp_avg), v (exp_avg_sq) from the grad g
-// (already widened to float32, not yet scaled).
+// (already widened to float32, not yet scaled). sqrt_v: null, or where sqrt(v) of the new v
+// goes (the square root the denominator takes, IEEE-rounded; 8-bit exp_avg_sq stores it).
 template <typename V>
-TPAMP_INLINE void adam_element(V& p, V& m, V& v, V g, const AdamScalars& s) {
+TPAMP_INLINE void adam_element(V& p, V& m, V& v, V g, const AdamScalars& s,
+                               V* sqrt_v = nullptr) {
   g = g * V(s.grad_scale);
   if (s.has_l2) g = g + p * V(s.l2_decay);
   if (s.has_param_decay) p = p * V(s.param_decay);
   m = Lanes<V>::fmadd(V(s.lerp_coeff), g - m, s.lerp_small ? m : g);
   v = v * V(s.beta2) + V(s.one_minus_beta2) * g * g;
-  const V denom = Lanes<V>::sqrt(v) / V(s.bias_correction2_sqrt) + V(s.eps);
+  const V root = Lanes<V>::sqrt(v);
+  if (sqrt_v != nullptr) *sqrt_v = root;
+  const V denom = root / V(s.bias_correction2_sqrt) + V(s.eps);
   p = p + V(s.neg_step_size) * m / denom;
 }
 
@@ -137,20 +141,21 @@ TPAMP_INLINE float bits_to_float(uint32_t u) {
 
 TPAMP_INLINE float bf16_to_float(uint16_t b) { return bits_to_float(static_cast<uint32_t>(b) << 16); }
 
-// c ? a : b with integer masks, no branch: the format functions below compute every case and
-// select, so the CPU launcher's loops over a block compile to vector code (a ternary lets g++
-// sink a float operation into a branch, and a loop with a branch that may trap stays scalar).
+// c ? a : b with integer masks, no branch. The e4m3fn functions below compute every case and
+// select with it, so the CPU launcher's loops over a block compile to vector code (with a
+// ternary, g++ sinks the subnormal case's float add into a branch, and a loop with a branch that
+// may raise a floating-point exception stays scalar).
 TPAMP_INLINE uint32_t select_bits(bool c, uint32_t a, uint32_t b) {
   const uint32_t mask = 0u - static_cast<uint32_t>(c);
   return (a & mask) | (b & ~mask);
 }
 
-// Round to nearest even; NaN -> a quiet NaN of the same sign. Branch-free.
+// Round to nearest even; NaN -> a quiet NaN of the same sign. (Integer operations only: g++
+// turns the branch into a vector blend.)
 TPAMP_INLINE uint16_t float_to_bf16(float x) {
   const uint32_t u = float_to_bits(x);
-  const uint32_t rounded = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
-  const uint32_t quiet_nan = (u >> 16) | 0x0040u;
-  return static_cast<uint16_t>(select_bits((u & 0x7fffffffu) > 0x7f800000u, quiet_nan, rounded));
+  if ((u & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((u >> 16) | 0x0040u);
+  return static_cast<uint16_t>((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
 }
 
 // The float32 master of a bf16 param with its remainder (see above).
