@@ -20,9 +20,15 @@ Reported per DP size (rank 0; every rank holds the same amount up to padding):
   configurations interleaved round-robin over ``--reps`` rounds on the same bf16 grads; medians
   and the paired median of each configuration's ratio to fp32 in the same round.
 
+With ``--kernel``, only the one-pass kernel is timed: ``tpamp.ops.fused_adam_step_`` on one
+flat tensor of ``--numel`` bf16 params (bf16 grads, AdamW), one thread, no wrapper and no
+collective, the configurations interleaved over ``--reps`` rounds (median and paired ratio to
+fp32 as above). It isolates the cost of reading and writing each storage format.
+
 Run::
 
     python scripts/bench_state_formats.py                   # defaults below
+    python scripts/bench_state_formats.py --kernel --numel 4e6 --reps 21
     python scripts/bench_state_formats.py --numel 2e6 --reps 5 --dps 1,2 --json out.json
 """
 
@@ -66,6 +72,8 @@ def parse_args(argv=None):
     p.add_argument("--grad-reduce-in-bf16", action="store_true",
                    help="reduce grads in bf16 (2-byte main_grad) instead of fp32")
     p.add_argument("--configs", default=",".join(CONFIGS))
+    p.add_argument("--kernel", action="store_true",
+                   help="time the fused step op alone (one thread, one tensor, no DP)")
     p.add_argument("--json", default=None)
     return p.parse_args(argv)
 
@@ -134,11 +142,67 @@ def _free_port():
         return s.getsockname()[1]
 
 
+def _kernel_bench(args):
+    """The op alone: {config: {"median_ms", "min_ms", "paired_ratio_vs_fp32"}}."""
+    from tpamp import ops
+
+    torch.set_num_threads(1)
+    n = int(args.numel)
+    gen = torch.Generator().manual_seed(0)
+    master = torch.randn(n, generator=gen) * 0.02
+    grad = (torch.randn(n, generator=gen) * 1e-3).to(torch.bfloat16)
+    states = {}
+    for name in args.configs.split(","):
+        cfg = CONFIGS[name]
+        m_dtype = cfg.get("exp_avg_dtype", torch.float32)
+        v_dtype = cfg.get("exp_avg_sq_dtype", torch.float32)
+        if cfg.get("store_param_remainders"):
+            model, param = ops.split_remainders(master)
+        else:
+            model, param = master.to(torch.bfloat16), master.clone()
+        st = {"param": param, "model": model, "step": torch.zeros(())}
+        for key, dtype in (("m", m_dtype), ("v", v_dtype)):
+            st[key] = torch.zeros(n, dtype=dtype)
+            st[key + "_scales"] = (torch.zeros(ops.moment_blocks(n))
+                                   if dtype == torch.float8_e4m3fn else None)
+        states[name] = st
+
+    def step(st):
+        ops.fused_adam_step_([st["param"]], [grad], [st["m"]], [st["v"]], [st["step"]],
+                             model_params=[st["model"]], lr=1e-4, beta1=0.9, beta2=0.95,
+                             eps=1e-8, weight_decay=0.1, decoupled_weight_decay=True,
+                             exp_avg_scales=[st["m_scales"]], exp_avg_sq_scales=[st["v_scales"]])
+
+    times = {name: [] for name in states}
+    for r in range(args.warmup + args.reps):
+        for name, st in states.items():
+            t0 = time.perf_counter()
+            step(st)
+            if r >= args.warmup:
+                times[name].append(time.perf_counter() - t0)
+    out = {}
+    for name, ts in times.items():
+        ratio = (statistics.median(a / b for a, b in zip(ts, times["fp32"]))
+                 if "fp32" in times else None)
+        out[name] = {"median_ms": statistics.median(ts) * 1e3, "min_ms": min(ts) * 1e3,
+                     "paired_ratio_vs_fp32": ratio}
+    return out
+
+
 def main(argv=None):
     args = parse_args(argv)
     results = {}
+    if args.kernel:
+        results["kernel"] = out = _kernel_bench(args)
+        print(f"kernel: fused_adam_step_ on {int(args.numel):,} bf16 params, one thread")
+        print(f"  {'config':<9} {'median ms':>10} {'min ms':>8} {'x fp32':>7}")
+        for name, r in out.items():
+            ratio = r["paired_ratio_vs_fp32"]
+            print(f"  {name:<9} {r['median_ms']:>10.2f} {r['min_ms']:>8.2f} "
+                  f"{ratio if ratio is not None else float('nan'):>7.2f}")
+        args.dps = ""
     ctx = mp.get_context("fork")
-    for d in [int(x) for x in args.dps.split(",")]:
+    for d in [int(x) for x in args.dps.split(",") if x]:
         queue = ctx.SimpleQueue()
         port = _free_port()
         procs = [ctx.Process(target=_worker, args=(r, d, port, args, queue)) for r in range(d)]

@@ -2,11 +2,15 @@
 
 Each worker reports its own exception (with traceback) through a queue, so the failure shown is
 the rank that failed first, not a peer's "connection closed".
+
+Also the byte-exact pictures of state that the guard tests compare before and after a refusal
+(tensor_bytes, freeze).
 """
 
 from __future__ import annotations
 
 import datetime
+import math
 import os
 import pickle
 import socket
@@ -15,6 +19,28 @@ import traceback
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+
+
+def tensor_bytes(t: torch.Tensor):
+    """(dtype, shape, raw bytes) of a tensor: equal only for bit-identical tensors (NaNs too)."""
+    if t.device.type == "meta":
+        return ("meta", str(t.dtype), tuple(t.shape))
+    t = t.detach().cpu().contiguous()
+    return (str(t.dtype), tuple(t.shape), bytes(t.reshape(-1).view(torch.uint8).numpy()))
+
+
+def freeze(x):
+    """Nested containers with tensors -> comparable values (tensors by their bytes, NaN floats
+    as "nan"), copied now: a later in-place change of a live tensor does not reach it."""
+    if isinstance(x, torch.Tensor):
+        return tensor_bytes(x)
+    if isinstance(x, dict):
+        return tuple(sorted((repr(k), freeze(v)) for k, v in x.items()))
+    if isinstance(x, (list, tuple)):
+        return tuple(freeze(v) for v in x)
+    if isinstance(x, float) and math.isnan(x):
+        return "nan"
+    return x
 
 
 def free_port() -> int:

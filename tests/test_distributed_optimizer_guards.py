@@ -19,35 +19,20 @@ import torch.distributed as dist
 
 import tpamp
 
-from dist_utils import run_workers
+from dist_utils import freeze, run_workers, tensor_bytes
 
 NAN = math.nan
 SHAPES = {"w": (5, 3), "b": (7,)}  # 22 elements: with DP 2 a shard boundary inside "w"
 
 
-def _bytes(t):
-    t = t.detach().cpu().contiguous()
-    return (str(t.dtype), tuple(t.shape), bytes(t.reshape(-1).view(torch.uint8).numpy()))
-
-
-def _freeze(x):
-    if isinstance(x, torch.Tensor):
-        return _bytes(x)
-    if isinstance(x, dict):
-        return tuple(sorted((repr(k), _freeze(v)) for k, v in x.items()))
-    if isinstance(x, (list, tuple)):
-        return tuple(_freeze(v) for v in x)
-    return x
-
-
 def _picture(opt, params):
-    out = [_freeze(opt.state_dict())]
+    out = [freeze(opt.state_dict())]
     for p in params.values():
-        out.append(_bytes(p))
+        out.append(tensor_bytes(p))
         g = getattr(p, "main_grad", None)
-        out.append(_bytes(g) if isinstance(g, torch.Tensor) else repr(g))
+        out.append(tensor_bytes(g) if isinstance(g, torch.Tensor) else repr(g))
     if getattr(opt, "spike_detector", None) is not None:
-        out.append(_freeze(opt.spike_detector.state_dict()))
+        out.append(freeze(opt.spike_detector.state_dict()))
     return out
 
 
@@ -404,7 +389,7 @@ def _raise_policy(rank, world):
         opt.step()
         opt.zero_grad()
     _backward(opt, params, rank, value=50.0 * (rank == 0) + 1.0)  # a spike on DP rank 0 only
-    scaler = _freeze(opt.grad_scaler.state_dict())
+    scaler = freeze(opt.grad_scaler.state_dict())
     before = [p.detach().clone() for p in params.values()]
     try:
         opt.step()
@@ -412,7 +397,7 @@ def _raise_policy(rank, world):
     except tpamp.GradSpikeError:
         raised = True
     same = all(torch.equal(a, b) for a, b in zip(before, params.values()))
-    return raised, same, _freeze(opt.grad_scaler.state_dict()) == scaler
+    return raised, same, freeze(opt.grad_scaler.state_dict()) == scaler
 
 
 def test_spike_policy_raise_raises_on_every_dp_rank_with_the_scaler_as_before():

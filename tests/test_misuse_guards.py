@@ -20,44 +20,26 @@ import torch
 import tpamp
 from tpamp import GradSpikeError
 
+from dist_utils import freeze, tensor_bytes
+
 NAN, INF = math.nan, math.inf
 
 
 # ---- a byte-exact picture of everything a refusal must leave alone ---------------------------
 
 
-def _bytes(t: torch.Tensor):
-    if t.device.type == "meta":
-        return ("meta", str(t.dtype), tuple(t.shape))
-    t = t.detach().cpu().contiguous()
-    return (str(t.dtype), tuple(t.shape), bytes(t.reshape(-1).view(torch.uint8).numpy()))
-
-
-def _freeze(x):
-    """Nested containers with tensors -> comparable values (tensors by their bytes)."""
-    if isinstance(x, torch.Tensor):
-        return _bytes(x)
-    if isinstance(x, dict):
-        return tuple(sorted((repr(k), _freeze(v)) for k, v in x.items()))
-    if isinstance(x, (list, tuple)):
-        return tuple(_freeze(v) for v in x)
-    if isinstance(x, float) and math.isnan(x):
-        return "nan"
-    return x
-
-
 def _picture(opt=None, params=(), detector=None):
     out = {}
     for i, p in enumerate(params):
-        out[f"param{i}"] = _bytes(p)
-        out[f"grad{i}"] = _bytes(p.grad) if p.grad is not None else None
+        out[f"param{i}"] = tensor_bytes(p)
+        out[f"grad{i}"] = tensor_bytes(p.grad) if p.grad is not None else None
         g = getattr(p, "main_grad", None)
-        out[f"main_grad{i}"] = _bytes(g) if isinstance(g, torch.Tensor) else repr(g)
+        out[f"main_grad{i}"] = tensor_bytes(g) if isinstance(g, torch.Tensor) else repr(g)
     if opt is not None:
-        out["opt"] = _freeze(opt.state_dict())
+        out["opt"] = freeze(opt.state_dict())
         out["groups"] = [[id(p) for p in g["params"]] for g in opt.param_groups]
     if detector is not None:
-        out["detector"] = _freeze(detector.state_dict())
+        out["detector"] = freeze(detector.state_dict())
     return out
 
 
@@ -273,7 +255,7 @@ def _shared_detector(cls_name):
 def _detector_wrong_type():
     p = torch.nn.Parameter(torch.ones(3, dtype=torch.float16))
     inner = torch.optim.SGD([p], lr=0.1)
-    return (lambda: ([id(q) for q in inner.param_groups[0]["params"]], _bytes(p))), \
+    return (lambda: ([id(q) for q in inner.param_groups[0]["params"]], tensor_bytes(p))), \
         lambda: tpamp.MixedPrecisionOptimizer(inner, grad_scaler=tpamp.ConstantGradScaler(2.0),
                                               spike_detector={"policy": "skip"})
 
@@ -424,9 +406,9 @@ def test_spike_policy_raise_leaves_the_scaler_and_params_as_before_the_step(fuse
     inner = copy.deepcopy(opt.optimizer.state_dict())
     with pytest.raises(GradSpikeError):
         opt.step()
-    assert _freeze(opt.grad_scaler.state_dict()) == _freeze(scaler)  # no growth-tracker tick
+    assert freeze(opt.grad_scaler.state_dict()) == freeze(scaler)  # no growth-tracker tick
     assert all(torch.equal(a, b) for a, b in zip(models, params))
-    assert _freeze(opt.optimizer.state_dict()) == _freeze(inner)
+    assert freeze(opt.optimizer.state_dict()) == freeze(inner)
     assert det.spikes == 1 and det.spike_skips == 0
     # its grads are consumed: a retry without a new backward is refused like a second step
     with pytest.raises(RuntimeError, match="backward"):
@@ -439,7 +421,7 @@ def test_spike_policy_skip_and_raise_leave_the_same_scaler():
     assert not a.step().update_successful
     with pytest.raises(GradSpikeError):
         b.step()
-    assert _freeze(a.grad_scaler.state_dict()) == _freeze(b.grad_scaler.state_dict())
+    assert freeze(a.grad_scaler.state_dict()) == freeze(b.grad_scaler.state_dict())
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -823,7 +823,7 @@ def check_wrapper_state(wrapper, state_dict, *, mains_key: str, match_mains,
     scaler = getattr(wrapper, "grad_scaler", None)
     scaler_state = state_dict.get("grad_scaler")
     if scaler is not None and scaler_state is not None:
-        _prefixed("state_dict['grad_scaler']", scaler._parse_state_dict, scaler_state)
+        _prefixed("state_dict['grad_scaler']", scaler.check_state_dict, scaler_state)
     detector = getattr(wrapper, "spike_detector", None)
     spike_state = state_dict.get("spike_detector")
     if detector is not None and spike_state is not None:

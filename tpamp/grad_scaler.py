@@ -145,8 +145,11 @@ class ConstantGradScaler(MegatronGradScaler):
     def state_dict(self) -> dict:
         return {"tpamp_constant_scale": float(self._scale.item())}
 
-    def _parse_state_dict(self, state_dict: dict) -> Optional[float]:
-        """Validate without changing anything; the scale to load (None: keep the current)."""
+    def check_state_dict(self, state_dict: dict) -> Optional[float]:
+        """Validate ``state_dict`` as :meth:`load_state_dict` would, without changing anything
+        (the wrappers' all-or-nothing loads call it first). Returns the float32 scale to load
+        (None: Megatron's {}, keep the current). Raises TypeError/KeyError/ValueError as
+        load_state_dict does."""
         check_mapping("grad scaler state_dict", state_dict)
         unknown = set(state_dict) - {"tpamp_constant_scale"}
         if unknown:
@@ -165,7 +168,7 @@ class ConstantGradScaler(MegatronGradScaler):
     def load_state_dict(self, state_dict: dict) -> None:
         """Load {'tpamp_constant_scale': float} (or Megatron's {}: nothing to load). Raises
         TypeError/KeyError/ValueError naming the key before changing anything."""
-        value = self._parse_state_dict(state_dict)
+        value = self.check_state_dict(state_dict)
         if value is not None:
             self._host_scale = value
             self._scale.fill_(value)
@@ -358,9 +361,11 @@ class DynamicGradScaler(MegatronGradScaler):
             "hysteresis_tracker": self.hysteresis_tracker,
         }
 
-    def _parse_state_dict(self, state_dict: dict):
-        """Validate a state dict against this scaler's config without changing anything.
-        Returns (scale as float32 [1] CPU tensor, growth_tracker, hysteresis_tracker)."""
+    def check_state_dict(self, state_dict: dict):
+        """Validate ``state_dict`` against this scaler's config as :meth:`load_state_dict`
+        would, without changing anything (the wrappers' all-or-nothing loads call it first).
+        Returns (scale as float32 [1] CPU tensor, growth_tracker, hysteresis_tracker). Raises
+        TypeError/KeyError/ValueError as load_state_dict does."""
         check_mapping("grad scaler state_dict", state_dict)
         keys = {"scale", "growth_tracker", "hysteresis_tracker"}
         missing = keys - set(state_dict)
@@ -415,7 +420,7 @@ class DynamicGradScaler(MegatronGradScaler):
         growth_tracker outside [0, growth_interval - 1] (a checkpoint from a run with a larger
         growth_interval: its tracker could never reach this one's interval) or a
         hysteresis_tracker above hysteresis."""
-        scale, growth, hyst = self._parse_state_dict(state_dict)
+        scale, growth, hyst = self.check_state_dict(state_dict)
         self._scale.copy_(scale.to(self._device))
         self._growth_tracker_t.fill_(growth)
         self._hysteresis_tracker_t.fill_(hyst)
