@@ -98,7 +98,15 @@ def load_baseline(rev: str):
     spec = importlib.util.spec_from_file_location("baseline_distributed_optimizer", path)
     mod = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = mod  # dataclasses look their module up there
-    spec.loader.exec_module(mod)
+    try:
+        spec.loader.exec_module(mod)
+    except ImportError as e:  # e.g. a private helper that has moved since REV
+        raise SystemExit(
+            f"--baseline {rev}: tpamp/distributed_optimizer.py at {rev} does not import against "
+            f"this tree's tpamp ({e}). Only that one file is taken from {rev}; for an older "
+            f"revision run this script from a worktree of it (`git worktree add DIR {rev}`, "
+            f"build there) and compare the two reports, which are then not paired."
+        ) from e
     return mod
 
 

@@ -785,7 +785,7 @@ class DistributedOptimizer(OptimizerWrapper):
             self.param_norm_tracker.reduce(stats.per_tensor_norms, outs,
                                            [q.counts for b in self._buckets for q in b.pieces])
         spikes = self.spike_detector
-        scaler_before = spikes._scaler_snapshot(self.grad_scaler) if spikes is not None else None
+        scaler_before = spikes.snapshot_scaler(self.grad_scaler) if spikes is not None else None
         at_min = None
         if self.grad_scaler is not None:
             self.grad_scaler.update(found_inf)

@@ -19,7 +19,6 @@ tensors' device, and no op reads a device value on the host.
 from __future__ import annotations
 
 import math
-import warnings
 from typing import List, NamedTuple, Optional, Sequence
 
 import torch

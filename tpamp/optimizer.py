@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import math
 import numbers
-import warnings
 from typing import Dict, List, NamedTuple, Optional
 
 import torch
@@ -470,7 +469,7 @@ class MixedPrecisionOptimizer(OptimizerWrapper):
         if param_grad_norms:
             self.param_norm_tracker.reduce(stats.per_tensor_norms, outs, mask)
         spikes = self.spike_detector
-        scaler_before = spikes._scaler_snapshot(self.grad_scaler) if spikes is not None else None
+        scaler_before = spikes.snapshot_scaler(self.grad_scaler) if spikes is not None else None
         at_min = None
         if self.grad_scaler is not None:
             self.grad_scaler.update(found_inf)
@@ -512,10 +511,10 @@ class MixedPrecisionOptimizer(OptimizerWrapper):
             try:
                 decision = spikes.decide(host[1], loss, overflow=found)
             except GradSpikeError:  # policy "raise": the scaler as before the step, too
-                spikes._scaler_restore(self.grad_scaler, scaler_before)
+                spikes.restore_scaler(self.grad_scaler, scaler_before)
                 raise
             if decision.skipped:
-                spikes._scaler_restore(self.grad_scaler, scaler_before)
+                spikes.restore_scaler(self.grad_scaler, scaler_before)
                 return True, None, None
         if found and (self.grad_scaler is not None or self.skip_nonfinite):
             return True, None, None
@@ -677,7 +676,7 @@ class MixedPrecisionOptimizer(OptimizerWrapper):
             mains = [e[0] for group in entries for e in group]
             self.param_norm_tracker.reduce_params(per_tensor, mains, mask)
         spikes = self.spike_detector
-        scaler_before = spikes._scaler_snapshot(self.grad_scaler) if spikes is not None else None
+        scaler_before = spikes.snapshot_scaler(self.grad_scaler) if spikes is not None else None
         at_min = None
         if self.grad_scaler is not None:
             self.grad_scaler.update(found_inf)

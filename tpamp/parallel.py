@@ -39,7 +39,7 @@ from typing import Optional
 
 import torch
 import torch.distributed as dist
-from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.device_mesh import DeviceMesh
 
 __all__ = ["ParallelDims", "ParallelState", "initialize_model_parallel"]
 

@@ -285,14 +285,17 @@ class SpikeDetector:
     # -- the optimizer's hooks ------------------------------------------------------------
 
     @staticmethod
-    def _scaler_snapshot(grad_scaler):
-        """Copies of the scaler's state tensors (on its device, no host sync)."""
+    def snapshot_scaler(grad_scaler):
+        """Copies of a grad scaler's state tensors (on its device, no host sync), taken by the
+        optimizer wrappers before a step so that a spike skip ("skip" or "raise") can put the
+        scaler back as an overflow skip would have left it. None for None."""
         if grad_scaler is None:
             return None
         return {k: v.clone() for k, v in vars(grad_scaler).items() if isinstance(v, torch.Tensor)}
 
     @staticmethod
-    def _scaler_restore(grad_scaler, snapshot) -> None:
+    def restore_scaler(grad_scaler, snapshot) -> None:
+        """Copies a :meth:`snapshot_scaler` back into the scaler's tensors, in place."""
         for k, v in (snapshot or {}).items():
             getattr(grad_scaler, k).copy_(v)
 
