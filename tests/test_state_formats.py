@@ -666,3 +666,34 @@ def test_distributed_optimizer_dcp_converts_configurations_and_layouts(tmp_path)
     for p in opt.optimizer.param_groups[0]["params"]:
         assert opt.optimizer.state[p]["exp_avg"].dtype == torch.bfloat16
     _train(m, opt, 2, 15)
+
+
+# -- the other CPU capability modules ------------------------------------------------------
+
+def test_narrow_state_on_the_default_capability_module():
+    """The tests above that compare the narrow-state kernel with the independent references,
+    run again with the module compiled for the DEFAULT capability (forced with
+    ATEN_CPU_CAPABILITY; its block loops are compiled without AVX, and x86's DEFAULT path uses
+    scalar code in places the AVX2/AVX-512 modules vectorize)."""
+    import os
+    import subprocess
+    import sys
+
+    if not _kernel_built():
+        pytest.skip("tpamp._C with the fused step kernels is not built")
+    here = os.path.dirname(os.path.abspath(__file__))
+    env = dict(os.environ, ATEN_CPU_CAPABILITY="default")
+    probe = subprocess.run(
+        [sys.executable, "-c", "from tpamp import _ext, ops; ops.extension_available(); "
+         "print(_ext.status()['cpu_module'])"],
+        env=env, cwd=os.path.dirname(here), capture_output=True, text=True, timeout=120)
+    assert probe.returncode == 0, probe.stderr[-2000:]
+    if probe.stdout.split()[-1] != "tpamp._C_cpu_default":
+        pytest.skip(f"the DEFAULT module is not built ({probe.stdout.strip()})")
+    res = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__, "-k",
+         "narrow_step_equals or nan_and_inf or hundreds or reference_path"],
+        env=env, cwd=os.path.dirname(here), capture_output=True, text=True, timeout=600)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-2000:]
+    summary = [line for line in res.stdout.splitlines() if " passed" in line][-1]
+    assert "skipped" not in summary and "deselected" in summary, summary  # all of them ran
