@@ -73,7 +73,7 @@ def parse_args(argv=None):
                    help="reduce grads in bf16 (2-byte main_grad) instead of fp32")
     p.add_argument("--configs", default=",".join(CONFIGS))
     p.add_argument("--kernel", action="store_true",
-                   help="time the fused step op alone (one thread, one tensor, no DP)")
+                   help="time the fused step op alone (one thread, one tensor, no DP; --dps is ignored)")
     p.add_argument("--json", default=None)
     return p.parse_args(argv)
 
@@ -189,20 +189,29 @@ def _kernel_bench(args):
     return out
 
 
+def _print_table(title, out, with_bytes):
+    """One result table: per configuration (state bytes/param,) median, min, paired x fp32."""
+    print(title)
+    digits = 1 if with_bytes else 2
+    head = f"  {'config':<9}" + (f" {'state B/param':>13}" if with_bytes else "")
+    print(f"{head} {'median ms':>10} {'min ms':>8} {'x fp32':>7}")
+    for name, r in out.items():
+        ratio = r["paired_ratio_vs_fp32"]
+        cells = f"  {name:<9}" + (f" {r['bytes_per_param']:>13.3f}" if with_bytes else "")
+        print(f"{cells} {r['median_ms']:>10.{digits}f} {r['min_ms']:>8.{digits}f} "
+              f"{ratio if ratio is not None else float('nan'):>7.2f}")
+
+
 def main(argv=None):
     args = parse_args(argv)
     results = {}
     if args.kernel:
-        results["kernel"] = out = _kernel_bench(args)
-        print(f"kernel: fused_adam_step_ on {int(args.numel):,} bf16 params, one thread")
-        print(f"  {'config':<9} {'median ms':>10} {'min ms':>8} {'x fp32':>7}")
-        for name, r in out.items():
-            ratio = r["paired_ratio_vs_fp32"]
-            print(f"  {name:<9} {r['median_ms']:>10.2f} {r['min_ms']:>8.2f} "
-                  f"{ratio if ratio is not None else float('nan'):>7.2f}")
-        args.dps = ""
+        results["kernel"] = _kernel_bench(args)
+        _print_table(f"kernel: fused_adam_step_ on {int(args.numel):,} bf16 params, one thread",
+                     results["kernel"], with_bytes=False)
+    dps = [] if args.kernel else [int(x) for x in args.dps.split(",")]
     ctx = mp.get_context("fork")
-    for d in [int(x) for x in args.dps.split(",") if x]:
+    for d in dps:
         queue = ctx.SimpleQueue()
         port = _free_port()
         procs = [ctx.Process(target=_worker, args=(r, d, port, args, queue)) for r in range(d)]
@@ -214,12 +223,8 @@ def main(argv=None):
             if p.exitcode != 0:
                 raise SystemExit(f"rank exited with {p.exitcode}")
         results[d] = out
-        print(f"DP {d}: N = {int(args.numel):,} bf16 params per replica, rank 0")
-        print(f"  {'config':<9} {'state B/param':>13} {'median ms':>10} {'min ms':>8} {'x fp32':>7}")
-        for name, r in out.items():
-            ratio = r["paired_ratio_vs_fp32"]
-            print(f"  {name:<9} {r['bytes_per_param']:>13.3f} {r['median_ms']:>10.1f} "
-                  f"{r['min_ms']:>8.1f} {ratio if ratio is not None else float('nan'):>7.2f}")
+        _print_table(f"DP {d}: N = {int(args.numel):,} bf16 params per replica, rank 0", out,
+                     with_bytes=True)
     meta = {
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "machine": platform.processor() or platform.machine(), "cpus": os.cpu_count(),

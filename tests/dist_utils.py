@@ -4,7 +4,7 @@ Each worker reports its own exception (with traceback) through a queue, so the f
 the rank that failed first, not a peer's "connection closed".
 
 Also the byte-exact pictures of state that the guard tests compare before and after a refusal
-(tensor_bytes, freeze).
+(tensor_bytes, freeze), and whether the fused-step kernels are built (fused_step_built).
 """
 
 from __future__ import annotations
@@ -19,6 +19,13 @@ import traceback
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+
+
+def fused_step_built() -> bool:
+    """Whether the extension's CPU fused optimizer-step kernels are built and load."""
+    from tpamp import ops
+
+    return ops._step_kernels(torch.device("cpu"), "fused_adam_step_") is not None
 
 
 def tensor_bytes(t: torch.Tensor):

@@ -22,25 +22,13 @@ import torch
 import tpamp
 from tpamp import ops
 
-from dist_utils import run_workers
+from dist_utils import fused_step_built as _kernel_built, run_workers
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SHAPES = [(0,), (1,), (33,), (5, 67), (70001,)]  # empty, tails, > one CPU chunk of 32768
 LOSS_SCALE = 1024.0
 
 
-def _kernel_built() -> bool:
-    return ops._step_kernels(torch.device("cpu"), "fused_adam_step_") is not None
-
-
-@pytest.fixture(params=["kernel", "reference"])
-def path(request, monkeypatch):
-    if request.param == "kernel":
-        if not _kernel_built():
-            pytest.skip("tpamp._C with the fused step kernels is not built")
-    else:
-        monkeypatch.setattr(ops, "_force_fallback", True)
-    return request.param
 
 
 def _randn(shape, gen, std=1.0, dtype=torch.float32):

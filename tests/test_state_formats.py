@@ -22,25 +22,13 @@ import torch
 import tpamp
 from tpamp import ops
 
-from dist_utils import run_workers
+from dist_utils import fused_step_built as _kernel_built, run_workers
 
 HYPER = dict(lr=1e-3, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.1,
              decoupled_weight_decay=True)
 SIZES = [1, 31, 256, 257, 1000, 65536 + 300]  # tails, a block, a block + 1, > one chunk
 
 
-def _kernel_built() -> bool:
-    return ops._step_kernels(torch.device("cpu"), "fused_adam_step_") is not None
-
-
-@pytest.fixture(params=["kernel", "reference"])
-def path(request, monkeypatch):
-    if request.param == "kernel":
-        if not _kernel_built():
-            pytest.skip("tpamp._C with the fused step kernels is not built")
-    else:
-        monkeypatch.setattr(ops, "_force_fallback", True)
-    return request.param
 
 
 # -- independent format references (numpy) ---------------------------------------------------
@@ -50,9 +38,11 @@ def _np_bits(x: torch.Tensor) -> np.ndarray:
 
 
 def _np_bf16_rne(x: torch.Tensor) -> np.ndarray:
-    """uint16 bits of float32 -> bf16, round to nearest even (finite inputs)."""
+    """float32 -> bf16 bits as documented in csrc/kernels/optimizer_step.h: round to nearest
+    even; a NaN keeps its sign and high mantissa bits and is made quiet (| 0x0040)."""
     u = _np_bits(x).astype(np.uint64)
-    return ((u + 0x7FFF + ((u >> 16) & 1)) >> 16).astype(np.uint16)
+    nan = (u & 0x7FFFFFFF) > 0x7F800000
+    return np.where(nan, (u >> 16) | 0x0040, (u + 0x7FFF + ((u >> 16) & 1)) >> 16).astype(np.uint16)
 
 
 def _np_join(param_bf16: torch.Tensor, rem: torch.Tensor) -> np.ndarray:
@@ -125,6 +115,21 @@ def test_format_helpers_match_independent_references():
         assert bool(((back - y).abs() <= tol * 1.001 + 1e-30).all())
 
 
+def _param_and_model(master: torch.Tensor, remainders: bool):
+    """(the tensor the kernel steps, the bf16 model param) for a float32 master: int16
+    remainder + bf16 param, or the master itself + its bf16 copy."""
+    if remainders:
+        hi, lo = ops.split_remainders(master)
+        return lo, hi
+    return master, master.to(torch.bfloat16)
+
+
+def _masters(params, models, remainders: bool):
+    """Independent float32 copies of the masters the kernel steps (rebuilt from remainders)."""
+    return [ops.join_remainders(m, p) if remainders else p.clone()
+            for p, m in zip(params, models)]
+
+
 # -- the op: narrow state == fp32 state on the decoded values, then stored -------------------
 
 def _state(n, gen, m_dtype, v_dtype):
@@ -151,14 +156,10 @@ def test_narrow_step_equals_fp32_step_on_decoded_state(m_dtype, v_dtype, remaind
         sm, a, sv, b = _state(n, gen, m_dtype, v_dtype)
         ms.append(sm), vs.append(sv), mscale.append(a), vscale.append(b)
         steps.append(torch.tensor(4.0))
-        if remainders:
-            hi, lo = ops.split_remainders(master)
-            params.append(lo), models.append(hi)
-        else:
-            params.append(master), models.append(master.to(torch.bfloat16))
+        param, model = _param_and_model(master, remainders)
+        params.append(param), models.append(model)
     # the reference: fp32 state decoded (exactly) from the narrow one, tpamp's fp32-state step
-    ref_p = [ops.join_remainders(h, l) if remainders else p.clone()
-             for p, h, l in zip(params, models, params)]
+    ref_p = _masters(params, models, remainders)
     ref_m = [ops.decode_moment(m, s) for m, s in zip(ms, mscale)]
     ref_v = [ops.decode_moment(v, s, sqrt=True) for v, s in zip(vs, vscale)]
     ref_models = [m.clone() for m in models]
@@ -188,14 +189,6 @@ def test_narrow_step_equals_fp32_step_on_decoded_state(m_dtype, v_dtype, remaind
                 assert torch.equal(stored.view(torch.uint8), rc), i
                 assert torch.equal(sc, rs), i
         assert float(steps[i]) == 5.0
-
-
-def _np_bf16_with_nan(x: torch.Tensor) -> np.ndarray:
-    """float32 -> bf16 bits as documented in csrc/kernels/optimizer_step.h: round to nearest
-    even; a NaN keeps its sign and high mantissa bits and is made quiet (| 0x0040)."""
-    u = _np_bits(x).astype(np.uint64)
-    nan = (u & 0x7FFFFFFF) > 0x7F800000
-    return np.where(nan, (u >> 16) | 0x0040, (u + 0x7FFF + ((u >> 16) & 1)) >> 16).astype(np.uint16)
 
 
 @pytest.mark.parametrize("m_dtype", [torch.bfloat16, torch.float32])
@@ -230,13 +223,9 @@ def test_bf16_moments_keep_the_format_for_nan_and_inf(m_dtype, remainders):
         else:
             m.view(torch.int32)[at.flip(0)] = 0x7FC12345
         ms.append(m), vs.append(v), steps.append(torch.tensor(2.0))
-        if remainders:
-            hi, lo = ops.split_remainders(master)
-            params.append(lo), models.append(hi)
-        else:
-            params.append(master), models.append(master.to(torch.bfloat16))
-    ref_p = [ops.join_remainders(h, l) if remainders else p.clone()
-             for p, h, l in zip(params, models, params)]
+        param, model = _param_and_model(master, remainders)
+        params.append(param), models.append(model)
+    ref_p = _masters(params, models, remainders)
     ref_m = [m.float().clone() for m in ms]  # .float() of a float32 tensor is the tensor
     ref_v = [v.float() for v in vs]
     ref_models = [m.clone() for m in models]
@@ -251,11 +240,11 @@ def test_bf16_moments_keep_the_format_for_nan_and_inf(m_dtype, remainders):
             assert np.array_equal(_np_bits(params[i]), _np_bits(ref_p[i])), i
         if m_dtype == torch.bfloat16:
             assert np.array_equal(ms[i].view(torch.int16).numpy().view(np.uint16),
-                                  _np_bf16_with_nan(ref_m[i])), i
+                                  _np_bf16_rne(ref_m[i])), i
         else:
             assert np.array_equal(_np_bits(ms[i]), _np_bits(ref_m[i])), i
         assert np.array_equal(vs[i].view(torch.int16).numpy().view(np.uint16),
-                              _np_bf16_with_nan(ref_v[i])), i
+                              _np_bf16_rne(ref_v[i])), i
 
 
 def test_remainders_bit_identical_to_fp32_masters_over_hundreds_of_steps():
