@@ -686,3 +686,53 @@ def test_narrow_state_on_the_default_capability_module():
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-2000:]
     summary = [line for line in res.stdout.splitlines() if " passed" in line][-1]
     assert "skipped" not in summary and "deselected" in summary, summary  # all of them ran
+
+
+@pytest.mark.parametrize("cfg", ["bf16+rem", "8bit", "8bit+rem"])
+def test_opcheck_fused_adam_step_with_narrow_state(cfg):
+    """torch.library.opcheck on the narrow-state path of the op (test_fused_step.py checks the
+    float32 one): the schema marks what this path writes too (remainders, bf16 model params,
+    bf16/8-bit moments and their per-block scales), and the fake impl agrees."""
+    if not _kernel_built():
+        pytest.skip("tpamp._C with the fused step kernels is not built")
+    gen = torch.Generator().manual_seed(12)
+    opts = CONFIGS[cfg]
+    m_dtype, v_dtype = opts["exp_avg_dtype"], opts["exp_avg_sq_dtype"]
+    params, models, ms, vs, mscales, vscales, grads = [], [], [], [], [], [], []
+    for n in (5, 300, 0):
+        param, model = _param_and_model(torch.randn(n, generator=gen),
+                                        opts.get("store_param_remainders", False))
+        params.append(param), models.append(model)
+        grads.append(torch.randn(n, generator=gen).to(torch.bfloat16))
+        m, a = ops.encode_moment(torch.randn(n, generator=gen) * 1e-3, m_dtype)
+        v, b = ops.encode_moment(torch.rand(n, generator=gen) * 1e-6, v_dtype, sqrt=True)
+        ms.append(m), vs.append(v), mscales.append(a), vscales.append(b)
+    def op_scales(scales, moments):  # the op's form (tpamp.ops._scale_list)
+        if all(m.dtype != torch.float8_e4m3fn for m in moments):
+            return []
+        return [sc if sc is not None else torch.empty(0) for sc in scales]
+
+    args = (params, ms, vs, [torch.tensor(3.0) for _ in params], models, grads,
+            torch.tensor([0.5]), torch.zeros(1), None, 1e-3, 0.9, 0.999, 1e-8, 0.01, True, False,
+            op_scales(mscales, ms), op_scales(vscales, vs))
+    op = torch.ops.tpamp.fused_adam_step_
+    if m_dtype != torch.float8_e4m3fn:
+        torch.library.opcheck(op, args)
+        return
+    # opcheck's test_schema compares tensors with arithmetic torch has no float8 CPU kernel
+    # for; the other utilities run, and the schema's claim is checked by hand: the inputs it
+    # does not mark as written (grads, grad_scale, found_inf) keep every bit
+    torch.library.opcheck(op, args, test_utils=("test_autograd_registration", "test_faketensor",
+                                                "test_aot_dispatch_dynamic"))
+    read_only = list(grads) + [args[6], args[7]]  # bf16 grads, float32 scale and found_inf
+    read_only_before = [t.clone() for t in read_only]
+
+    def raw(ts):  # comparable copies (torch.equal has no float8 kernel either)
+        return [t.view(torch.uint8).clone() if t.dtype == torch.float8_e4m3fn else t.clone()
+                for t in ts]
+
+    state_before = raw(ms + mscales)
+    op(*args)
+    assert all(torch.equal(a, b) for a, b in zip(read_only, read_only_before))
+    # and the 8-bit state it marks is in fact written (codes or scales change)
+    assert any(not torch.equal(a, b) for a, b in zip(raw(ms + mscales), state_before))
