@@ -42,8 +42,9 @@ import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # gpt_model
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # tpamp
-import tpamp  # noqa: E402
 from gpt_model import GPTConfig, GPTStage, count_params  # noqa: E402
+
+import tpamp  # noqa: E402
 from tpamp.grad_stats import local_tensor  # noqa: E402
 
 

@@ -145,7 +145,7 @@ def bench_copy(args):
     dst = torch.empty_like(src)
     ms = time_cuda(lambda: dst.copy_(src), args.warmup, args.iters)
     nbytes = 2 * src.numel() * src.element_size()
-    del src, dst
+
     return dict(name="device-to-device copy (1 GiB)", ms=ms, bytes=nbytes, gbps=gbps(nbytes, ms))
 
 
@@ -174,7 +174,7 @@ def bench_grad_stats(args, shapes, dtype_name):
     ]
     for r in rows:
         r.update(bytes=nbytes, gbps=gbps(nbytes, r["ms"]), tensors=len(grads), numel=numel)
-    del grads, outs
+
     torch.cuda.empty_cache()
     return rows
 
@@ -193,7 +193,7 @@ def bench_fp32_passes(args, shapes):
     rows.append(dict(name="scale_and_copy fp32->fp16 (params) fused", ms=ms, bytes=numel * 6))
     for r in rows:
         r.update(gbps=gbps(r["bytes"], r["ms"]), tensors=len(mains), numel=numel)
-    del mains, models
+
     torch.cuda.empty_cache()
     return rows
 
@@ -223,7 +223,7 @@ def bench_step(args, shapes):
             ops._force_fallback = False
         rows.append(dict(name=f"MixedPrecisionOptimizer.step {label}", ms=ms,
                          tensors=len(params), numel=sum(p.numel() for p in params)))
-    del opt, inner, params, grads
+
     torch.cuda.empty_cache()
     return rows
 

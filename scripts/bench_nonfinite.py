@@ -41,8 +41,9 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, os.pardir))
 sys.path.insert(0, HERE)
 sys.path.insert(0, os.path.join(HERE, os.pardir, "tests"))
-import tpamp  # noqa: E402
 from bench_step import LOSS_SCALE, make_fp16_grads, make_params, transformer_shapes  # noqa: E402
+
+import tpamp  # noqa: E402
 
 
 def parse_args(argv=None):

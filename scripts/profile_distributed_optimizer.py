@@ -33,6 +33,7 @@ import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import bench_distributed_optimizer as bench  # noqa: E402  (also puts the repo on sys.path)
+
 import tpamp.distributed_optimizer as dopt  # noqa: E402
 
 PHASES = ("_accumulate", "_start_reduce", "_finish_grad_sync", "_fused_shard_stats", "_reduce",

@@ -87,12 +87,12 @@ import torch.distributed as dist
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # gpt_model
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # tpamp
 
-import tpamp  # noqa: E402
 import gpt_checkpoint  # noqa: E402
 from gpt_model import GPTConfig, GPTStage, count_params, parallelize_stage  # noqa: E402
+
+import tpamp  # noqa: E402
 from tpamp.grad_stats import local_tensor  # noqa: E402
 from tpamp.parallel import initialize_model_parallel  # noqa: E402
-
 
 # ----------------------------------------------------------------------------- configuration
 
@@ -404,6 +404,7 @@ def fully_shard_stage(stage: GPTStage, st, dtype) -> GPTStage:
     forward and backward run in ``dtype`` through the MixedPrecisionPolicy). An fp32 island
     (--fp32-final-layernorm) gets its own fully_shard with an fp32 policy."""
     from torch.distributed.fsdp import fully_shard
+
     from tpamp import module_has_fp32_attr
 
     policy = tpamp.fsdp.mixed_precision_policy(dtype)

@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import pytest
-
 from dist_utils import fused_step_built
+
 from tpamp import ops
 
 

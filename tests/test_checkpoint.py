@@ -13,6 +13,7 @@ import torch
 import torch.distributed as dist
 
 import tpamp
+from tests.dist_utils import run_workers
 from tpamp.checkpoint import (
     CheckpointError,
     flat_range_chunks,
@@ -23,7 +24,6 @@ from tpamp.checkpoint import (
     sharded_tensor_from_chunks,
     write_latest_iteration,
 )
-from tests.dist_utils import run_workers
 
 # ----------------------------------------------------------------------------- one process
 

@@ -29,6 +29,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 import tpamp
+from tests.dist_utils import free_port, run_workers
 from tpamp.checkpoint import (
     CheckpointError,
     iteration_dir,
@@ -37,7 +38,6 @@ from tpamp.checkpoint import (
     save_checkpoint,
     write_latest_iteration,
 )
-from tests.dist_utils import free_port, run_workers
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 
@@ -565,7 +565,7 @@ def _rank_entry(rank, world, port, root, fault, queue):
             original = fs._write_item
 
             def write_item(transforms, stream, data, *args, **kw):
-                out = original(transforms, stream, data, *args, **kw)
+                original(transforms, stream, data, *args, **kw)
                 stream.flush()  # part of this rank's data is on disk
                 if fault.startswith("kill"):
                     os.kill(os.getpid(), signal.SIGKILL)

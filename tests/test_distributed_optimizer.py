@@ -7,12 +7,11 @@ import math
 import pytest
 import torch
 import torch.distributed as dist
+from dist_utils import run_workers
+from model_fixture import FULL_MODEL, full_grads, local_slice, reference_stats, shard_params
 
 import tpamp
 from tpamp.parallel import initialize_model_parallel
-
-from dist_utils import run_workers
-from model_fixture import FULL_MODEL, full_grads, local_slice, reference_stats, shard_params
 
 # odd sizes: with DP 2 or 4 the shard boundaries fall inside params
 SHAPES = {"w1": (7, 5), "b1": (7,), "w2": (3, 7), "b2": (3,), "ln": (13,), "w3": (5, 3)}

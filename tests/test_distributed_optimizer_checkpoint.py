@@ -8,13 +8,12 @@ import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
-
-import tpamp
-from tpamp.parallel import initialize_model_parallel
-
 from dist_utils import run_workers
 from model_fixture import FULL_MODEL, full_grads, shard_params
 from test_distributed_optimizer import EPS, SHAPES, _grad, _groups, _np, _values
+
+import tpamp
+from tpamp.parallel import initialize_model_parallel
 
 checkpoint = pytest.importorskip("tpamp.checkpoint")
 

@@ -9,11 +9,10 @@ import math
 import pytest
 import torch
 import torch.distributed as dist
+from dist_utils import run_workers
 
 import tpamp
 import tpamp.distributed_optimizer as dopt
-
-from dist_utils import run_workers
 
 # odd sizes: the shard boundaries of DP 2, 3, 4 fall inside params; "never" gets no grad
 SHAPES = {"w1": (7, 5), "b1": (7,), "w2": (3, 7), "b2": (3,), "ln": (13,), "never": (5,)}

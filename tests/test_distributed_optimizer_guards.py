@@ -16,10 +16,9 @@ import re
 import pytest
 import torch
 import torch.distributed as dist
+from dist_utils import freeze, run_workers, tensor_bytes
 
 import tpamp
-
-from dist_utils import freeze, run_workers, tensor_bytes
 
 NAN = math.nan
 SHAPES = {"w": (5, 3), "b": (7,)}  # 22 elements: with DP 2 a shard boundary inside "w"
@@ -218,8 +217,8 @@ DO_CASES = [
     ("do-load-shard-short", _load(_set_in(["shard_main_params", 0], lambda t: t[:-1].clone())), ValueError, ["shard_main_params", "shape"]),
     ("do-load-shard-fp16", _load(_set_in(["shard_main_params", 0], lambda t: t.half())), ValueError, ["shard_main_params", "torch.float16"]),
     ("do-load-shard-nan", _load(_set_in(["shard_main_params", 0], _nan_at_0)), ValueError, ["shard_main_params", "nan"]),
-    ("do-load-shard-extra-bucket", _load(_set_in(["shard_main_params"], lambda l: l + l)), ValueError, ["shard_main_params", "2", "1"]),
-    ("do-load-shards-tensor", _load(_set_in(["shard_main_params"], lambda l: l[0])), TypeError, ["shard_main_params", "Tensor"]),
+    ("do-load-shard-extra-bucket", _load(_set_in(["shard_main_params"], lambda xs: xs + xs)), ValueError, ["shard_main_params", "2", "1"]),
+    ("do-load-shards-tensor", _load(_set_in(["shard_main_params"], lambda xs: xs[0])), TypeError, ["shard_main_params", "Tensor"]),
     ("do-load-sgd-into-adam", _load(_sgd_into_adam), ValueError, ["betas", "Adam"]),
     ("do-load-exp-avg-nan", _load(_edit_first_state("exp_avg", _nan_at_0)), ValueError, ["exp_avg", "nan"]),
     ("do-load-exp-avg-shape", _load(_edit_first_state("exp_avg", lambda t: torch.zeros(t.numel() + 1))), ValueError, ["exp_avg", "shape"]),

@@ -11,11 +11,10 @@ import math
 import pytest
 import torch
 import torch.distributed as dist
+from dist_utils import run_workers
 
 import tpamp
 from tpamp.parallel import ParallelDims, initialize_model_parallel
-
-from dist_utils import run_workers
 
 
 def _params(*dtypes, requires_grad=True):

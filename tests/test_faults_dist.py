@@ -16,11 +16,10 @@ import time
 import pytest
 import torch
 import torch.distributed as dist
+from dist_utils import run_workers
 
 import tpamp
 from tpamp.parallel import initialize_model_parallel
-
-from dist_utils import run_workers
 
 SHORT = 2.0  # seconds: the default group's timeout in these runs
 

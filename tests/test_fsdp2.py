@@ -18,9 +18,9 @@ import sys
 import pytest
 import torch
 import torch.nn.functional as F
+from dist_utils import run_workers
 
 import tpamp
-from dist_utils import run_workers
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "scripts"))
 from gpt_model import GPTConfig, GPTStage, parallelize_stage  # noqa: E402
@@ -89,6 +89,7 @@ def _reference(steps: int, skip_steps=()):
 
 def _build(tp: int, dtype, *, hysteresis: int = 2, seed: int = SEED):
     from torch.distributed.fsdp import fully_shard
+
     from tpamp.parallel import initialize_model_parallel
 
     st = initialize_model_parallel(tp, 1)
@@ -269,6 +270,7 @@ def test_dcp_resume_is_bit_identical(tp, world, tmp_path):
 
 def _misuse(rank, world):
     from torch.distributed.fsdp import fully_shard
+
     from tpamp.parallel import initialize_model_parallel
 
     st = initialize_model_parallel(1, 1)

@@ -18,11 +18,11 @@ import sys
 
 import pytest
 import torch
+from dist_utils import fused_step_built as _kernel_built
+from dist_utils import run_workers
 
 import tpamp
 from tpamp import ops
-
-from dist_utils import fused_step_built as _kernel_built, run_workers
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SHAPES = [(0,), (1,), (33,), (5, 67), (70001,)]  # empty, tails, > one CPU chunk of 32768

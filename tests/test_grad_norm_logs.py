@@ -8,11 +8,10 @@ import os
 import sys
 
 import pytest
+from test_train_gpt import ITERS, ROOT, run_train
 
 import tpamp
 from tpamp.param_norms import root_sum_square
-
-from test_train_gpt import ITERS, ROOT, run_train
 
 NORMS = {"wte.weight": 0.5, "blocks.0.attn.qkv.weight": 2.0, "blocks.1.mlp.fc1.bias": 1.0}
 

@@ -18,7 +18,6 @@ import torch
 import tpamp
 from tpamp import ConstantGradScaler, DynamicGradScaler, LossScaleUnderflowError
 
-
 # --------------------------------------------------------------------------------------------
 # helpers
 

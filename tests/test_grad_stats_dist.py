@@ -4,12 +4,11 @@ import math
 
 import pytest
 import torch
+from dist_utils import run_workers
+from model_fixture import full_grads, isclose, reference_stats, round_to, shard_params
 
 import tpamp
 from tpamp.parallel import initialize_model_parallel
-
-from dist_utils import run_workers
-from model_fixture import full_grads, isclose, reference_stats, round_to, shard_params
 
 LAYOUTS = [(2, 2, 2), (2, 1, 1), (1, 2, 1), (2, 2, 1), (1, 1, 2)]
 

@@ -19,8 +19,8 @@ import sys
 import numpy as np
 import pytest
 import torch
-
 from test_ops import f64, round_to
+
 from tpamp import _ext, ops
 
 pytestmark = pytest.mark.skipif(

@@ -16,11 +16,10 @@ import re
 
 import pytest
 import torch
+from dist_utils import freeze, tensor_bytes
 
 import tpamp
 from tpamp import GradSpikeError
-
-from dist_utils import freeze, tensor_bytes
 
 NAN, INF = math.nan, math.inf
 

@@ -12,11 +12,10 @@ import os
 import pytest
 import torch
 import torch.distributed as dist
+from dist_utils import run_workers
 
 import tpamp
 from tpamp.nonfinite import NonFiniteGrad, NonFiniteTracer, describe
-
-from dist_utils import run_workers
 
 
 def _model():

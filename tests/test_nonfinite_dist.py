@@ -10,9 +10,9 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.distributed as dist
+from dist_utils import run_workers
 
 import tpamp
-from dist_utils import run_workers
 
 WORLD = 8  # TP 2 x PP 2 x DP 2 (tpamp.parallel: rank = pp * 4 + dp * 2 + tp)
 

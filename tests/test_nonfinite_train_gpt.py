@@ -6,8 +6,6 @@ record, and clean steps carry none."""
 
 from __future__ import annotations
 
-import pytest
-
 from test_train_gpt import run_train
 
 HUGE_SCALE = ["--initial-loss-scale", "1e12", "--hysteresis", "1", "--train-iters", "3", "--eval-interval", "0"]

@@ -7,12 +7,11 @@ import math
 import pytest
 import torch
 import torch.distributed as dist
+from dist_utils import run_workers
+from model_fixture import full_grads, isclose, reference_stats, round_to, shard_params
 
 import tpamp
 from tpamp.parallel import initialize_model_parallel
-
-from dist_utils import run_workers
-from model_fixture import full_grads, isclose, reference_stats, round_to, shard_params
 
 
 def _local(t):

@@ -2,11 +2,10 @@
 
 import pytest
 import torch.distributed as dist
+from dist_utils import run_workers
 from torch.distributed.device_mesh import init_device_mesh
 
 from tpamp.parallel import ParallelDims, initialize_model_parallel
-
-from dist_utils import run_workers
 
 # Megatron-LM's parallel_state for world 8, TP=2, PP=2 (DP=2), written out by hand.
 MEGATRON_8 = {

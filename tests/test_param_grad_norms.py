@@ -5,14 +5,12 @@ import math
 
 import pytest
 import torch
-
-import tpamp
-from tpamp.param_norms import root_sum_square
-from tpamp.parallel import initialize_model_parallel
-
 from dist_utils import run_workers
 from model_fixture import FULL_MODEL, full_grads, round_to, shard_params
 
+import tpamp
+from tpamp.parallel import initialize_model_parallel
+from tpamp.param_norms import root_sum_square
 
 CASES = [("megatron", torch.float16), ("dtensor", torch.float32)]
 

@@ -16,10 +16,10 @@ from __future__ import annotations
 import math
 
 import pytest
-import torch
-
 import simt_utils
+import torch
 from simt_utils import order  # noqa: F401  (fixture: every test runs in each schedule order)
+
 from tpamp import ops
 
 SIMT = simt_utils.load()

@@ -9,9 +9,8 @@ import os
 import re
 
 import pytest
-import torch
-
 import simt_utils
+import torch
 from simt_utils import order  # noqa: F401  (fixture: every test runs in each schedule order)
 
 SIMT = simt_utils.load()

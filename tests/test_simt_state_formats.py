@@ -12,10 +12,10 @@ scales, remainders) within one step of the format; a set found_inf changes nothi
 from __future__ import annotations
 
 import pytest
-import torch
-
 import simt_utils
+import torch
 from simt_utils import order  # noqa: F401  (fixture: every test runs in each schedule order)
+
 from tpamp import ops
 
 SIMT = simt_utils.load()

@@ -5,12 +5,11 @@ import math
 
 import pytest
 import torch
+from dist_utils import run_workers
+from model_fixture import full_grads, round_to, shard_params
 
 import tpamp
 from tpamp.parallel import initialize_model_parallel
-
-from dist_utils import run_workers
-from model_fixture import full_grads, round_to, shard_params
 
 
 def _detector(**kw):

@@ -18,11 +18,11 @@ import io
 import numpy as np
 import pytest
 import torch
+from dist_utils import fused_step_built as _kernel_built
+from dist_utils import run_workers
 
 import tpamp
 from tpamp import ops
-
-from dist_utils import fused_step_built as _kernel_built, run_workers
 
 HYPER = dict(lr=1e-3, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.1,
              decoupled_weight_decay=True)
@@ -259,7 +259,7 @@ def test_remainders_bit_identical_to_fp32_masters_over_hundreds_of_steps():
     models_a = [m.to(torch.bfloat16) for m in masters]
     split = [ops.split_remainders(m) for m in masters]
     models_b = [h for h, _ in split]
-    rems = [l for _, l in split]
+    rems = [low for _, low in split]
     state_a = [(torch.zeros(n), torch.zeros(n), torch.tensor(0.0)) for n in sizes]
     state_b = [(torch.zeros(n, dtype=torch.bfloat16), torch.zeros(n, dtype=torch.bfloat16),
                 torch.tensor(0.0)) for n in sizes]
@@ -602,6 +602,7 @@ def test_dcp_checkpoint_converts_between_configurations(tmp_path, src, dst):
 
 def _dist_ckpt_worker(rank, world_size, path, src, dst):
     import torch.distributed as dist
+
     from tpamp.checkpoint import load_checkpoint, save_checkpoint
 
     dp = dist.new_group(list(range(world_size)))

@@ -38,8 +38,13 @@ from tpamp.common import FUSED_KINDS, local_tensor, placed_like
 from tpamp.grad_scaler import MegatronGradScaler
 from tpamp.grad_stats import clip_coefficient, counts_toward_norm
 from tpamp.nonfinite import rank_coords
-from tpamp.optimizer import MixedPrecisionOptimizer, OptimizerWrapper, StepResult
-from tpamp.optimizer import check_wrapper_args, state_formats_refuse_generic
+from tpamp.optimizer import (
+    MixedPrecisionOptimizer,
+    OptimizerWrapper,
+    StepResult,
+    check_wrapper_args,
+    state_formats_refuse_generic,
+)
 
 __all__ = ["DistributedOptimizer"]
 
@@ -1054,8 +1059,10 @@ class DistributedOptimizer(OptimizerWrapper):
         from torch.distributed._shard.metadata import ShardMetadata
         from torch.distributed._shard.sharded_tensor import Shard, ShardedTensor
         from torch.distributed._shard.sharded_tensor.metadata import (
-            ShardedTensorMetadata, TensorProperties,
+            ShardedTensorMetadata,
+            TensorProperties,
         )
+
         from tpamp.checkpoint import flat_range_chunks
 
         local = local_tensor(q.param)
