@@ -13,7 +13,7 @@ than the L2 cache, so each run streams from device memory):
    count_nonzero per tensor; target: fused >= 2x faster) and against tpamp.ops' PyTorch path;
 3. the fp32 in-place pass (main_grad buffers) and the fp32 -> fp16 param copy (scale_and_copy);
 4. the whole MixedPrecisionOptimizer step (fused AdamW inner optimizer) with and without the
-   extension (tpamp.ops._force_fallback).
+   extension (tpamp.ops.force_fallback).
 
 Prints a table and, with --out PATH, writes the numbers as JSON. Exits with a message when there
 is no GPU or the extension is not built.
@@ -162,11 +162,8 @@ def bench_grad_stats(args, shapes, dtype_name):
     fused = time_cuda(lambda: ops.grad_stats(grads, **kw), args.warmup, args.iters)
     baseline = time_cuda(lambda: torch_ops_grad_stats(grads, outs, inv_scale, mask),
                          args.warmup, args.iters)
-    ops._force_fallback = True
-    try:
+    with ops.force_fallback():
         fallback = time_cuda(lambda: ops.grad_stats(grads, **kw), args.warmup, args.iters)
-    finally:
-        ops._force_fallback = False
     rows = [
         dict(name=f"grad_stats {dtype_name}->fp32 fused", ms=fused),
         dict(name=f"grad_stats {dtype_name}->fp32 torch ops", ms=baseline),
@@ -216,11 +213,8 @@ def bench_step(args, shapes):
 
     rows = []
     for label, force in (("with tpamp._C", False), ("PyTorch path", True)):
-        ops._force_fallback = force
-        try:
+        with ops.force_fallback(force):
             ms = time_cuda(step, args.warmup, max(5, args.iters // 2))
-        finally:
-            ops._force_fallback = False
         rows.append(dict(name=f"MixedPrecisionOptimizer.step {label}", ms=ms,
                          tensors=len(params), numel=sum(p.numel() for p in params)))
 

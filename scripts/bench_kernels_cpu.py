@@ -86,11 +86,8 @@ def main(argv=None):
         ops.grad_stats(grads, **kw)
 
     def fallback():
-        ops._force_fallback = True
-        try:
+        with ops.force_fallback():
             ops.grad_stats(grads, **kw)
-        finally:
-            ops._force_fallback = False
 
     cases = {"copy_ fp16->fp32": copy, "grad_stats fused (tpamp._C_cpu)": fused}
     if not args.skip_fallback:

@@ -9,12 +9,13 @@ from tpamp import ops
 
 
 @pytest.fixture(params=["kernel", "reference"])
-def path(request, monkeypatch):
+def path(request):
     """Runs a test on the extension's fused-step kernel and on the PyTorch reference path
-    (ops._force_fallback); the kernel case skips where the extension is not built."""
+    (tpamp.ops.force_fallback); the kernel case skips where the extension is not built."""
     if request.param == "kernel":
         if not fused_step_built():
             pytest.skip("tpamp._C with the fused step kernels is not built")
+        yield request.param
     else:
-        monkeypatch.setattr(ops, "_force_fallback", True)
-    return request.param
+        with ops.force_fallback():
+            yield request.param

@@ -54,12 +54,8 @@ TOL = dict(rtol=2e-5, atol=0.0)
 @contextlib.contextmanager
 def fallback():
     """Run tpamp.ops on its PyTorch path."""
-    old = ops._force_fallback
-    ops._force_fallback = True
-    try:
+    with ops.force_fallback():
         yield
-    finally:
-        ops._force_fallback = old
 
 
 @contextlib.contextmanager

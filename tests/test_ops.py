@@ -14,6 +14,7 @@ import random
 import numpy as np
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from tpamp import ops
 
@@ -42,6 +43,19 @@ def round_to(values, dtype) -> np.ndarray:
     if dtype == torch.bfloat16:
         return np.vectorize(_round_bf16, otypes=[np.float64])(v) if v.size else v.copy()
     raise AssertionError(dtype)
+
+
+class DispatchedOps(TorchDispatchMode):
+    """Records the name of every operator dispatched inside the block (aten and tpamp ops,
+    kernels included), so a test can see what ran without asking the code under test."""
+
+    def __init__(self):
+        super().__init__()
+        self.names = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.names.append(str(func))
+        return func(*args, **(kwargs or {}))
 
 
 def f64(t: torch.Tensor) -> np.ndarray:
@@ -413,9 +427,17 @@ def test_cast_copy_fp16_to_fp32_scale_up_does_not_overflow_fp16():
     assert f64(dst).tolist() == [240000.0, -262016.0]
 
 
-def test_scale_and_copy_empty_lists_is_a_no_op():
-    ops.scale_and_copy([], [], torch.tensor([0.5]))
-    ops.scale_and_copy([], [])
+def test_scale_and_copy_empty_lists_is_a_no_op(path):
+    """Empty srcs and dsts, with and without a scale, on the kernels and the PyTorch path:
+    returns None, raises nothing, runs no tensor op at all (no kernel, no allocation, no
+    write) and leaves the scale as it was (values and version counter against a snapshot)."""
+    scale = torch.tensor([0.5])
+    snapshot, version = scale.clone(), scale._version
+    for args in (([], [], scale), ([], []), ((), (), scale)):
+        with DispatchedOps() as seen:
+            assert ops.scale_and_copy(*args) is None
+        assert seen.names == []
+    assert torch.equal(scale, snapshot) and scale._version == version
 
 
 def test_scale_and_copy_length_mismatch_raises():
@@ -553,3 +575,99 @@ def test_scale_at_most_one_hint_gives_the_same_results():
         torch.testing.assert_close(a.norm_stat, b.norm_stat, rtol=0, atol=0, equal_nan=True)
         for x, y in zip(oa, ob):
             torch.testing.assert_close(x, y, rtol=0, atol=0, equal_nan=True)
+
+
+# --------------------------------------------------------------------------------------------
+# force_fallback
+
+
+def _kernel_ops_run(fn) -> list:
+    """The tpamp kernels (torch.ops.tpamp.*) that ``fn()`` dispatches in this thread."""
+    with DispatchedOps() as seen:
+        fn()
+    return [n for n in seen.names if n.startswith("tpamp.")]
+
+
+def _one_grad_stats():
+    grads = [torch.tensor([3.0, -4.0, 0.0]), torch.tensor([1.0, 2.0], dtype=torch.bfloat16)]
+    return ops.grad_stats(grads, norm_type=2.0, count_zeros=True)
+
+
+@pytest.fixture
+def cpu_kernels():
+    if not ops.extension_available():
+        pytest.skip("tpamp._C* (CPU kernels) is not built")
+
+
+def test_force_fallback_runs_the_pytorch_path_inside_only(cpu_kernels):
+    assert _kernel_ops_run(_one_grad_stats) == ["tpamp.grad_stats_.default"]
+    with ops.force_fallback():
+        assert ops.fallback_forced()
+        assert _kernel_ops_run(_one_grad_stats) == []
+        st = _one_grad_stats()
+    # same results on the PyTorch path: 9 + 16 + 1 + 4 = 30, one zero
+    assert float(st.norm_stat) == 30.0 and int(st.num_zeros) == 1 and float(st.found_inf) == 0.0
+    assert not ops.fallback_forced()
+    assert _kernel_ops_run(_one_grad_stats) == ["tpamp.grad_stats_.default"]
+
+
+def test_force_fallback_nests_and_ends_on_an_exception(cpu_kernels):
+    with ops.force_fallback():
+        with ops.force_fallback():
+            assert _kernel_ops_run(_one_grad_stats) == []
+        assert _kernel_ops_run(_one_grad_stats) == []  # the outer block is still active
+        with ops.force_fallback(False):  # enabled=False does not turn the kernels back on
+            assert _kernel_ops_run(_one_grad_stats) == []
+    assert _kernel_ops_run(_one_grad_stats) != []
+    with pytest.raises(KeyError):
+        with ops.force_fallback():
+            raise KeyError("inside")
+    assert not ops.fallback_forced() and _kernel_ops_run(_one_grad_stats) != []
+    with ops.force_fallback(enabled=False):
+        assert _kernel_ops_run(_one_grad_stats) != []
+
+
+def test_force_fallback_refuses_a_non_bool():
+    with pytest.raises(TypeError, match="enabled must be a bool, got int"):
+        with ops.force_fallback(1):
+            pass
+
+
+def test_force_fallback_is_process_wide_and_thread_safe(cpu_kernels):
+    import threading
+
+    entered, release = threading.Event(), threading.Event()
+
+    def hold():
+        with ops.force_fallback():
+            entered.set()
+            release.wait(30)
+
+    holder = threading.Thread(target=hold)
+    holder.start()
+    try:
+        assert entered.wait(30)
+        assert _kernel_ops_run(_one_grad_stats) == []  # another thread's block applies here too
+    finally:
+        release.set()
+        holder.join(30)
+    assert _kernel_ops_run(_one_grad_stats) != []
+
+    errors = []
+
+    def churn():
+        try:
+            for _ in range(300):
+                with ops.force_fallback():
+                    with ops.force_fallback():
+                        assert ops.fallback_forced()
+        except BaseException as e:  # reported below
+            errors.append(e)
+
+    threads = [threading.Thread(target=churn) for _ in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert errors == [] and not ops.fallback_forced()
+    assert _kernel_ops_run(_one_grad_stats) == ["tpamp.grad_stats_.default"]

@@ -329,12 +329,9 @@ def test_reference_path_matches_kernel_on_narrow_state():
         hi, lo = ops.split_remainders(master)
         sm, a, sv, b = _state(n, torch.Generator().manual_seed(4), torch.float8_e4m3fn,
                               torch.bfloat16)
-        ops._force_fallback = force
-        try:
+        with ops.force_fallback(force):
             ops.fused_adam_step_([lo], grads, [sm], [sv], [torch.tensor(1.0)], model_params=[hi],
                                  exp_avg_scales=[a], exp_avg_sq_scales=[None], **HYPER)
-        finally:
-            ops._force_fallback = False
         runs.append((ops.join_remainders(hi, lo), ops.decode_moment(sm, a), sv.float()))
     (p0, m0, v0), (p1, m1, v1) = runs
     torch.testing.assert_close(p0, p1, rtol=1e-6, atol=1e-7)

@@ -14,16 +14,35 @@ kernels; only the others take the PyTorch path, and the results are combined.
 Every op takes plain (local) tensors: callers pass ``DTensor.to_local()`` views. Scalars that
 depend on device results (loss scale, clip coefficient) are 1-element float32 tensors on the
 tensors' device, and no op reads a device value on the host.
+
+:func:`force_fallback` runs every op on the PyTorch path while it is active (tests compare the
+two paths, benchmarks time them). The narrow-state formats the Adam step reads and writes
+(bf16 / 8-bit moments, param remainders) live in :mod:`tpamp.state_formats`; their functions
+(``encode_moment``, ``decode_moment``, ``join_remainders``, ``split_remainders``,
+``moment_blocks``, ``MOMENT_BLOCK``, ``MOMENT_DTYPES``) are importable from here too.
 """
 
 from __future__ import annotations
 
+import contextlib
 import math
-from typing import List, NamedTuple, Optional, Sequence
+import threading
+from typing import Iterator, List, NamedTuple, Optional, Sequence
 
 import torch
 
 from tpamp import _ext
+
+# the narrow-state formats, re-exported under their names of before (tpamp.ops.encode_moment...)
+from tpamp.state_formats import (
+    MOMENT_BLOCK,
+    MOMENT_DTYPES,
+    decode_moment,
+    encode_moment,
+    join_remainders,
+    moment_blocks,
+    split_remainders,
+)
 
 __all__ = [
     "GradStats",
@@ -33,12 +52,62 @@ __all__ = [
     "fused_adam_step_",
     "fused_sgd_step_",
     "extension_available",
+    "force_fallback",
+    "fallback_forced",
+    # re-exported from tpamp.state_formats
+    "MOMENT_BLOCK",
+    "MOMENT_DTYPES",
+    "moment_blocks",
+    "encode_moment",
+    "decode_moment",
+    "join_remainders",
+    "split_remainders",
 ]
 
 Tensor = torch.Tensor
 _FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
-_force_fallback = False  # tests and benchmarks: the PyTorch path everywhere
+# True while a force_fallback() context is active anywhere in the process (read by _kernels
+# only; set by force_fallback under _fallback_lock).
+_force_fallback = False
+_fallback_depth = 0
+_fallback_lock = threading.Lock()
+
+
+@contextlib.contextmanager
+def force_fallback(enabled: bool = True) -> Iterator[None]:
+    """Run every op of this module on its PyTorch path (no tpamp._C* kernel) inside the block.
+
+    ``with tpamp.ops.force_fallback(): ...`` -- for tests that compare the kernels with the
+    reference and benchmarks that time both. Results agree between the paths as the module
+    docstring says; only the speed differs.
+
+    Process-wide: while any such block is active, in any thread, every call of every thread
+    takes the PyTorch path (the optimizer step may call the ops from another thread, e.g.
+    autograd hooks). Nestable and thread-safe: a count of the active blocks is kept under a
+    lock, and the kernels come back when the last one exits (also on an exception).
+    ``enabled=False`` does nothing (for code that forces the path conditionally; it does not
+    turn the kernels back on inside an enclosing block). Usable as a decorator."""
+    global _force_fallback, _fallback_depth
+    if not isinstance(enabled, bool):
+        raise TypeError(f"enabled must be a bool, got {type(enabled).__name__}")
+    if not enabled:
+        yield
+        return
+    with _fallback_lock:
+        _fallback_depth += 1
+        _force_fallback = True
+    try:
+        yield
+    finally:
+        with _fallback_lock:
+            _fallback_depth -= 1
+            _force_fallback = _fallback_depth > 0
+
+
+def fallback_forced() -> bool:
+    """True while a :func:`force_fallback` block is active (the ops take the PyTorch path)."""
+    return _force_fallback
 
 
 def _kernels(device: torch.device):
@@ -561,109 +630,6 @@ def _step_kernels(device: torch.device, name: str):
     return kernels if kernels is not None and hasattr(kernels, name) else None
 
 
-# -- narrow optimizer state (csrc/kernels/optimizer_step.h defines the formats) --------------
-#
-# The conversions below state the kernels' formats with tensor ops: the torch reference step
-# uses them, and the optimizer wrappers use them to convert state between configurations.
-
-#: Elements per float32 scale of an 8-bit moment (csrc/kernels/optimizer_step.h kMomentBlock).
-MOMENT_BLOCK = 256
-_FP8_MAX = 448.0
-#: The dtypes a stored moment may have (float8_e4m3fn: 8-bit codes with per-block scales).
-MOMENT_DTYPES = (torch.float32, torch.bfloat16, torch.float8_e4m3fn)
-
-
-def _flat_memory_order(t: Tensor) -> Tensor:
-    """A 1-D view of a dense tensor's elements in memory order (the order the kernels walk)."""
-    if t.is_contiguous():
-        return t.view(-1)
-    order = sorted(range(t.dim()), key=lambda d: (-t.stride(d), -t.shape[d]))
-    return t.permute(order).reshape(-1)
-
-
-def _unflatten_like(flat: Tensor, like: Tensor) -> Tensor:
-    """The inverse of _flat_memory_order: a tensor shaped and strided like ``like``."""
-    out = torch.empty_like(like, dtype=flat.dtype, memory_format=torch.preserve_format)
-    _flat_memory_order(out).copy_(flat)
-    return out
-
-
-def moment_blocks(numel: int) -> int:
-    """Number of 8-bit blocks (and float32 scales) of a moment with ``numel`` elements."""
-    return -(-int(numel) // MOMENT_BLOCK)
-
-
-def encode_moment(x: Tensor, dtype: torch.dtype, sqrt: bool = False):
-    """Store float32 moment values ``x`` in ``dtype`` as the kernels do; returns
-    (stored tensor shaped/strided like x, scales or None).
-
-    float32: a copy; bfloat16: round to nearest even; float8_e4m3fn: per block of
-    :data:`MOMENT_BLOCK` elements in memory order, scale = absmax / 448 (float32),
-    codes = e4m3fn(x * (448 / absmax)) (round to nearest even), scales float32
-    [moment_blocks(numel)]; ``sqrt=True`` (exp_avg_sq) quantizes sqrt(x) instead.
-    x: a dense float tensor (any device). Raises ValueError for another dtype."""
-    if dtype not in MOMENT_DTYPES:
-        raise ValueError(f"a moment dtype must be one of {MOMENT_DTYPES}, got {dtype}")
-    x = x.detach().float()
-    if dtype != torch.float8_e4m3fn:
-        return x.to(dtype, copy=True), None
-    flat = _flat_memory_order(x)
-    if sqrt:  # correctly rounded (as the kernels' sqrt); torch's vectorized float sqrt is not
-        flat = flat.double().sqrt().float()
-    n = flat.numel()
-    nb = moment_blocks(n)
-    blocks = torch.nn.functional.pad(flat, (0, nb * MOMENT_BLOCK - n)).view(nb, MOMENT_BLOCK)
-    absmax = blocks.abs().amax(dim=1) if nb else blocks.new_zeros(0)
-    ok = (absmax > 0) & (absmax <= torch.finfo(torch.float32).max)
-    safe = torch.where(ok, absmax, torch.ones_like(absmax))
-    scale = torch.where(ok, safe / _FP8_MAX,
-                        torch.where(absmax == 0, torch.zeros_like(absmax),
-                                    torch.full_like(absmax, math.nan)))
-    inv = torch.where(ok, _FP8_MAX / safe, torch.zeros_like(absmax))
-    codes = (blocks * inv[:, None]).view(-1)[:n].to(torch.float8_e4m3fn)
-    return _unflatten_like(codes, x), scale
-
-
-def decode_moment(t: Tensor, scales: Optional[Tensor] = None, sqrt: bool = False) -> Tensor:
-    """The float32 values of a stored moment, a new tensor (the inverse of :func:`encode_moment`;
-    exact for float32/bfloat16, value = (float(code) * scale) (squared with sqrt=True) for 8-bit)."""
-    if t.dtype != torch.float8_e4m3fn:
-        return t.to(torch.float32, copy=True)
-    if scales is None:
-        raise ValueError("an 8-bit (float8_e4m3fn) moment needs its per-block scales")
-    flat = _flat_memory_order(t).float()
-    n = flat.numel()
-    nb = moment_blocks(n)
-    if scales.numel() != nb:
-        raise ValueError(f"an 8-bit moment of {n} elements has {nb} blocks, got {scales.numel()} scales")
-    vals = torch.nn.functional.pad(flat, (0, nb * MOMENT_BLOCK - n)).view(nb, MOMENT_BLOCK)
-    vals = (vals * scales.reshape(nb, 1).float()).view(-1)[:n]
-    if sqrt:
-        vals = vals * vals
-    return _unflatten_like(vals, t)
-
-
-def join_remainders(param: Tensor, remainder: Tensor) -> Tensor:
-    """The float32 master of a bfloat16 param and its int16 remainder:
-    bits = (bits(param) << 16) + remainder (mod 2^32), exactly (csrc/kernels/optimizer_step.h)."""
-    hi = param.detach().view(torch.int16).to(torch.int64) & 0xFFFF
-    bits = ((hi << 16) + remainder.to(torch.int64)) & 0xFFFFFFFF
-    bits = bits - (bits >= 2**31).to(torch.int64) * 2**32
-    return bits.to(torch.int32).view(torch.float32)
-
-
-def split_remainders(master: Tensor):
-    """(bfloat16 param, int16 remainder) holding the float32 ``master`` exactly: remainder =
-    low 16 bits, param = (bits + 0x8000) >> 16 (round to nearest, ties away from zero)."""
-    u = master.detach().float().contiguous().view(torch.int32).to(torch.int64) & 0xFFFFFFFF
-    lo = u & 0xFFFF
-    rem = (lo - (lo >= 0x8000).to(torch.int64) * 0x10000).to(torch.int16)
-    hi = ((u + 0x8000) >> 16) & 0xFFFF
-    hi = (hi - (hi >= 0x8000).to(torch.int64) * 0x10000).to(torch.int16)
-    param = _unflatten_like(_flat_memory_order(hi.view(torch.bfloat16)), master)
-    return param, _unflatten_like(_flat_memory_order(rem), master)
-
-
 def fused_adam_step_(
     params: Sequence[Tensor],
     grads: Sequence[Tensor],
@@ -710,8 +676,8 @@ def fused_adam_step_(
         beta1, beta2, eps, weight_decay: the param group's hyperparameters (floats).
         decoupled_weight_decay: True for AdamW, False for Adam's L2 penalty.
         maximize: ascend instead of descend (torch.optim's maximize).
-        exp_avg_scales, exp_avg_sq_scales: narrow state (issue 22; formats in
-            csrc/kernels/optimizer_step.h and :func:`encode_moment`): exp_avgs[i] and
+        exp_avg_scales, exp_avg_sq_scales: narrow state (formats in :mod:`tpamp.state_formats`
+            and csrc/kernels/optimizer_step.h): exp_avgs[i] and
             exp_avg_sqs[i] may be bfloat16 or float8_e4m3fn; an 8-bit one needs its float32
             per-block scales (shape [moment_blocks(numel)], contiguous) at index i of these
             lists (None for the others). params[i] may be the int16 remainder of a bfloat16
