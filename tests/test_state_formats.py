@@ -339,6 +339,113 @@ def test_reference_path_matches_kernel_on_narrow_state():
     torch.testing.assert_close(m0, m1, rtol=0.07, atol=float(m0.abs().max()) * 2 ** -9)
 
 
+# -- the module's place, the generic-path refusal and the DTensor wrapping -------------------
+
+def _imported_modules(module) -> set:
+    """Every module name ``module``'s source imports (``from tpamp import x`` as tpamp.x),
+    at any depth (inside functions too), read from the file with ast."""
+    import ast
+    import pathlib
+
+    names = set()
+    for node in ast.walk(ast.parse(pathlib.Path(module.__file__).read_text())):
+        if isinstance(node, ast.Import):
+            names |= {a.name for a in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.module:
+            names.add(node.module)
+            if node.module == "tpamp":
+                names |= {"tpamp." + a.name for a in node.names}
+    return names
+
+
+def test_state_formats_imports_no_tpamp_module_but_common():
+    """tpamp.ops imports the formats, never the reverse: the formats module reads torch and
+    tpamp.common only."""
+    from tpamp import state_formats
+
+    tpamp_names = {n for n in _imported_modules(state_formats) if n.split(".")[0] == "tpamp"}
+    assert tpamp_names == {"tpamp.common"}
+    assert "tpamp.state_formats" in _imported_modules(ops)
+
+
+def test_refuse_generic_step_names_the_options():
+    from types import SimpleNamespace
+
+    from tpamp import state_formats
+
+    default = SimpleNamespace(exp_avg_dtype=torch.float32, exp_avg_sq_dtype=torch.float32,
+                              store_param_remainders=False)
+    assert state_formats.refuse_generic_step(default) is None
+    assert state_formats.refuse_generic_step(object()) is None  # no options: the defaults
+    for kw in ({"exp_avg_dtype": torch.bfloat16}, {"exp_avg_sq_dtype": torch.float8_e4m3fn},
+               {"store_param_remainders": True}):
+        wrapper = SimpleNamespace(**{**vars(default), **kw})
+        with pytest.raises(RuntimeError, match="generic path") as info:
+            state_formats.refuse_generic_step(wrapper)
+        key, value = next(iter(kw.items()))
+        assert f"{key}={value}" in str(info.value)
+
+
+def _dtensor_worker(rank, world_size):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Shard
+
+    from tpamp import state_formats as sf
+
+    mesh = init_device_mesh("cpu", (world_size,))
+    rows = 3  # per rank; the global main is [rows * world_size, 300], rank r holds rows r*3..
+    full = torch.randn(rows * world_size, 300, generator=torch.Generator().manual_seed(11))
+    local_main = full[rank * rows:(rank + 1) * rows].clone()
+    main = DTensor.from_local(local_main, mesh, [Shard(0)], run_check=False)
+
+    # dtensor_like: this rank's data, no copy, the main's mesh, placements and global shape
+    local = torch.arange(rows * 300, dtype=torch.float32).reshape(rows, 300) + 1000 * rank
+    wrapped = sf.dtensor_like(local, main)
+    assert isinstance(wrapped, DTensor) and wrapped.to_local().data_ptr() == local.data_ptr()
+    assert wrapped.device_mesh == mesh and tuple(wrapped.placements) == (Shard(0),)
+    assert wrapped.shape == main.shape and wrapped.stride() == main.stride()
+    assert sf.dtensor_like(local, local_main) is local  # a plain main: the tensor itself
+    gathered = wrapped.full_tensor()  # every rank's block in rank order
+    expect = torch.cat([torch.arange(rows * 300, dtype=torch.float32).reshape(rows, 300) + 1000 * r
+                        for r in range(world_size)])
+    assert torch.equal(gathered, expect)
+
+    # moments_like: moments become DTensors like the main; scales and step stay local
+    state = sf.new_adam_state(local_main, torch.float32, torch.bfloat16, torch.float8_e4m3fn)
+    out = sf.moments_like(state, main)
+    assert out is not state and set(out) == set(state)
+    for k in ("exp_avg", "exp_avg_sq"):
+        assert isinstance(out[k], DTensor) and out[k].to_local().data_ptr() == state[k].data_ptr()
+        assert tuple(out[k].placements) == (Shard(0),) and out[k].shape == main.shape
+    for k in ("step", "exp_avg_sq_scale"):
+        assert out[k] is state[k] and not isinstance(out[k], DTensor)
+    assert sf.moments_like(out, main)["exp_avg"] is out["exp_avg"]  # already DTensors: kept
+    assert sf.moments_like(state, local_main) is state
+
+    # master_from_remainder: the exact master of this rank's shard, as a DTensor like the main
+    hi, lo = sf.split_remainders(local_main)
+    model = DTensor.from_local(hi, mesh, [Shard(0)], run_check=False)
+    master = sf.master_from_remainder(model, lo, main)
+    assert isinstance(master, DTensor) and tuple(master.placements) == (Shard(0),)
+    assert torch.equal(master.to_local().view(torch.int32), local_main.view(torch.int32))
+    assert torch.equal(sf.master_from_remainder(hi, lo, local_main).view(torch.int32),
+                       local_main.view(torch.int32))
+
+    # layout_free_state: 8-bit moments decoded to float32 DTensors, without their scales
+    codes, scales = sf.encode_moment(local_main.abs(), torch.float8_e4m3fn, sqrt=True)
+    saved = sf.layout_free_state({"step": state["step"], "exp_avg": out["exp_avg"],
+                                  "exp_avg_sq": sf.dtensor_like(codes, main),
+                                  "exp_avg_sq_scale": scales})
+    assert set(saved) == {"step", "exp_avg", "exp_avg_sq"}
+    assert isinstance(saved["exp_avg_sq"], DTensor) and saved["exp_avg_sq"].shape == main.shape
+    assert torch.equal(saved["exp_avg_sq"].to_local(), sf.decode_moment(codes, scales, sqrt=True))
+    return True
+
+
+def test_dtensor_wrapping_keeps_local_data_mesh_and_placements():
+    assert run_workers(_dtensor_worker, 2, timeout=60.0) == [True, True]
+
+
 # -- the wrappers ---------------------------------------------------------------------------
 
 def _model(dtype=torch.bfloat16, seed=0):
