@@ -33,16 +33,15 @@ import torch
 
 from tpamp import _ext
 
-# the narrow-state formats, re-exported under their names of before (tpamp.ops.encode_moment...)
-from tpamp.state_formats import (
-    MOMENT_BLOCK,
-    MOMENT_DTYPES,
-    decode_moment,
-    encode_moment,
-    join_remainders,
-    moment_blocks,
-    split_remainders,
-)
+# the narrow-state formats, also importable from here under their names of before
+# (tpamp.ops.encode_moment...; "X as X" marks a re-export)
+from tpamp.state_formats import MOMENT_BLOCK as MOMENT_BLOCK
+from tpamp.state_formats import MOMENT_DTYPES as MOMENT_DTYPES
+from tpamp.state_formats import decode_moment as decode_moment
+from tpamp.state_formats import encode_moment as encode_moment
+from tpamp.state_formats import join_remainders as join_remainders
+from tpamp.state_formats import moment_blocks as moment_blocks
+from tpamp.state_formats import split_remainders as split_remainders
 
 __all__ = [
     "GradStats",
@@ -54,14 +53,6 @@ __all__ = [
     "extension_available",
     "force_fallback",
     "fallback_forced",
-    # re-exported from tpamp.state_formats
-    "MOMENT_BLOCK",
-    "MOMENT_DTYPES",
-    "moment_blocks",
-    "encode_moment",
-    "decode_moment",
-    "join_remainders",
-    "split_remainders",
 ]
 
 Tensor = torch.Tensor
