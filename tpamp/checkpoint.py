@@ -133,6 +133,7 @@ import copy
 import ctypes
 import errno
 import hashlib
+import inspect
 import json
 import math
 import os
@@ -144,8 +145,6 @@ from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
-
-from tpamp import state_formats
 
 __all__ = [
     "CheckpointError",
@@ -373,135 +372,34 @@ def sharded_tensor_from_chunks(
 # ----------------------------------------------------------------------------- optimizers
 
 
-class _MixedPrecisionHooks:
-    """The hook of the module docstring for MixedPrecisionOptimizer / FP32Optimizer: every
-    param the inner optimizer updates has a main param (the fp32 copy of an fp16/bf16 param,
-    or the fp32 param itself), so ``optimizer.main_params`` holds the fp32 master of every
-    param, whatever its precision in this run."""
-
-    def __init__(self, optimizer, tensor_parallel_group):
-        self.opt = optimizer
-        self.tp_group = tensor_parallel_group
-
-    def _mains(self, model_params: Mapping[str, Tensor]):
-        """[(name, main param)] in param-group order."""
-        names = {id(p): n for n, p in model_params.items()}
-        out = []
-        for pairs, fp32s in zip(self.opt._half_pairs, self.opt._fp32_params):
-            for model, main in list(pairs) + [(p, p) for p in fp32s]:
-                name = names.get(id(model))
-                if name is None:
-                    raise ValueError(
-                        f"the optimizer updates a param of shape {tuple(model.shape)} that is not "
-                        "in model_params: give every trained param a global name"
-                    )
-                out.append((name, main))
-        return out
-
-    def sharded_state_dict(self, model_params):
-        mains, state = {}, {}
-        remainders = getattr(self.opt, "_remainders", {})
-        model_of = {id(main): model for pairs in self.opt._half_pairs for model, main in pairs}
-        for name, main in self._mains(model_params):
-            if id(main) in remainders:  # the fp32 master, rebuilt exactly (a new tensor)
-                master = self.opt._master_value(main, model_of[id(main)])
-                view = global_view(master, self.tp_group, name=name)
-            else:
-                view = global_view(main, self.tp_group, name=name)
-            mains[name] = view
-            st = self.opt.optimizer.state.get(main)
-            if st:
-                st = state_formats.layout_free_state(st)  # 8-bit moments as float32 values
-                state[name] = {k: self._state_view(v, main, view) for k, v in st.items()}
-        groups = [
-            {k: v for k, v in g.items() if k != "params"} for g in self.opt.optimizer.param_groups
-        ]
-        return {"main_params": mains, "state": state, "param_groups": groups}
-
-    @staticmethod
-    def _state_view(v, main, view):
-        if isinstance(v, Tensor) and not _is_dtensor(v) and view is not main and _is_dtensor(view) \
-                and tuple(v.shape) == tuple(main.shape):
-            from torch.distributed.tensor import DTensor
-
-            return DTensor.from_local(v, view.device_mesh, view.placements, run_check=False)
-        return v
-
-    def load_sharded_state_dict(self, state, model_params):
-        inner = self.opt.optimizer
-        group_of = {}
-        for g in inner.param_groups:
-            for p in g["params"]:
-                group_of[id(p)] = g
-        remainders = getattr(self.opt, "_remainders", {})
-        model_of = {id(main): model for pairs in self.opt._half_pairs for model, main in pairs}
-        for name, main in self._mains(model_params):
-            if name in state["main_params"]:
-                with torch.no_grad():
-                    saved = _local(state["main_params"][name])
-                    rem = remainders.get(id(main))
-                    if rem is None:
-                        _local(main).copy_(saved)
-                    else:  # exact: the fp32 master split into bf16 param + remainder
-                        from tpamp import ops
-
-                        hi, lo = ops.split_remainders(saved.to(rem.device))
-                        _local(model_of[id(main)].detach()).copy_(hi)
-                        rem.copy_(lo)
-            old = inner.state.get(main, {})
-            new = {}
-            for k, v in state["state"].get(name, {}).items():
-                if isinstance(v, Tensor):
-                    if _is_dtensor(v) and not _is_dtensor(main):
-                        v = v.to_local()
-                    elif not _is_dtensor(v) and tuple(v.shape) != tuple(main.shape):
-                        v = v.to(self._scalar_device(k, old, main, group_of.get(id(main), {})))
-                new[k] = v
-            if new:
-                inner.state[main] = new
-            else:
-                inner.state.pop(main, None)
-        for g, saved in zip(inner.param_groups, state["param_groups"]):
-            g.update({k: v for k, v in saved.items() if k != "params"})
-        with torch.no_grad():  # the model params are fp16/bf16 of the loaded main params
-            from tpamp import ops
-
-            mains, models = self.opt._pair_locals()
-            if mains:
-                ops.scale_and_copy(mains, models)
-            if hasattr(self.opt, "_convert_state"):
-                self.opt._convert_state()  # moments into this optimizer's configured dtypes
-
-    @staticmethod
-    def _scalar_device(key, old, main, group):
-        """Where torch.optim keeps a non-param-shaped state tensor (AdamW's step: on the CPU
-        unless capturable or fused)."""
-        if key in old and isinstance(old[key], Tensor):
-            return old[key].device
-        if group.get("capturable") or group.get("fused"):
-            return _local(main).device
-        return torch.device("cpu")
-
-
 def _optimizer_hooks(optimizer, tensor_parallel_group):
-    if hasattr(optimizer, "sharded_state_dict") and hasattr(optimizer, "load_sharded_state_dict"):
-        return _ExternalHooks(optimizer)
-    from tpamp.optimizer import MixedPrecisionOptimizer
-
-    if isinstance(optimizer, MixedPrecisionOptimizer):
-        return _MixedPrecisionHooks(optimizer, tensor_parallel_group)
+    if callable(getattr(optimizer, "sharded_state_dict", None)) and \
+            callable(getattr(optimizer, "load_sharded_state_dict", None)):
+        return _OptimizerHooks(optimizer, tensor_parallel_group)
     raise TypeError(
         f"optimizer must be a tpamp MixedPrecisionOptimizer/FP32Optimizer or have "
         f"sharded_state_dict/load_sharded_state_dict methods; got {type(optimizer).__name__}"
     )
 
 
-class _ExternalHooks:
-    def __init__(self, optimizer):
+class _OptimizerHooks:
+    """An optimizer's two public hook methods (module docstring), their result checked. An
+    optimizer whose ``sharded_state_dict`` takes a ``tensor_parallel_group`` keyword
+    (MixedPrecisionOptimizer / FP32Optimizer) gets the TP group of the save or load."""
+
+    def __init__(self, optimizer, tensor_parallel_group):
         self.opt = optimizer
+        self.kwargs = {}
+        try:
+            takes_tp = "tensor_parallel_group" in inspect.signature(
+                optimizer.sharded_state_dict).parameters
+        except (TypeError, ValueError):  # no signature to read: call it with the names alone
+            takes_tp = False
+        if takes_tp:
+            self.kwargs["tensor_parallel_group"] = tensor_parallel_group
 
     def sharded_state_dict(self, model_params):
-        sd = self.opt.sharded_state_dict(model_params)
+        sd = self.opt.sharded_state_dict(model_params, **self.kwargs)
         missing = {"main_params", "state", "param_groups"} - set(sd)
         if missing:
             raise TypeError(
