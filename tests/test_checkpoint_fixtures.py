@@ -99,3 +99,46 @@ def test_fixture_records_are_not_the_fresh_values(tmp_path):
         params, opt = _fresh(rec, fp32)
         with pytest.raises(AssertionError):
             _check(params, opt, rec, {"iteration": 2}, fp32)
+
+
+def _load_dp2_worker(rank, world, path, rec):
+    import torch.distributed as dist
+
+    params = {n: torch.nn.Parameter(torch.full(s, 0.25, dtype=torch.float16))
+              for n, s in rec["shapes"].items()}
+    inner = torch.optim.AdamW([{"params": [params[n] for n in GROUPS[0]]},
+                               {"params": [params["b"]], "weight_decay": 0.0, "lr": 5e-3}],
+                              lr=1e-2)
+    scaler = tpamp.DynamicGradScaler(initial_scale=2.0**8, growth_interval=1, hysteresis=2)
+    opt = tpamp.DistributedOptimizer(inner, grad_scaler=scaler,
+                                     data_parallel_group=dist.group.WORLD, bucket_size=8)
+    extra = load_checkpoint(path, params, opt, extra={"iteration": None})
+    assert extra == rec["extra"]
+    for n, p in params.items():
+        assert torch.equal(p.detach(), _want(rec["model"][n]["values"], rec["shapes"][n],
+                                             torch.float16)), n
+    # this rank's shard of every master and moment, box by box, against the recorded values
+    sd = opt.sharded_state_dict(params)
+    boxes = 0
+    for n, view in sd["main_params"].items():
+        full = {"main": _want(rec["main"][n], rec["shapes"][n])}
+        for k in ("exp_avg", "exp_avg_sq"):
+            full[k] = _want(rec["state"][n][k], rec["shapes"][n])
+        for what, t in [("main", view)] + [(k, sd["state"][n][k]) for k in ("exp_avg", "exp_avg_sq")]:
+            for s in t.local_shards():
+                box = tuple(slice(o, o + z) for o, z in zip(s.metadata.shard_offsets,
+                                                             s.metadata.shard_sizes))
+                assert torch.equal(s.tensor.float(), full[what][box]), (n, what)
+                boxes += 1
+        assert float(sd["state"][n]["step"]) == rec["state"][n]["step"], n
+    assert float(opt.get_loss_scale()) == rec["scaler"]["scale"]
+    assert opt.grad_scaler.growth_tracker == rec["scaler"]["growth_tracker"]
+    return boxes
+
+
+def test_distributed_optimizer_dp2_checkpoint_of_an_earlier_version_loads_on_dp2(tmp_path):
+    from dist_utils import run_workers
+
+    path, rec = _fixture("dist_dp2", tmp_path)
+    boxes = run_workers(_load_dp2_worker, 2, path, rec, timeout=60)
+    assert all(b > 0 for b in boxes)  # every rank compared its own shards
