@@ -499,7 +499,7 @@ def test_bad_save_arguments_write_nothing(tmp_path, kw, error, match):
 @pytest.mark.parametrize("exchange", [True, False], ids=["renameat2", "two_renames"])
 def test_a_resave_replaces_the_checkpoint_whole_and_leaves_nothing_behind(good, tmp_path, monkeypatch, exchange):
     if not exchange:  # an OS or file system without the atomic exchange
-        monkeypatch.setattr(tpamp.checkpoint, "_rename_exchange", lambda a, b: False)
+        monkeypatch.setattr(tpamp.checkpoint.directories, "rename_exchange", lambda a, b: False)
     path = _copy(good, tmp_path)
     # a killed earlier save left its staging directory: the next save of the name removes it
     os.makedirs(os.path.join(tmp_path, ".copy.saving-deadbeef"))

@@ -1003,6 +1003,135 @@ class MixedPrecisionOptimizer(OptimizerWrapper):
                 state.clear()
                 state.update(_moments_like_main(new, main))
 
+    # -- checkpoint interface (tpamp.checkpoint calls these) --
+    # (kept self-contained: sharded_state_dict / load_sharded_state_dict and their helpers,
+    # mirroring DistributedOptimizer's; tpamp.checkpoint reaches no private state)
+
+    def sharded_state_dict(self, model_params, *, tensor_parallel_group=None) -> Dict:
+        """The hook of ``tpamp.checkpoint``: the fp32 master of every param this optimizer
+        updates (an fp16/bf16 param's main param, an fp32 param itself; with
+        store_param_remainders the master rebuilt exactly from bf16 param + remainder, a new
+        tensor), its inner optimizer state and the param groups' hyperparameters, keyed by the
+        global names of ``model_params`` ({global name: model param}).
+
+        Each tensor is in the param's GLOBAL shape (``tpamp.checkpoint.global_view``): a DTensor
+        as it is, a Megatron TP param (``tensor_model_parallel``) as a DTensor
+        ``Shard(partition_dim)`` over ``tensor_parallel_group`` (default: this optimizer's),
+        anything else replicated; sharing storage with the live buffers (but for rebuilt
+        masters). State tensors shaped like the param are placed like its main param; 8-bit
+        moments are given as float32 values (``state_formats.layout_free_state``).
+
+        Returns {"main_params": {name: T}, "state": {name: {key: T or object}} (a param
+        without state has no entry), "param_groups": [hyperparameters without "params"]}.
+        No communication. Raises ValueError for a param of this optimizer missing from
+        model_params, and as ``global_view`` does (a Megatron TP param without a TP group)."""
+        from tpamp.checkpoint import global_view
+
+        tp_group = self.tensor_parallel_group if tensor_parallel_group is None \
+            else tensor_parallel_group
+        named = self._ckpt_named_mains(model_params)
+        model_of = {id(main): model for pairs in self._half_pairs for model, main in pairs}
+        mains, state = {}, {}
+        for name, main in named:
+            if id(main) in self._remainders:  # the fp32 master, rebuilt exactly (a new tensor)
+                view = global_view(self._master_value(main, model_of[id(main)]), tp_group,
+                                   name=name)
+            else:
+                view = global_view(main, tp_group, name=name)
+            mains[name] = view
+            st = self.optimizer.state.get(main)
+            if st:
+                st = state_formats.layout_free_state(st)  # 8-bit moments as float32 values
+                state[name] = {k: self._ckpt_state_view(v, main, view) for k, v in st.items()}
+        self._ckpt_named = named
+        groups = [{k: v for k, v in g.items() if k != "params"}
+                  for g in self.optimizer.param_groups]
+        return {"main_params": mains, "state": state, "param_groups": groups}
+
+    def load_sharded_state_dict(self, state: Dict) -> None:
+        """The hook of ``tpamp.checkpoint``: copy ``state`` (the structure of
+        :meth:`sharded_state_dict`, read into new buffers placed like it; values already
+        checked by the caller) into the main params (split into bf16 param + remainder with
+        store_param_remainders), the inner optimizer's state (a param with no entry loses its
+        state) and the param groups' hyperparameters (by group index), then copy the main
+        params into the fp16/bf16 model params and convert the moments into this optimizer's
+        dtypes. Raises RuntimeError without a :meth:`sharded_state_dict` call before (it names
+        the params)."""
+        named = getattr(self, "_ckpt_named", None)
+        if named is None:
+            raise RuntimeError("load_sharded_state_dict needs a sharded_state_dict() call first")
+        inner = self.optimizer
+        group_of = {id(p): g for g in inner.param_groups for p in g["params"]}
+        model_of = {id(main): model for pairs in self._half_pairs for model, main in pairs}
+        for name, main in named:
+            if name in state["main_params"]:
+                with torch.no_grad():
+                    saved = local_tensor(state["main_params"][name])
+                    rem = self._remainders.get(id(main))
+                    if rem is None:
+                        local_tensor(main).copy_(saved)
+                    else:  # exact: the fp32 master split into bf16 param + remainder
+                        hi, lo = ops.split_remainders(saved.to(rem.device))
+                        local_tensor(model_of[id(main)].detach()).copy_(hi)
+                        rem.copy_(lo)
+            old = inner.state.get(main, {})
+            new = {}
+            for k, v in state["state"].get(name, {}).items():
+                if isinstance(v, Tensor):
+                    if _is_dtensor(v) and not _is_dtensor(main):
+                        v = v.to_local()
+                    elif not _is_dtensor(v) and tuple(v.shape) != tuple(main.shape):
+                        v = v.to(self._ckpt_scalar_device(k, old, main, group_of.get(id(main), {})))
+                new[k] = v
+            if new:
+                inner.state[main] = new
+            else:
+                inner.state.pop(main, None)
+        for g, saved in zip(inner.param_groups, state["param_groups"]):
+            g.update({k: v for k, v in saved.items() if k != "params"})
+        with torch.no_grad():  # the model params are fp16/bf16 of the loaded main params
+            mains, models = self._pair_locals()
+            if mains:
+                ops.scale_and_copy(mains, models)
+            self._convert_state()  # moments into this optimizer's configured dtypes
+
+    def _ckpt_named_mains(self, model_params) -> List[tuple]:
+        """[(global name, main param)] in param-group order."""
+        names = {id(p): n for n, p in model_params.items()}
+        out = []
+        for pairs, fp32s in zip(self._half_pairs, self._fp32_params):
+            for model, main in list(pairs) + [(p, p) for p in fp32s]:
+                name = names.get(id(model))
+                if name is None:
+                    raise ValueError(
+                        f"the optimizer updates a param of shape {tuple(model.shape)} that is not "
+                        "in model_params: give every trained param a global name"
+                    )
+                out.append((name, main))
+        return out
+
+    @staticmethod
+    def _ckpt_state_view(v, main, view):
+        """A param-shaped state tensor placed like the main param's global view."""
+        if isinstance(v, Tensor) and not _is_dtensor(v) and view is not main \
+                and _is_dtensor(view) and tuple(v.shape) == tuple(main.shape):
+            from torch.distributed.tensor import DTensor
+
+            return DTensor.from_local(v, view.device_mesh, view.placements, run_check=False)
+        return v
+
+    @staticmethod
+    def _ckpt_scalar_device(key, old, main, group):
+        """Where torch.optim keeps a non-param-shaped state tensor (AdamW's step: on the CPU
+        unless capturable or fused)."""
+        if key in old and isinstance(old[key], Tensor):
+            return old[key].device
+        if group.get("capturable") or group.get("fused"):
+            return local_tensor(main).device
+        return torch.device("cpu")
+
+    # -- end of the checkpoint interface --
+
 
 class FP32Optimizer(MixedPrecisionOptimizer):
     """The same interface for fp32 models (Megatron-LM's FP32Optimizer): no main copy; grad
