@@ -1,4 +1,6 @@
-"""Build and install tpamp with its kernels: the extension modules tpamp._C*.
+"""Build tpamp's kernels: the extension modules tpamp._C*. The package's metadata (name,
+version, dependencies, extras, license) is in pyproject.toml; this file holds only what
+pyproject.toml cannot say, the extension build.
 
 Kernel sources are csrc/ (csrc/README.md): one math (csrc/kernels/), two launchers.
 
@@ -42,7 +44,7 @@ import shutil
 import subprocess
 import sys
 
-from setuptools import find_packages, setup
+from setuptools import setup
 
 ROOT = os.path.dirname(os.path.abspath(__file__))
 CSRC = "csrc"
@@ -72,14 +74,6 @@ def _note_skipped(reason):
             f.write(reason.rstrip() + "\n")
     except OSError:
         pass
-
-
-def _version():
-    with open(os.path.join(ROOT, "tpamp", "__init__.py"), encoding="utf-8") as f:
-        m = re.search(r"^__version__\s*=\s*['\"]([^'\"]+)['\"]", f.read(), re.M)
-    if m is None:
-        raise RuntimeError("tpamp/__init__.py has no __version__ = '...' line")
-    return m.group(1)
 
 
 def _sources(pattern):
@@ -349,20 +343,5 @@ def _extension_and_cmdclass():
 
 ext_modules, cmdclass = _extension_and_cmdclass()
 
-setup(
-    name="tpamp",
-    version=_version(),
-    description="Megatron-style mixed-precision training for model-parallel PyTorch",
-    packages=find_packages(include=["tpamp*"]),
-    python_requires=">=3.9",
-    install_requires=["torch>=2.13", "numpy"],
-    extras_require={
-        "tb": ["tensorboard"],
-        "progress": ["tqdm"],
-        "plot": ["matplotlib"],
-        "test": ["pytest"],
-    },
-    ext_modules=ext_modules,
-    cmdclass=cmdclass,
-    zip_safe=False,
-)
+# Everything else (name, version, dependencies, extras, packages, license) is in pyproject.toml.
+setup(ext_modules=ext_modules, cmdclass=cmdclass)

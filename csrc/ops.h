@@ -1,6 +1,6 @@
 // Host entry points of the tpamp ops, one per (op, launcher). The schemas are in tpamp_ops.cpp
 // (TORCH_LIBRARY); the CPU entry points are registered in cpu/register.cpp, the CUDA ones in
-// tpamp_ops.cpp. Contracts: tpamp/ops.py (the only caller) and SPEC.md section 4.
+// tpamp_ops.cpp. Contracts: tpamp/ops.py (the only caller) and docs/spec.md section 4.
 
 #pragma once
 

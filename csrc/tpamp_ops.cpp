@@ -6,7 +6,7 @@
 //
 // Importing tpamp._C (a plain Python module with no functions) loads this library, whose static
 // initializers run the registrations below. tpamp/ops.py is the only caller; the contracts are
-// there and in SPEC.md section 4.
+// there and in docs/spec.md section 4.
 //
 // Alias annotations say exactly what each op writes: `Tensor(a!)[]` is mutated, every other
 // tensor argument is only read, and no output aliases an input.

@@ -8,7 +8,7 @@ group (tcp://127.0.0.1), one thread each.
    ``tpamp.DistributedOptimizer`` and reports the bytes of fp32 state it holds (main params +
    every tensor of the inner optimizer's state, counted from ``optimizer.param_groups`` and
    ``optimizer.state``); then the same for ``tpamp.MixedPrecisionOptimizer`` (every rank holds
-   all of it). The issue's target at DP=d: <= 1.05 x 12 N / d + 1 MiB for AdamW.
+   all of it). The target set for the distributed optimizer at DP=d: <= 1.05 x 12 N / d + 1 MiB for AdamW.
 2. Step time at DP=2 (``--time-dp``): the DP gradient reduction plus the optimizer step, two
    approaches interleaved round-robin over ``--reps`` rounds on the same fp16 grads:
 

@@ -9,7 +9,7 @@ same bytes read and written), and with tpamp.ops' PyTorch path (several passes).
 Method: one warm-up round, then --iters rounds; each round runs every case once, in an order
 that alternates between rounds (interleaved, so drift and other load hit all cases alike). The
 reported figures are medians over rounds of each case's time and of the per-round ratio
-case / copy (paired). Target (issue 8): fused pass <= 1.3x the copy.
+case / copy (paired). Target (set when the fused pass was written): fused pass <= 1.3x the copy.
 
     python scripts/bench_kernels_cpu.py [--iters 15] [--threads N] [--out PATH]
 """

@@ -1,4 +1,4 @@
-"""Benchmark the non-finite attribution (issue 20) and the logging step: what they cost.
+"""Benchmark the non-finite attribution (docs/spec.md section 10) and the logging step: what they cost.
 
 A benchmark, not a test. Three measurements, each as interleaved rounds (A, B, ..., A, B, ...)
 of the timed optimizer step only (grads re-attached outside the timed region), medians and the

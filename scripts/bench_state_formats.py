@@ -1,4 +1,4 @@
-"""Benchmark the optimizer-state storage options (issue 22): bytes per parameter and step time.
+"""Benchmark the optimizer-state storage options (docs/spec.md section 9): bytes per parameter and step time.
 
 A benchmark, not a test. For DP = 1, 2, 4 (``--dps``), ranks are fork-started processes with a
 gloo group over tcp://127.0.0.1, one thread each. Every rank builds one bf16 model per

@@ -7,7 +7,7 @@ on CPU tensors: a ``device`` argument naming CUDA becomes ``cpu``, ``Tensor.type
 answers with the CUDA type name, and ``Tensor.cuda()`` returns the tensor itself. Without Apex or
 Transformer Engine megatron-core uses its own PyTorch fallbacks (multi_tensor_applier, l2 norm,
 scale), which is what runs here. The mode intercepts every torch call made while it is active,
-which adds a few microseconds per call to megatron's time (see docs/benchmarks.md).
+which adds a few microseconds per call to megatron's time (see docs/benchmarks-log.md).
 
 Usage (one process, a one-rank gloo group for megatron's all-reduces)::
 

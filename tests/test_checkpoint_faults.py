@@ -1,4 +1,4 @@
-"""tpamp.checkpoint under faults and misuse (issue 18): a save that raises or is killed part-way
+"""tpamp.checkpoint under faults and misuse (docs/spec.md sections 7.2 and 7.3): a save that raises or is killed part-way
 never costs the previous checkpoint, which then loads bit-identically to what was saved; a
 corrupted, truncated or incomplete checkpoint, one of another optimizer class or param-group
 structure, or bad values are refused with CheckpointError naming the fault, and the refused

@@ -1,4 +1,4 @@
-"""Resuming scripts/train_gpt.py from a torch.distributed.checkpoint checkpoint (issue 12).
+"""Resuming scripts/train_gpt.py from a torch.distributed.checkpoint checkpoint (docs/spec.md section 7).
 
 One TP 2 x PP 2 run saves at iteration K and goes on to the end: that uninterrupted run is the
 reference. Resumed from K on the same layout, the losses, grad norms and loss scales of K+1..

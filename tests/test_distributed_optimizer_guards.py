@@ -1,4 +1,4 @@
-"""The shared guards on DistributedOptimizer (issue 18), on 2 gloo ranks (DP 2): the step
+"""The shared guards on DistributedOptimizer (docs/spec.md section 2.4), on 2 gloo ranks (DP 2): the step
 guard, the all-or-nothing load (validated, and agreed by the DP ranks), the cross-rank
 settings check (also for MixedPrecisionOptimizer and the spike detector's settings), and
 per-parameter grad norms with the same meaning as MixedPrecisionOptimizer's.

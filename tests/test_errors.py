@@ -1,4 +1,4 @@
-"""Bad input gives a clear error naming the offending value (SPEC.md sections 1-3).
+"""Bad input gives a clear error naming the offending value (docs/spec.md sections 1-3).
 
 Single-process checks for the optimizer wrappers, and 4-rank gloo checks (tests/dist_utils) for
 layouts that do not fit the world size and groups this rank is not a member of.

@@ -1,4 +1,4 @@
-"""Multi-rank faults end in errors, never in hangs (issue 11; tpamp.parallel's docstring says
+"""Multi-rank faults end in errors, never in hangs (docs/spec.md section 12; tpamp.parallel's docstring says
 what a user sees). Fork-started gloo ranks (tests/dist_utils) with timeouts of a few seconds:
 
 * ranks of one grad-stats group whose settings differ get the same ValueError on every rank at

@@ -1,4 +1,4 @@
-"""The one-pass optimizer step (SPEC.md sections 2 and 4): tpamp.ops.fused_adam_step_ /
+"""The one-pass optimizer step (docs/spec.md sections 2 and 4): tpamp.ops.fused_adam_step_ /
 fused_sgd_step_ and MixedPrecisionOptimizer's fused path.
 
 References, all independent of the code under test: torch.optim's own Adam/AdamW/SGD (the
@@ -538,7 +538,7 @@ def test_spike_skip_on_the_fused_path_leaves_every_bit_unchanged(path, monkeypat
 @pytest.mark.parametrize("op", ["fused_adam_step_", "fused_sgd_step_"])
 def test_opcheck_fused_step_ops(op):
     """torch.library.opcheck: the schema marks exactly what the kernels write; the fake impl,
-    autograd registration and AOT dispatch agree (SPEC.md section 4)."""
+    autograd registration and AOT dispatch agree (docs/spec.md section 4)."""
     if not _kernel_built():
         pytest.skip("tpamp._C with the fused step kernels is not built")
     gen = torch.Generator().manual_seed(11)

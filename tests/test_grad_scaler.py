@@ -1,6 +1,6 @@
-"""Specification tests for tpamp's loss scalers (SPEC.md section 1).
+"""Specification tests for tpamp's loss scalers (docs/spec.md section 1).
 
-Expected values come from hand-worked traces of the SPEC rules (written out step by step below)
+Expected values come from hand-worked traces of the rules of docs/spec.md section 1 (written out step by step below)
 or from ``RefScaler``, a small pure-Python model of those rules written here, never from tpamp.
 """
 
@@ -60,7 +60,7 @@ KINDS = ["bool", "tensor"]
 # hand-worked traces
 
 
-# SPEC section 1 worked trace: hysteresis=2, growth_interval=3, initial 8, min 1.
+# docs/spec.md section 1 worked trace: hysteresis=2, growth_interval=3, initial 8, min 1.
 SPEC_TRACE = [
     (INF, 8.0, 0, 1),
     (INF, 4.0, 0, 0),
@@ -249,11 +249,11 @@ def test_defaults_are_megatron_defaults():
 
 
 # --------------------------------------------------------------------------------------------
-# randomized comparison against an independent pure-Python model of the SPEC rules
+# randomized comparison against an independent pure-Python model of the rules of docs/spec.md section 1
 
 
 class RefScaler:
-    """SPEC section 1 rules, in plain Python (scale rounded to float32 after each change)."""
+    """docs/spec.md section 1 rules, in plain Python (scale rounded to float32 after each change)."""
 
     def __init__(self, initial_scale, min_scale, growth_factor, backoff_factor, growth_interval,
                  hysteresis, max_scale=None, consecutive_hysteresis=False):
@@ -402,7 +402,7 @@ def test_raise_at_min_scale_raises_on_overflow_at_min_scale():
 
 
 def test_raise_at_min_scale_with_hysteresis_left_still_raises_at_min():
-    # SPEC: "An overflow while scale == min_scale ... raise_at_min_scale=True raises"
+    # docs/spec.md section 1: "An overflow while scale == min_scale ... raise_at_min_scale=True raises"
     s = DynamicGradScaler(initial_scale=2.0, min_scale=2.0, growth_interval=10, hysteresis=3,
                           raise_at_min_scale=True)
     with pytest.raises(LossScaleUnderflowError):

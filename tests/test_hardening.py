@@ -1,4 +1,4 @@
-"""No bad value trains silently (issue 11): the scale never becomes inf or 0 in float32, a
+"""No bad value trains silently (docs/spec.md section 14): the scale never becomes inf or 0 in float32, a
 failed load changes nothing, a second step without a backward and param groups added after
 wrapping are refused, and a skipped sync_free step is logged as null, never as Infinity."""
 

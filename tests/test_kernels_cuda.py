@@ -610,7 +610,7 @@ def test_scale_and_copy_rejects_bad_inputs_naming_them():
 
 
 def test_scaler_update_follows_the_worked_trace_on_the_device():
-    """SPEC section 1: hysteresis=2, growth_interval=3, initial 8, min 1."""
+    """docs/spec.md section 1: hysteresis=2, growth_interval=3, initial 8, min 1."""
     scaler = tpamp.DynamicGradScaler(
         initial_scale=8.0, min_scale=1.0, growth_interval=3, hysteresis=2, device=DEV
     )
@@ -693,7 +693,7 @@ def test_ops_make_no_host_sync():
 
 
 # --------------------------------------------------------------------------------------------
-# the optimizer step (SPEC section 2) with and without the extension
+# the optimizer step (docs/spec.md section 2) with and without the extension
 
 
 def _make_params(seed):

@@ -1,4 +1,4 @@
-"""The logs a user reads (SPEC.md section 5)."""
+"""The logs a user reads (docs/spec.md section 5)."""
 
 import io
 import json

@@ -1,5 +1,5 @@
 """Misuse suite: each bad argument or loaded value raises the documented exception type, with
-a message that names the argument or key (issue 11). Single process, no collectives: the whole
+a message that names the argument or key (docs/spec.md section 14). Single process, no collectives: the whole
 file runs in a few seconds. Multi-rank faults live in tests/test_faults_dist.py."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Misuse of the shared guards (issue 18), single process: the step guard (grads checked before
+"""Misuse of the shared guards (docs/spec.md section 2.4), single process: the step guard (grads checked before
 the scaler moves, no second step without a backward, late param groups), the all-or-nothing
 load of MixedPrecisionOptimizer and SpikeDetector, a detector bound to one optimizer, the spike
 policy "raise" and the zero count of the two step paths.

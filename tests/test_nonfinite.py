@@ -1,4 +1,4 @@
-"""Non-finite attribution in one process and the logs of it (tpamp/nonfinite.py, SPEC.md
+"""Non-finite attribution in one process and the logs of it (tpamp/nonfinite.py, docs/spec.md
 section 5): names, the records a step leaves, the JSONL record, the line, TensorBoard, the plot,
 and the activation tracer (single process and a 2-stage pipeline)."""
 

@@ -1,4 +1,4 @@
-"""Specification tests for the PyTorch path of tpamp.ops (SPEC.md sections 1 and 4), on CPU.
+"""Specification tests for the PyTorch path of tpamp.ops (docs/spec.md sections 1 and 4), on CPU.
 
 Every expected value is computed here in float64 (or by hand): the values an op must write are
 float64 products rounded once to the destination dtype by ``round_to`` below (numpy for
@@ -295,7 +295,7 @@ def test_hand_worked_small_example():
 
 @pytest.mark.parametrize("norm_type", [2.0, math.inf, 3.0])
 def test_norms_allow_empty_tensors_which_contribute_zero(norm_type):
-    # SPEC section 4: "any sizes, empty tensors allowed"; hand-worked: |-5| is the largest
+    # docs/spec.md section 4: "any sizes, empty tensors allowed"; hand-worked: |-5| is the largest
     grads = [make([3.0, -4.0], torch.float32), torch.empty(0, dtype=torch.float16),
              make([-5.0], torch.bfloat16), torch.empty(2, 0)]
     st = ops.grad_stats(grads, norm_type=norm_type, per_tensor_norms=True, count_zeros=True)
@@ -470,7 +470,7 @@ FLAG_FORMS = {
     "bool[1]": lambda inf: torch.tensor([inf]),
 }
 
-# SPEC section 1's worked trace (hysteresis=2, growth_interval=3, initial 8, min 1)
+# docs/spec.md section 1's worked trace (hysteresis=2, growth_interval=3, initial 8, min 1)
 SPEC_TRACE = [
     (True, 8.0, 0, 1), (True, 4.0, 0, 0), (True, 2.0, 0, -1), (False, 2.0, 1, -1),
     (False, 2.0, 2, -1), (True, 1.0, 0, -2), (False, 1.0, 1, -2), (False, 1.0, 2, -2),

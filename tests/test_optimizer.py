@@ -1,4 +1,4 @@
-"""MixedPrecisionOptimizer / FP32Optimizer in one process (SPEC.md section 2)."""
+"""MixedPrecisionOptimizer / FP32Optimizer in one process (docs/spec.md section 2)."""
 
 import math
 

@@ -362,7 +362,7 @@ def test_fused_sgd_step_matches_cpu_twin(order, momentum, nesterov):
 
 
 # ---------------------------------------------------------------------------------------------
-# The review fixes (issue 19), on the emulated CUDA launchers and the CPU twin alike.
+# The fixes from the review of the SIMT emulator, on the emulated CUDA launchers and the CPU twin alike.
 
 
 def test_fma_is_rounded_once_on_every_launcher(order):

@@ -1,5 +1,5 @@
 """The CUDA launcher's narrow-state Adam (csrc/cuda/optimizer_step.cu, NarrowAdamFunctor: bf16 /
-8-bit moments, bf16 params + int16 remainders; issue 22) run on CPU under the SIMT emulator
+8-bit moments, bf16 params + int16 remainders; docs/spec.md section 9) run on CPU under the SIMT emulator
 (torch.ops.tpamp_simt, tests/simt_utils.py) in every schedule order, against the CPU twin
 (torch.ops.tpamp on CPU tensors) and the numpy format references of test_state_formats.py.
 

@@ -1,4 +1,4 @@
-"""Spike detection and skipping (tpamp/spikes.py, SPEC.md section 6)."""
+"""Spike detection and skipping (tpamp/spikes.py, docs/spec.md section 6)."""
 
 import copy
 import math

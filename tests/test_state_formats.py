@@ -1,4 +1,4 @@
-"""Narrow Adam state (issue 22): bf16 / 8-bit moments and bf16 params + int16 remainders in the
+"""Narrow Adam state (docs/spec.md section 9): bf16 / 8-bit moments and bf16 params + int16 remainders in the
 one-pass step, on tpamp.ops.fused_adam_step_ and both optimizer wrappers.
 
 References, independent of the code under test:

@@ -55,7 +55,7 @@ def run_train(log_dir, *args, nproc=4, timeout=240):
 
 
 def check_records(records, *, loss_scaling: bool):
-    """Every iteration logged once, in order, with SPEC section 5's fields and sane values."""
+    """Every iteration logged once, in order, with docs/spec.md section 5's fields and sane values."""
     assert [r["iteration"] for r in records] == list(range(1, ITERS + 1))
     for r in records:
         missing = [k for k in SPEC_FIELDS if k not in r]

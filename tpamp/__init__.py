@@ -5,7 +5,7 @@ inf/nan detection agreed over the model-parallel group, and grad-norm clipping /
 that count tensor-parallel duplicates and tied params once.
 """
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"
 
 from tpamp import (
     checkpoint,  # save/load_checkpoint: layout-free, torch.distributed.checkpoint

@@ -1,6 +1,6 @@
 // CUDA launcher of tpamp::dynamic_scaler_update_ (math: csrc/kernels/dynamic_scaler.h; CPU twin:
 // csrc/cpu/dynamic_scaler.cpp): one thread, so a training step never reads found_inf on the host
-// (SPEC.md section 1).
+// (docs/spec.md section 1).
 
 #include "../host/validate.h"
 #include "../kernels/dynamic_scaler.h"

@@ -86,7 +86,7 @@ TPAMP_INLINE void adam_element(V& p, V& m, V& v, V g, const AdamScalars& s,
   p = p + V(s.neg_step_size) * m / denom;
 }
 
-// -- narrow storage of the Adam state (issue 22) ---------------------------------------------
+// -- narrow storage of the Adam state (docs/spec.md section 9) -----------------------------------
 //
 // The update above always runs in float32; these functions only read and write the stored
 // values. Both launchers use them (the CPU launcher on 256-element blocks it vectorizes, the CUDA
