@@ -9,15 +9,15 @@ import torch.nn.functional as F
 from torch import nn
 
 from tests.dist_utils import run_workers
-from tpamp.amp_torch import ModelParallelGradScaler, TorchAMPModel, TorchAMPOptimizer
-from tpamp.grad_scaler import ConstantGradScaler, DynamicGradScaler
-from tpamp.initialize import (
+from tpamp.amp_init import (
     ApexAMPConfig,
     ParallelAMPConfig,
     TorchAMPConfig,
     initialize,
     parse_amp_config,
 )
+from tpamp.amp_torch import ModelParallelGradScaler, TorchAMPModel, TorchAMPOptimizer
+from tpamp.grad_scaler import ConstantGradScaler, DynamicGradScaler
 from tpamp.model import NaiveAMPModel
 from tpamp.optimizer import FP32Optimizer, MixedPrecisionOptimizer
 from tpamp.parallel import initialize_model_parallel
