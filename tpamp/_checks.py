@@ -95,9 +95,11 @@ def check_int(name: str, value, *, low: Optional[int] = None, high: Optional[int
         raise _type_error(name, value, "an int" + (" or None" if allow_none else ""))
     value = int(value)
     if (low is not None and value < low) or (high is not None and value > high):
-        lo = "-inf" if low is None else low
-        hi = "inf" if high is None else high
-        raise ValueError(f"{name} must be an int in [{lo}, {hi}], got {value}")
+        if low is not None and high is not None:
+            expected = f"in [{low}, {high}]"
+        else:
+            expected = f">= {low}" if low is not None else f"<= {high}"
+        raise ValueError(f"{name} must be an int {expected}, got {value}")
     return value
 
 
