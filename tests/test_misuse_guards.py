@@ -528,7 +528,7 @@ def _tpamp_files():
 
 def test_no_module_imports_another_modules_private_names():
     """Private (_underscore) functions, classes and constants stay in their module; shared ones
-    live under public names (tpamp.common, tpamp._validation's check_* / guard functions). The
+    live under public names (tpamp.common, tpamp._checks, tpamp._guards, tpamp._load). The
     package-internal modules themselves (tpamp._validation, tpamp._ext) may be imported."""
     bad = [(f.name, mod, n) for f in _tpamp_files() for mod, names in _tpamp_imports(f, lazy=True)
            for n in names if n.startswith("_")]
