@@ -406,6 +406,25 @@ def test_the_guard_state_goes_with_the_objects_it_describes():
     assert wrapped_by(fresh) is None
 
 
+def test_settings_are_compared_again_after_a_load_and_not_after_zero_grad(monkeypatch):
+    from tpamp import _guards
+
+    calls = []
+    real = _guards.agree_on_settings
+    monkeypatch.setattr(_guards, "agree_on_settings", lambda w: (calls.append(1), real(w)))
+    opt, params = _mpo(fused=False)
+    for _ in range(2):
+        _backward(opt, params)
+        opt.step()
+        opt.zero_grad()
+    assert len(calls) == 1  # the first step only
+    opt.load_state_dict(copy.deepcopy(opt.state_dict()))
+    assert not _guards.guard_state(opt).settings_agreed
+    _backward(opt, params)
+    opt.step()
+    assert len(calls) == 2 and _guards.guard_state(opt).settings_agreed
+
+
 def test_an_optimizer_class_without_hash_can_still_be_wrapped_once():
     class Unhashable(torch.optim.SGD):
         def __eq__(self, other):
