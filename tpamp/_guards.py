@@ -44,11 +44,6 @@ __all__ = [
 ]
 
 
-# ---- optimizer wrappers: construction -------------------------------------------------------
-
-_SUPPORTED_PARAM_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
-
-
 # ---- the guards' own state -------------------------------------------------------------------
 #
 # The guards keep what they remember about a wrapper (and which inner optimizers are wrapped)
@@ -108,12 +103,15 @@ def guard_state(wrapper) -> GuardState:
 
 
 def wrapped_by(optimizer) -> Optional[str]:
-    """The class name of the tpamp wrapper around the torch optimizer ``optimizer`` (None when
-    no live wrapper was registered for it)."""
+    """The class name of the tpamp wrapper that wrapped the torch optimizer ``optimizer`` (its
+    params are main params since; recorded as long as ``optimizer`` lives), None when none
+    did."""
     return _WRAPPED_BY.get(optimizer)
 
 
 # ---- optimizer wrappers: construction -------------------------------------------------------
+
+_SUPPORTED_PARAM_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
 def check_wrappable(optimizer) -> None:
