@@ -19,6 +19,7 @@ import torch.distributed as dist
 from dist_utils import freeze, run_workers, tensor_bytes
 
 import tpamp
+from tpamp._guards import wrapped_by
 
 NAN = math.nan
 SHAPES = {"w": (5, 3), "b": (7,)}  # 22 elements: with DP 2 a shard boundary inside "w"
@@ -155,7 +156,7 @@ def _deferred(value):
         class Watch:  # the inner optimizer keeps its params (nothing converted or sharded)
             def state_dict(self):
                 return {"params": [id(p) for p in inner.param_groups[0]["params"]] == before,
-                        "wrapped": getattr(inner, "_tpamp_wrapped_by", None)}
+                        "wrapped": wrapped_by(inner)}
 
         def call():
             tpamp.DistributedOptimizer(inner, data_parallel_group=dist.group.WORLD,
@@ -175,7 +176,7 @@ def _detector_shared(rank):
     class Watch:
         def state_dict(self):
             return {"owner": det.owner is mpo, "inner": inner.param_groups[0]["params"][0] is params["b"],
-                    "wrapped": getattr(inner, "_tpamp_wrapped_by", None)}
+                    "wrapped": wrapped_by(inner)}
 
     def call():
         tpamp.DistributedOptimizer(inner, grad_scaler=tpamp.ConstantGradScaler(2.0),

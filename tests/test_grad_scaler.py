@@ -594,9 +594,12 @@ BAD_ARGS = [
 
 
 @pytest.mark.parametrize("kwargs,name,value", BAD_ARGS, ids=[f"{n}={v!r}" for _, n, v in BAD_ARGS])
-def test_bad_argument_raises_value_error_naming_the_value(kwargs, name, value):
-    with pytest.raises(ValueError) as exc:
+def test_bad_argument_raises_naming_the_value(kwargs, name, value):
+    # TypeError for a wrong type (a bool or a string for a number), ValueError for a wrong value
+    expected = TypeError if isinstance(value, (bool, str)) else ValueError
+    with pytest.raises(expected) as exc:
         DynamicGradScaler(**kwargs)
+    assert type(exc.value) is expected
     msg = str(exc.value)
     assert name in msg, msg
     assert re.search(_value_pattern(value), msg), f"{value!r} not in message: {msg}"
@@ -619,5 +622,67 @@ def test_boundary_arguments_are_accepted(kwargs):
 @pytest.mark.parametrize("name", ["growth_interval", "hysteresis"])
 def test_tracker_limits_beyond_int32_are_rejected(name):
     # the trackers live in int32 device tensors; a larger interval could never be reached
-    with pytest.raises(ValueError, match=rf"{name} must be an int in \[1, 2\*\*31 - 1\], got 2147483648"):
+    with pytest.raises(ValueError, match=rf"{name} must be an int in \[1, 2147483647\], got 2147483648"):
         tpamp.DynamicGradScaler(**{name: 2**31})
+
+
+# --------------------------------------------------------------------------------------------
+# the scaler protocol the optimizer wrappers use: snapshot / restore, overflow at min_scale
+
+
+def test_snapshot_restore_puts_the_dynamic_state_back_as_a_twin_left_it():
+    opts = dict(initial_scale=8.0, min_scale=1.0, growth_interval=3, hysteresis=2)
+    a, twin = DynamicGradScaler(**opts), DynamicGradScaler(**opts)
+    run_trace(a, SPEC_TRACE[:4])
+    run_trace(twin, SPEC_TRACE[:4])
+    snap = a.snapshot()
+    run_trace(a, SPEC_TRACE[4:])  # scale, trackers and the at-min flag all move on
+    assert state(a) != state(twin)
+    a.restore(snap)
+    assert state(a) == state(twin) == SPEC_TRACE[3][1:]
+    assert torch.equal(a.overflow_at_min_scale(), twin.overflow_at_min_scale())
+    # the snapshot is a copy, not a view: restoring twice gives the same state
+    a.update(True)
+    a.restore(snap)
+    assert state(a) == state(twin)
+
+
+def test_snapshot_at_min_scale_keeps_the_overflow_flag():
+    s = DynamicGradScaler(initial_scale=1.0, min_scale=1.0, growth_interval=10, hysteresis=5)
+    s.update(torch.ones(1))  # an overflow at min_scale (a tensor: not reported here)
+    assert bool(s.overflow_at_min_scale().item())
+    snap = s.snapshot()
+    s.update(torch.zeros(1))
+    assert not bool(s.overflow_at_min_scale().item())
+    s.restore(snap)
+    assert bool(s.overflow_at_min_scale().item())
+
+
+def test_constant_scaler_snapshot_restore_and_no_overflow_tracking():
+    s = ConstantGradScaler(4.0)
+    snap = s.snapshot()
+    s.scale.fill_(2.0)
+    s.restore(snap)
+    assert float(s.scale.reshape(-1)[0]) == 4.0
+    assert s.overflow_at_min_scale() is None
+    assert s.report_overflow_at_min_scale() is None
+
+
+def test_restore_refuses_what_is_not_a_snapshot_of_this_scaler_class():
+    d, c = DynamicGradScaler(initial_scale=8.0), ConstantGradScaler(4.0)
+    with pytest.raises(TypeError, match="ScalerSnapshot.*dict"):
+        d.restore({"scale": torch.ones(1)})
+    with pytest.raises(ValueError, match="ConstantGradScaler.*DynamicGradScaler"):
+        d.restore(c.snapshot())
+    assert state(d) == (8.0, 0, 2)
+    assert isinstance(d.snapshot(), tpamp.ScalerSnapshot)
+
+
+def test_public_overflow_names_and_the_private_aliases_report_alike():
+    s = DynamicGradScaler(initial_scale=1.0, min_scale=1.0, hysteresis=1, raise_at_min_scale=True)
+    s.update(torch.ones(1))
+    assert torch.equal(s.overflow_at_min_scale(), s._overflow_at_min_scale())
+    with pytest.raises(LossScaleUnderflowError):
+        s.report_overflow_at_min_scale()
+    with pytest.raises(LossScaleUnderflowError):
+        s._report_overflow_at_min_scale()

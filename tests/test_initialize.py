@@ -9,15 +9,15 @@ import torch.nn.functional as F
 from torch import nn
 
 from tests.dist_utils import run_workers
-from tpamp.amp_torch import ModelParallelGradScaler, TorchAMPModel, TorchAMPOptimizer
-from tpamp.grad_scaler import ConstantGradScaler, DynamicGradScaler
-from tpamp.initialize import (
+from tpamp.amp_init import (
     ApexAMPConfig,
     ParallelAMPConfig,
     TorchAMPConfig,
     initialize,
     parse_amp_config,
 )
+from tpamp.amp_torch import ModelParallelGradScaler, TorchAMPModel, TorchAMPOptimizer
+from tpamp.grad_scaler import ConstantGradScaler, DynamicGradScaler
 from tpamp.model import NaiveAMPModel
 from tpamp.optimizer import FP32Optimizer, MixedPrecisionOptimizer
 from tpamp.parallel import initialize_model_parallel
@@ -147,18 +147,30 @@ def test_default_config_is_parallel_mode_with_megatron_scaler_defaults():
         (dict(growth_factor=1.0), r"growth_factor must be > 1.*1.0"),
         (dict(backoff_factor=1.5), r"backoff_factor must be < 1"),
         (dict(hysteresis=0), r"hysteresis must be an int >= 1, got 0"),
-        (dict(growth_interval=2.5), r"growth_interval must be an int"),
         (dict(clip_grad=-1.0), r"clip_grad must be >= 0"),
-        (dict(log_num_zeros_in_grad="yes"), r"log_num_zeros_in_grad must be True or False"),
         (dict(initial_scale=float("inf")), r"initial_scale must be finite"),
         (dict(min_scale=8.0, initial_scale=4.0), r"min_scale 8.0 > initial_scale 4.0"),
         (dict(mode="torch", dtype="tf32"), r"mode='torch'.*dtype must be one of"),
-        (dict(mode="torch", enabled=1), r"enabled must be True or False"),
         (dict(mode="apex", opt_level="O4"), r"opt_level must be one of .*'O4'"),
     ],
 )
 def test_bad_config_raises_value_error_naming_the_key_or_value(fp16, match):
     with pytest.raises(ValueError, match=match):
+        parse_amp_config(fp16)
+
+
+@pytest.mark.parametrize(
+    "fp16,match",
+    [
+        (dict(growth_interval=2.5), r"growth_interval must be an int.*2\.5"),
+        (dict(initial_scale="8"), r"initial_scale must be a real number.*'8'"),
+        (dict(clip_grad=True), r"clip_grad must be a real number.*True"),
+        (dict(log_num_zeros_in_grad="yes"), r"log_num_zeros_in_grad must be True or False.*'yes'"),
+        (dict(mode="torch", enabled=1), r"mode='torch'.*enabled must be True or False.*1"),
+    ],
+)
+def test_config_value_of_the_wrong_type_raises_type_error_naming_the_key(fp16, match):
+    with pytest.raises(TypeError, match=match):
         parse_amp_config(fp16)
 
 

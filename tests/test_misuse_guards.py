@@ -20,6 +20,7 @@ from dist_utils import freeze, tensor_bytes
 
 import tpamp
 from tpamp import GradSpikeError
+from tpamp._guards import wrapped_by
 
 NAN, INF = math.nan, math.inf
 
@@ -246,7 +247,7 @@ def _shared_detector(cls_name):
             # the second inner optimizer is untouched (its param not replaced, not marked
             # wrapped: it can still be wrapped), the detector still judges the first one
             return (_picture(first, [p], det), [id(q) for q in inner.param_groups[0]["params"]],
-                    getattr(inner, "_tpamp_wrapped_by", None), det.owner is first)
+                    wrapped_by(inner), det.owner is first)
         return picture, call
     return setup
 
@@ -365,6 +366,82 @@ def test_misuse_is_refused_and_changes_nothing(case):
 # ---- behaviour that is not a refusal ---------------------------------------------------------
 
 
+def test_the_guards_write_no_attribute_onto_the_wrapper_or_the_inner_optimizer():
+    """The guards keep their state in tables of tpamp._guards: wrapping, stepping, zero_grad and
+    a load add no attribute to the inner torch optimizer, and none named _tpamp_* to the
+    wrapper; the guard still knows the inner optimizer is wrapped."""
+    params = [torch.nn.Parameter(torch.linspace(-1, 1, 3).half())]
+    inner = torch.optim.Adam(params, lr=0.1)
+    before = set(vars(inner))
+    opt = tpamp.MixedPrecisionOptimizer(inner, grad_scaler=tpamp.DynamicGradScaler(initial_scale=8.0))
+    for _ in range(2):
+        _backward(opt, params)
+        opt.step()
+        opt.zero_grad()
+    opt.load_state_dict(copy.deepcopy(opt.state_dict()))
+    added = set(vars(inner)) - before
+    assert added == set(), added
+    assert [k for k in vars(opt) if k.startswith("_tpamp")] == []
+    assert wrapped_by(inner) == "MixedPrecisionOptimizer"
+    with pytest.raises(ValueError, match="already wrapped by a tpamp MixedPrecisionOptimizer"):
+        tpamp.MixedPrecisionOptimizer(inner, grad_scaler=tpamp.ConstantGradScaler(2.0))
+
+
+def test_the_guard_state_goes_with_the_objects_it_describes():
+    import gc
+    import weakref
+
+    from tpamp import _guards
+
+    p = torch.nn.Parameter(torch.ones(3, dtype=torch.float16))
+    inner = torch.optim.SGD([p], lr=0.1)
+    opt = tpamp.MixedPrecisionOptimizer(inner, grad_scaler=tpamp.ConstantGradScaler(2.0))
+    state = _guards.guard_state(opt)
+    assert [[id(q) for q in g] for g in state.param_groups] == [[id(q) for q in g["params"]] for g in inner.param_groups]
+    refs = (weakref.ref(opt), weakref.ref(inner))
+    del opt, inner, state
+    gc.collect()
+    assert [r() for r in refs] == [None, None]  # the tables did not keep them alive
+    fresh = torch.optim.SGD([p], lr=0.1)
+    assert wrapped_by(fresh) is None
+
+
+def test_settings_are_compared_again_after_a_load_and_not_after_zero_grad(monkeypatch):
+    from tpamp import _guards
+
+    calls = []
+    real = _guards.agree_on_settings
+    monkeypatch.setattr(_guards, "agree_on_settings", lambda w: (calls.append(1), real(w)))
+    opt, params = _mpo(fused=False)
+    for _ in range(2):
+        _backward(opt, params)
+        opt.step()
+        opt.zero_grad()
+    assert len(calls) == 1  # the first step only
+    opt.load_state_dict(copy.deepcopy(opt.state_dict()))
+    assert not _guards.guard_state(opt).settings_agreed
+    _backward(opt, params)
+    opt.step()
+    assert len(calls) == 2 and _guards.guard_state(opt).settings_agreed
+
+
+def test_an_optimizer_class_without_hash_can_still_be_wrapped_once():
+    class Unhashable(torch.optim.SGD):
+        def __eq__(self, other):
+            return self is other
+
+        __hash__ = None
+
+    p = torch.nn.Parameter(torch.ones(3, dtype=torch.float16))
+    inner = Unhashable([p], lr=0.1)
+    opt = tpamp.MixedPrecisionOptimizer(inner, grad_scaler=tpamp.ConstantGradScaler(2.0))
+    opt.scale_loss(p.float().sum()).backward()
+    assert opt.step().update_successful
+    with pytest.raises(ValueError, match="already wrapped"):
+        tpamp.MixedPrecisionOptimizer(inner, grad_scaler=tpamp.ConstantGradScaler(2.0))
+
+
+
 def test_a_step_after_zero_grad_or_a_new_backward_is_accepted():
     opt, params = _mpo(fused=False)
     _backward(opt, params)
@@ -470,7 +547,7 @@ def _tpamp_files():
 
 def test_no_module_imports_another_modules_private_names():
     """Private (_underscore) functions, classes and constants stay in their module; shared ones
-    live under public names (tpamp.common, tpamp._validation's check_* / guard functions). The
+    live under public names (tpamp.common, tpamp._checks, tpamp._guards, tpamp._load). The
     package-internal modules themselves (tpamp._validation, tpamp._ext) may be imported."""
     bad = [(f.name, mod, n) for f in _tpamp_files() for mod, names in _tpamp_imports(f, lazy=True)
            for n in names if n.startswith("_")]
@@ -483,8 +560,11 @@ def test_no_import_cycle_between_tpamp_modules():
     graph = {k: {m for m in v if m in graph and m != k} for k, v in graph.items()}
     assert "tpamp.grad_stats" not in graph["tpamp._validation"]
     assert "tpamp._validation" not in graph["tpamp.common"] and graph["tpamp.common"] == set()
-    for a in ("tpamp.grad_stats", "tpamp._validation", "tpamp.common", "tpamp.optimizer",
-              "tpamp.distributed_optimizer", "tpamp.param_norms", "tpamp.spikes"):
+    assert graph["tpamp._checks"] == set()  # the argument checks are a leaf
+    assert graph["tpamp._load"] == {"tpamp._checks", "tpamp._guards", "tpamp.common"}
+    for a in ("tpamp.grad_stats", "tpamp._validation", "tpamp._checks", "tpamp._guards",
+              "tpamp._load", "tpamp.common", "tpamp.optimizer", "tpamp.distributed_optimizer",
+              "tpamp.param_norms", "tpamp.spikes", "tpamp.grad_scaler", "tpamp.amp_init"):
         seen, todo = set(), list(graph[a])
         while todo:  # everything a reaches must not reach a again
             m = todo.pop()

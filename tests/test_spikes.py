@@ -71,7 +71,7 @@ def test_raise_policy_and_bad_settings():
         tpamp.SpikeDetector("ignore")
     with pytest.raises(ValueError, match="warmup \\(30\\) must be <= window \\(10\\)"):
         tpamp.SpikeDetector(window=10, warmup=30)
-    with pytest.raises(ValueError, match="threshold must be a finite number > 0.0, got -1"):
+    with pytest.raises(ValueError, match="threshold must be > 0.0, got -1"):
         tpamp.SpikeDetector(threshold=-1)
     with pytest.raises(ValueError, match="watch must be a non-empty subset"):
         tpamp.SpikeDetector(watch=("lr",))
@@ -206,3 +206,17 @@ def test_detector_state_is_in_the_optimizer_state_dict_and_a_resumed_run_decides
     p = torch.nn.Parameter(torch.ones(2))
     sd = tpamp.FP32Optimizer(torch.optim.SGD([p], lr=1.0), spike_detector=tpamp.SpikeDetector()).state_dict()
     assert {"optimizer", "grad_scaler", "fp32_from_fp16_params", "spike_detector"} <= set(sd)
+
+
+def test_snapshot_scaler_and_restore_scaler_go_through_the_scaler_protocol():
+    s = tpamp.DynamicGradScaler(initial_scale=8.0, growth_interval=2, hysteresis=1)
+    snap = tpamp.SpikeDetector.snapshot_scaler(s)
+    assert isinstance(snap, tpamp.ScalerSnapshot)
+    s.update(False)
+    s.update(False)  # grows to 16, tracker back to 0
+    s.update(False)
+    assert (s.scale.item(), s.growth_tracker) == (16.0, 1)
+    tpamp.SpikeDetector.restore_scaler(s, snap)
+    assert (s.scale.item(), s.growth_tracker, s.hysteresis_tracker) == (8.0, 0, 1)
+    assert tpamp.SpikeDetector.snapshot_scaler(None) is None
+    tpamp.SpikeDetector.restore_scaler(None, None)  # nothing to restore

@@ -13,6 +13,15 @@ from tpamp import (
     nonfinite,
     parallel,
 )
+from tpamp.amp_init import (
+    AMPComponents,
+    ApexAMPConfig,
+    ApexAMPOptimizer,
+    ParallelAMPConfig,
+    TorchAMPConfig,
+    initialize,
+    parse_amp_config,
+)
 from tpamp.amp_torch import ModelParallelGradScaler, TorchAMPLoss, TorchAMPModel, TorchAMPOptimizer
 from tpamp.distributed_optimizer import DistributedOptimizer
 from tpamp.functional import residual_add, scale_mask_softmax, vocab_parallel_cross_entropy
@@ -21,21 +30,13 @@ from tpamp.grad_scaler import (
     DynamicGradScaler,
     LossScaleUnderflowError,
     MegatronGradScaler,
+    ScalerSnapshot,
 )
 from tpamp.grad_stats import (
     clip_grad_by_total_norm_fp32,
     count_zeros_fp32,
     filter_grads_for_norm,
     get_grad_norm_fp32,
-)
-from tpamp.initialize import (
-    AMPComponents,
-    ApexAMPConfig,
-    ApexAMPOptimizer,
-    ParallelAMPConfig,
-    TorchAMPConfig,
-    initialize,
-    parse_amp_config,
 )
 from tpamp.logger import TrainingLogger
 from tpamp.model import (
@@ -83,6 +84,7 @@ __all__ = [
     "parse_amp_config",
     "parse_dtype",
     "residual_add",
+    "ScalerSnapshot",
     "scale_mask_softmax",
     "set_fp32_attr_to_module",
     "SpikeDecision",

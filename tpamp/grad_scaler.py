@@ -13,17 +13,24 @@ Usage::
 from __future__ import annotations
 
 import math
-import numbers
 import warnings
-from typing import Optional, Union
+from typing import Dict, Optional, Union
 
 import torch
 
 from tpamp import ops
-from tpamp._validation import as_float32, check_device, check_f32_scale, check_int, check_mapping
+from tpamp._checks import (
+    as_float32,
+    check_device,
+    check_f32_scale,
+    check_int,
+    check_mapping,
+    check_real,
+)
 
 __all__ = [
     "MegatronGradScaler",
+    "ScalerSnapshot",
     "ConstantGradScaler",
     "DynamicGradScaler",
     "LossScaleUnderflowError",
@@ -35,28 +42,22 @@ class LossScaleUnderflowError(RuntimeError):
     loss scale is already at min_scale: training cannot make progress by backing off further."""
 
 
-def _check_number(name: str, value, *, allow_none: bool = False) -> Optional[float]:
-    if value is None and allow_none:
-        return None
-    if isinstance(value, bool) or not isinstance(value, numbers.Real):
-        raise ValueError(f"{name} must be a real number, got {value!r}")
-    value = float(value)
-    if not math.isfinite(value):
-        raise ValueError(f"{name} must be finite, got {value!r}")
-    return value
-
-
 _INT32_MAX = 2**31 - 1  # the trackers are int32 device tensors
 
 
-def _check_int(name: str, value, minimum: int) -> int:
-    if (
-        isinstance(value, bool)
-        or not isinstance(value, numbers.Integral)
-        or not minimum <= value <= _INT32_MAX
-    ):
-        raise ValueError(f"{name} must be an int in [{minimum}, 2**31 - 1], got {value!r}")
-    return int(value)
+class ScalerSnapshot:
+    """An opaque copy of a loss scaler's device state, from :meth:`MegatronGradScaler.snapshot`
+    (clones of its state tensors on the scaler's device); give it back to
+    :meth:`MegatronGradScaler.restore` of a scaler of the same class."""
+
+    __slots__ = ("kind", "tensors")
+
+    def __init__(self, kind: type, tensors: Dict[str, torch.Tensor]):
+        self.kind = kind
+        self.tensors = tensors
+
+    def __repr__(self) -> str:
+        return f"ScalerSnapshot({self.kind.__name__}, {sorted(self.tensors)})"
 
 
 class MegatronGradScaler:
@@ -64,11 +65,16 @@ class MegatronGradScaler:
 
     ``scale`` is the multiplier (float32 tensor, shape [1]); ``inv_scale`` is its reciprocal
     computed in float64 and rounded to float32 (as Megatron-LM does).
+
+    The protocol the optimizer wrappers use, besides ``update``: :meth:`snapshot` /
+    :meth:`restore` (put the scaler back as it was before a step, e.g. when a spike detector
+    discards the step) and :meth:`overflow_at_min_scale` / :meth:`report_overflow_at_min_scale`
+    (a stall reported where the step already reads the device).
     """
 
     def __init__(self, initial_scale: float, device: Optional[Union[str, torch.device]] = None,
                  *, _name: str = "initial_scale"):
-        initial_scale = check_f32_scale(_name, initial_scale, type_error=ValueError)
+        initial_scale = check_f32_scale(_name, initial_scale)
         self._device = check_device(device) if device is not None else _default_device()
         self._scale = torch.tensor([initial_scale], dtype=torch.float32, device=self._device)
 
@@ -102,12 +108,47 @@ class MegatronGradScaler:
         overflow (known on the host, without reading the device)."""
         return False
 
-    def _overflow_at_min_scale(self) -> Optional[torch.Tensor]:
-        """Device bool tensor: the last update saw an overflow at min_scale (None: not tracked)."""
+    def overflow_at_min_scale(self) -> Optional[torch.Tensor]:
+        """Device bool tensor of shape [1]: the last update saw an overflow while the scale was
+        at min_scale (or growth reached the float32 cap, until reported once); None when this
+        scaler does not track it. Never reads the device."""
         return None
 
-    def _report_overflow_at_min_scale(self) -> None:
-        """Called by the optimizer after it read the flag above on the host."""
+    def report_overflow_at_min_scale(self) -> None:
+        """Called by the optimizer after it read :meth:`overflow_at_min_scale` nonzero on the
+        host: warns once, or raises :class:`LossScaleUnderflowError` (DynamicGradScaler with
+        raise_at_min_scale=True)."""
+
+    # the names the optimizer wrappers call today: aliases of the public protocol (a subclass
+    # that overrides the public methods re-binds them, as DynamicGradScaler does)
+    _overflow_at_min_scale = overflow_at_min_scale
+    _report_overflow_at_min_scale = report_overflow_at_min_scale
+
+    def _state_tensors(self) -> Dict[str, torch.Tensor]:
+        """The device tensors that hold this scaler's state (snapshot / restore copy them)."""
+        return {"scale": self._scale}
+
+    def snapshot(self) -> ScalerSnapshot:
+        """An opaque copy of the scaler's state: clones of its state tensors on its device (no
+        host sync). Host-side reporting flags (warned once) are not part of it."""
+        return ScalerSnapshot(type(self), {k: v.clone() for k, v in self._state_tensors().items()})
+
+    def restore(self, snapshot: ScalerSnapshot) -> None:
+        """Put the state saved by :meth:`snapshot` back, in place (no host sync). TypeError
+        for anything but a :class:`ScalerSnapshot`, ValueError for one of another scaler class."""
+        if not isinstance(snapshot, ScalerSnapshot):
+            raise TypeError(
+                f"snapshot must be a ScalerSnapshot from {type(self).__name__}.snapshot(), got "
+                f"{snapshot!r:.80} ({type(snapshot).__name__})"
+            )
+        mine = self._state_tensors()
+        if snapshot.kind is not type(self) or set(snapshot.tensors) != set(mine):
+            raise ValueError(
+                f"snapshot {snapshot!r} was taken from a {snapshot.kind.__name__}; this scaler is "
+                f"a {type(self).__name__}"
+            )
+        for k, t in mine.items():
+            t.copy_(snapshot.tensors[k])
 
     def state_dict(self) -> dict:
         raise NotImplementedError
@@ -211,8 +252,9 @@ class DynamicGradScaler(MegatronGradScaler):
     (2**127 for 2), so the scale never becomes inf; reaching it is reported once (a
     RuntimeWarning, where the step already reads the device).
 
-    Raises ValueError (naming the value) unless initial_scale > 0, 0 < min_scale <=
-    initial_scale, growth_factor > 1, 0 < backoff_factor < 1, growth_interval >= 1,
+    Raises TypeError (naming the argument and the value) for an argument of the wrong type (a
+    string, a bool or None for a number, a float for growth_interval or hysteresis), and
+    ValueError unless initial_scale > 0, 0 < min_scale <= initial_scale, growth_factor > 1, 0 < backoff_factor < 1, growth_interval >= 1,
     hysteresis >= 1, max_scale None or >= initial_scale, all finite; the scales
     (initial_scale, min_scale, max_scale) must also be finite and > 0 in float32, the dtype
     the scale is stored in (1e39 is inf there, 1e-50 is 0). TypeError/ValueError for a
@@ -234,11 +276,11 @@ class DynamicGradScaler(MegatronGradScaler):
         device: Optional[Union[str, torch.device]] = None,
     ):
         # scales are stored in float32: 1e39 would be inf there and 1e-50 would be 0
-        initial = check_f32_scale("initial_scale", initial_scale, type_error=ValueError)
-        min_scale = _check_number("min_scale", min_scale)
-        growth_factor = _check_number("growth_factor", growth_factor)
-        backoff_factor = _check_number("backoff_factor", backoff_factor)
-        max_scale = _check_number("max_scale", max_scale, allow_none=True)
+        initial = check_f32_scale("initial_scale", initial_scale)
+        min_scale = check_real("min_scale", min_scale)
+        growth_factor = check_real("growth_factor", growth_factor)
+        backoff_factor = check_real("backoff_factor", backoff_factor)
+        max_scale = check_real("max_scale", max_scale, allow_none=True)
         if min_scale > 0:
             check_f32_scale("min_scale", min_scale)
         if max_scale is not None and max_scale > 0:
@@ -251,8 +293,8 @@ class DynamicGradScaler(MegatronGradScaler):
             raise ValueError(f"growth_factor must be > 1, got {growth_factor}")
         if not 0 < backoff_factor < 1:
             raise ValueError(f"backoff_factor must satisfy 0 < backoff_factor < 1, got {backoff_factor}")
-        growth_interval = _check_int("growth_interval", growth_interval, 1)
-        hysteresis = _check_int("hysteresis", hysteresis, 1)
+        growth_interval = check_int("growth_interval", growth_interval, low=1, high=_INT32_MAX)
+        hysteresis = check_int("hysteresis", hysteresis, low=1, high=_INT32_MAX)
         if max_scale is not None and max_scale < initial:
             raise ValueError(f"max_scale must be None or >= initial_scale ({initial}), got {max_scale}")
         super().__init__(initial, device)
@@ -315,10 +357,19 @@ class DynamicGradScaler(MegatronGradScaler):
                 self._at_implicit_cap, self._scale >= as_float32(self._growth_cap),
                 out=self._at_implicit_cap,
             )
-        if isinstance(found_inf, bool) and bool(self._overflow_at_min_scale().any()):
-            self._report_overflow_at_min_scale()
+        if isinstance(found_inf, bool) and bool(self.overflow_at_min_scale().any()):
+            self.report_overflow_at_min_scale()
 
-    def _overflow_at_min_scale(self) -> Optional[torch.Tensor]:
+    def _state_tensors(self) -> Dict[str, torch.Tensor]:
+        return {
+            "scale": self._scale,
+            "growth_tracker": self._growth_tracker_t,
+            "hysteresis_tracker": self._hysteresis_tracker_t,
+            "overflow_at_min": self._overflow_at_min,
+            "at_implicit_cap": self._at_implicit_cap,
+        }
+
+    def overflow_at_min_scale(self) -> Optional[torch.Tensor]:
         # also raised (until reported once) when growth has reached the float32 cap
         if self._warned_cap:
             return self._overflow_at_min
@@ -328,7 +379,7 @@ class DynamicGradScaler(MegatronGradScaler):
     def never_below_one(self) -> bool:
         return self.min_scale >= 1.0
 
-    def _report_overflow_at_min_scale(self) -> None:
+    def report_overflow_at_min_scale(self) -> None:
         # called only when the flag above was read nonzero: a rare event, so reading the
         # device flags here adds no sync to an ordinary step
         if not self._warned_cap and bool(self._at_implicit_cap.item()):
@@ -351,6 +402,9 @@ class DynamicGradScaler(MegatronGradScaler):
         if not self._warned_min_scale:
             self._warned_min_scale = True
             warnings.warn(msg + " (reported once; training may be stalled)", RuntimeWarning, stacklevel=3)
+
+    _overflow_at_min_scale = overflow_at_min_scale  # aliases of the public protocol
+    _report_overflow_at_min_scale = report_overflow_at_min_scale
 
     def state_dict(self) -> dict:
         """Megatron's keys: 'scale' (1-element float32 CPU tensor), 'growth_tracker' and

@@ -23,7 +23,13 @@ import torch
 import torch.distributed as dist
 
 from tpamp import ops
-from tpamp._validation import check_group_member, check_norm_type, check_tensor_list, tp_rank
+from tpamp._checks import (
+    check_group_member,
+    check_norm_type,
+    check_real,
+    check_tensor_list,
+    tp_rank,
+)
 from tpamp.common import collective_device, local_tensor
 
 try:
@@ -43,7 +49,7 @@ __all__ = [
 ]
 
 Tensor = torch.Tensor
-# this module's own short names for the shared checks (tpamp._validation)
+# this module's own short names for the shared checks (tpamp._checks)
 
 
 def _check_group(group, what: str = "grad_stats_group") -> None:
@@ -171,8 +177,7 @@ def clip_grad_by_total_norm_fp32(
     max_norm: > 0, in gradient units. total_norm: a float or a 0-dim tensor (kept on the device:
     the comparison happens there). A non-finite total_norm leaves the gradients unchanged.
     """
-    if isinstance(max_norm, bool) or not isinstance(max_norm, numbers.Real) or not max_norm > 0:
-        raise ValueError(f"max_norm must be a number > 0, got {max_norm!r}")
+    check_real("max_norm", max_norm, low=0.0, low_inclusive=False, allow_inf=True)
     if isinstance(total_norm, bool) or not isinstance(total_norm, (numbers.Real, Tensor)):
         raise TypeError(
             f"total_norm must be a float or a 0-dim tensor, got {total_norm!r} "

@@ -40,6 +40,7 @@ from typing import Dict, Optional, TextIO
 
 import torch
 
+from tpamp._checks import check_int
 from tpamp.nonfinite import NonFiniteGrad
 from tpamp.param_norms import top_k as _top_k
 
@@ -75,16 +76,9 @@ class TrainingLogger:
         stream: Optional[TextIO] = None,
         param_grad_norms_top_k: Optional[int] = None,
     ):
-        if not isinstance(log_interval, int) or log_interval < 1:
-            raise ValueError(f"log_interval must be an int >= 1, got {log_interval!r}")
-        if not isinstance(train_iters, int) or train_iters < 0:
-            raise ValueError(f"train_iters must be an int >= 0, got {train_iters!r}")
-        if param_grad_norms_top_k is not None and (
-            not isinstance(param_grad_norms_top_k, int) or param_grad_norms_top_k < 1
-        ):
-            raise ValueError(
-                f"param_grad_norms_top_k must be an int >= 1 or None, got {param_grad_norms_top_k!r}"
-            )
+        check_int("log_interval", log_interval, low=1)
+        check_int("train_iters", train_iters, low=0)
+        check_int("param_grad_norms_top_k", param_grad_norms_top_k, low=1, allow_none=True)
         self.param_grad_norms_top_k = param_grad_norms_top_k
         self.spike_skips = 0  # skipped for a spike (also counted in skipped_iters)
         self.spikes = 0  # flagged by the detector, whatever its policy

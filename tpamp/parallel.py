@@ -41,6 +41,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
+from tpamp._checks import check_int
+
 __all__ = ["ParallelDims", "ParallelState", "initialize_model_parallel"]
 
 _DIM_NAMES = ("pp", "dp", "tp")
@@ -61,9 +63,7 @@ class ParallelDims:
 
     def __post_init__(self):
         for name in ("tp", "pp", "world_size"):
-            v = getattr(self, name)
-            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
-                raise ValueError(f"{name} must be a positive int, got {v!r}")
+            check_int(name, getattr(self, name), low=1)
         if self.dp is None:
             if self.world_size % (self.tp * self.pp) != 0:
                 raise ValueError(
@@ -71,8 +71,8 @@ class ParallelDims:
                     f"{self.tp} * {self.pp} = {self.tp * self.pp}"
                 )
             object.__setattr__(self, "dp", self.world_size // (self.tp * self.pp))
-        elif not isinstance(self.dp, int) or isinstance(self.dp, bool) or self.dp < 1:
-            raise ValueError(f"dp must be a positive int or None, got {self.dp!r}")
+        else:
+            check_int("dp", self.dp, low=1)
         if self.tp * self.pp * self.dp != self.world_size:
             raise ValueError(
                 f"tp * pp * dp = {self.tp} * {self.pp} * {self.dp} = "

@@ -51,6 +51,8 @@ from typing import Dict, NamedTuple, Optional
 import torch
 import torch.distributed as dist
 
+from tpamp._checks import check_int, check_real
+
 __all__ = ["SpikeDetector", "SpikeDecision", "GradSpikeError", "SPIKE_POLICIES"]
 
 SPIKE_POLICIES = ("log", "skip", "raise")
@@ -90,22 +92,6 @@ def _finite_or_none(v):
     return v
 
 
-def _check_real(name: str, value, minimum: float, strict: bool = True) -> float:
-    ok = isinstance(value, numbers.Real) and not isinstance(value, bool) and math.isfinite(value)
-    if ok:
-        ok = value > minimum if strict else value >= minimum
-    if not ok:
-        op = ">" if strict else ">="
-        raise ValueError(f"{name} must be a finite number {op} {minimum}, got {value!r}")
-    return float(value)
-
-
-def _check_int(name: str, value, minimum: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise ValueError(f"{name} must be an int >= {minimum}, got {value!r}")
-    return value
-
-
 class SpikeDetector:
     """Flags steps whose all-reduced grad norm or loss is far above its recent values.
 
@@ -139,7 +125,9 @@ class SpikeDetector:
     ``"spike_detector"``, so a resumed run decides identically; :meth:`load_state_dict` is
     validated and all or nothing (:meth:`check_state_dict`).
 
-    Raises ValueError for bad arguments (naming the value).
+    Raises TypeError for an argument of the wrong type (a string or a bool for a number, a
+    float for window or warmup) and ValueError for a bad value (nan, inf, out of range, an
+    unknown policy or series), naming the argument and the value.
     """
 
     def __init__(
@@ -156,14 +144,14 @@ class SpikeDetector:
         if policy not in SPIKE_POLICIES:
             raise ValueError(f"policy must be one of {SPIKE_POLICIES}, got {policy!r}")
         self.policy = policy
-        self.threshold = _check_real("threshold", threshold, 0.0)
-        self.window = _check_int("window", window, 2)
-        self.warmup = _check_int("warmup", warmup, 2)
+        self.threshold = check_real("threshold", threshold, low=0.0, low_inclusive=False)
+        self.window = check_int("window", window, low=2)
+        self.warmup = check_int("warmup", warmup, low=2)
         if self.warmup > self.window:
             raise ValueError(f"warmup ({warmup}) must be <= window ({window})")
         self.min_rel_std = {
-            "grad_norm": _check_real("grad_norm_min_rel_std", grad_norm_min_rel_std, 0.0, strict=False),
-            "loss": _check_real("loss_min_rel_std", loss_min_rel_std, 0.0, strict=False),
+            "grad_norm": check_real("grad_norm_min_rel_std", grad_norm_min_rel_std, low=0.0),
+            "loss": check_real("loss_min_rel_std", loss_min_rel_std, low=0.0),
         }
         watch = tuple(watch)
         bad = [w for w in watch if w not in _SERIES]
@@ -286,18 +274,19 @@ class SpikeDetector:
 
     @staticmethod
     def snapshot_scaler(grad_scaler):
-        """Copies of a grad scaler's state tensors (on its device, no host sync), taken by the
-        optimizer wrappers before a step so that a spike skip ("skip" or "raise") can put the
-        scaler back as an overflow skip would have left it. None for None."""
+        """``grad_scaler.snapshot()`` (its state tensors copied on its device, no host sync),
+        taken by the optimizer wrappers before a step so that a spike skip ("skip" or "raise")
+        can put the scaler back as an overflow skip would have left it. None for None."""
         if grad_scaler is None:
             return None
-        return {k: v.clone() for k, v in vars(grad_scaler).items() if isinstance(v, torch.Tensor)}
+        return grad_scaler.snapshot()
 
     @staticmethod
     def restore_scaler(grad_scaler, snapshot) -> None:
-        """Copies a :meth:`snapshot_scaler` back into the scaler's tensors, in place."""
-        for k, v in (snapshot or {}).items():
-            getattr(grad_scaler, k).copy_(v)
+        """``grad_scaler.restore(snapshot)`` for a :meth:`snapshot_scaler` (nothing for None),
+        in place."""
+        if snapshot is not None:
+            grad_scaler.restore(snapshot)
 
     # -- checkpointing --------------------------------------------------------------------
 

@@ -14,7 +14,8 @@ mode, amp_config)``), model-parallel aware:
   through, when apex is installed. Config: :class:`ApexAMPConfig`.
 
 The config is a plain dict (``mode`` key + the mode's keys) or one of the dataclasses. Unknown
-keys and bad values raise ValueError naming them.
+keys and bad values raise ValueError naming them, a value of the wrong type (a string or a bool
+for a number, a number for a flag) TypeError.
 
 Training loop (modes "parallel" and "torch")::
 
@@ -33,8 +34,6 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import enum
-import math
-import numbers
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, ClassVar, NamedTuple, Optional, Union
@@ -42,7 +41,7 @@ from typing import Any, ClassVar, NamedTuple, Optional, Union
 import torch
 from torch import nn
 
-from tpamp._validation import check_f32_scale
+from tpamp._checks import check_bool, check_f32_scale, check_int, check_real
 from tpamp.amp_torch import ModelParallelGradScaler, TorchAMPLoss, TorchAMPModel, TorchAMPOptimizer
 from tpamp.grad_scaler import ConstantGradScaler, DynamicGradScaler
 from tpamp.model import NaiveAMPModel, parse_dtype
@@ -65,38 +64,27 @@ DType = Union[str, torch.dtype]
 # ---- validation helpers ---------------------------------------------------------------------
 
 
+def _where(cfg, name: str) -> str:
+    return f"fp16 config (mode={cfg.MODE!r}): {name}"
+
+
 def _real(cfg, name: str, *, low=None, low_inclusive=True, high=None, high_inclusive=False,
           allow_none=False, allow_inf=False, float32=False) -> None:
-    value = getattr(cfg, name)
-    if value is None and allow_none:
-        return
-    where = f"fp16 config (mode={cfg.MODE!r}): {name}"
-    if isinstance(value, bool) or not isinstance(value, numbers.Real):
-        raise ValueError(f"{where} must be a number, got {value!r}")
-    value = float(value)
-    if math.isnan(value) or (math.isinf(value) and not allow_inf):
-        raise ValueError(f"{where} must be finite, got {value!r}")
-    if low is not None and (value < low or (value == low and not low_inclusive)):
-        raise ValueError(f"{where} must be {'>=' if low_inclusive else '>'} {low}, got {value!r}")
-    if high is not None and (value > high or (value == high and not high_inclusive)):
-        raise ValueError(f"{where} must be {'<=' if high_inclusive else '<'} {high}, got {value!r}")
-    if float32:  # a loss scale is stored in float32: 1e39 is inf there, 1e-50 is 0
-        try:
-            check_f32_scale(name, value)
-        except ValueError as e:
-            raise ValueError(f"fp16 config (mode={cfg.MODE!r}): {e}") from None
+    # TypeError for a non-number, ValueError for a bad value (tpamp._checks), naming the key
+    where = _where(cfg, name)
+    value = check_real(where, getattr(cfg, name), low=low, low_inclusive=low_inclusive,
+                       high=high, high_inclusive=high_inclusive, allow_inf=allow_inf,
+                       allow_none=allow_none)
+    if float32 and value is not None:  # a loss scale is stored in float32: 1e39 is inf there
+        check_f32_scale(where, value)
 
 
 def _int(cfg, name: str, low: int) -> None:
-    value = getattr(cfg, name)
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < low:
-        raise ValueError(f"fp16 config (mode={cfg.MODE!r}): {name} must be an int >= {low}, got {value!r}")
+    check_int(_where(cfg, name), getattr(cfg, name), low=low)
 
 
 def _bool(cfg, name: str) -> None:
-    value = getattr(cfg, name)
-    if not isinstance(value, bool):
-        raise ValueError(f"fp16 config (mode={cfg.MODE!r}): {name} must be True or False, got {value!r}")
+    check_bool(_where(cfg, name), getattr(cfg, name))
 
 
 def _dtype(cfg, name: str, allowed=None) -> None:
