@@ -18,6 +18,7 @@ Usage (what ``tpamp.initialize(..., fp16=dict(mode="torch"))`` builds)::
 
 from __future__ import annotations
 
+import copy
 from typing import Any, Dict, Optional
 
 import torch
@@ -44,16 +45,31 @@ class ModelParallelGradScaler(torch.amp.GradScaler):
     ``growth_factor=2``, ``backoff_factor=0.5``, ``growth_interval=2000``, ``enabled``): the
     scale is multiplied by ``backoff_factor`` after a step with an inf/nan gradient (which is
     skipped) and by ``growth_factor`` after ``growth_interval`` clean steps in a row. Gradient
-    accumulation, ``unscale_`` before clipping, several optimizers and ``state_dict`` work as in
-    torch.amp.
+    accumulation, ``unscale_`` before clipping, sparse grads, several optimizers, optimizers
+    that unscale themselves (``fused=True``), ``state_dict`` and pickling work as in torch.amp.
 
-    The one difference: when this rank's grads have been checked (in ``unscale_``, or in
-    ``step`` for optimizers that unscale themselves), the per-device ``found_inf`` flags
-    (``optimizer_state["found_inf_per_device"]``) are summed into one float32 flag on the
-    scale's device and all-reduced with MAX over ``model_parallel_group``; that flag replaces
-    the per-device ones, so ``step`` (skip or not) and ``update`` (back off or grow) decide
-    identically on every rank. Every rank of the group must call ``unscale_``/``step`` for
-    each optimizer, also a rank whose optimizer holds no grads (it contributes 0).
+    The one difference in arithmetic: when this rank's grads have been checked (in
+    ``unscale_``, or in ``step`` for optimizers that unscale themselves), the per-device
+    ``found_inf`` flags (``optimizer_state["found_inf_per_device"]``) are summed into one
+    float32 flag on the device of the ``found_inf`` tensor torch passes in (the scale's device;
+    the flag has that tensor's shape: () from torch, any one-element shape such as (1,) from a
+    direct ``_unscale_grads_`` call) and all-reduced with MAX over ``model_parallel_group``;
+    that flag replaces the per-device ones, so ``step`` (skip or not) and ``update`` (back off
+    or grow) decide identically on every rank. Every rank of the group must call
+    ``unscale_``/``step`` for each optimizer, also a rank whose optimizer holds no grads (it
+    contributes 0).
+
+    Copies and pickling. ``copy.deepcopy`` gives a scaler with the same numbers (scale, growth
+    tracker, factors, interval, enabled, device) that shares this scaler's group (a
+    ProcessGroup is a live connection: it is never copied). ``pickle`` (and ``torch.save``)
+    cannot carry a group: the pickled scaler keeps every number but not the group, and a scaler
+    that had one comes back *detached*: its ``unscale_``, ``step`` and ``update`` raise
+    RuntimeError until :meth:`set_model_parallel_group` attaches a group again (on every rank),
+    so it never silently stops agreeing with its peers. ``scale``, ``state_dict``,
+    ``load_state_dict`` and the getters work while detached. A scaler created without a group
+    pickles and unpickles exactly as ``torch.amp.GradScaler``. As in torch, pickling and deep
+    copy are allowed only between iterations (before the first ``unscale_``/``step`` or after
+    ``update``); in the middle of one they raise torch's AssertionError.
 
     Args:
         device: device type of the grads and the scale, e.g. "cuda" or "cpu".
@@ -98,18 +114,96 @@ class ModelParallelGradScaler(torch.amp.GradScaler):
             growth_interval=growth_interval,
             enabled=enabled,
         )
-        self.model_parallel_group = model_parallel_group
+        self._model_parallel_group = model_parallel_group
+        self._group_detached = False
+
+    # ---- the group -------------------------------------------------------------------------
+
+    @property
+    def model_parallel_group(self) -> Optional[dist.ProcessGroup]:
+        """The group ``found_inf`` is all-reduced over (None: no reduction). Assigning to it
+        is :meth:`set_model_parallel_group`."""
+        return self._model_parallel_group
+
+    @model_parallel_group.setter
+    def model_parallel_group(self, group: Optional[dist.ProcessGroup]) -> None:
+        self.set_model_parallel_group(group)
+
+    def set_model_parallel_group(self, group: Optional[dist.ProcessGroup]) -> None:
+        """Attach ``group`` (a ProcessGroup this rank is a member of, or None for no
+        reduction), e.g. after unpickling a scaler that had one. Call it on every rank of the
+        group, between iterations. Raises TypeError for a non-group, ValueError when this rank
+        is not a member."""
+        _validation.check_group_member(group, "model_parallel_group")
+        self._model_parallel_group = group
+        self._group_detached = False
+
+    def is_detached(self) -> bool:
+        """True for a scaler unpickled without the group it had (see the class docstring):
+        ``unscale_``/``step``/``update`` raise until :meth:`set_model_parallel_group`."""
+        return self._group_detached
+
+    def _require_group(self, what: str) -> None:
+        if self._group_detached:
+            raise RuntimeError(
+                f"ModelParallelGradScaler.{what}: this scaler was unpickled without its "
+                "model_parallel_group (a ProcessGroup cannot be pickled), so it cannot agree "
+                "found_inf with its peers; call scaler.set_model_parallel_group(group) on every "
+                "rank first (set_model_parallel_group(None) to run without a group)"
+            )
+
+    def unscale_(self, optimizer: torch.optim.Optimizer) -> None:
+        self._require_group("unscale_")
+        return super().unscale_(optimizer)
+
+    def step(self, optimizer: torch.optim.Optimizer, *args: Any, **kwargs: Any):
+        self._require_group("step")
+        return super().step(optimizer, *args, **kwargs)
+
+    def update(self, new_scale=None) -> None:
+        self._require_group("update")
+        return super().update(new_scale)
+
+    # ---- copies ----------------------------------------------------------------------------
+
+    def __getstate__(self) -> Dict[str, Any]:
+        # torch's: refuses mid-iteration, keeps scale and growth tracker as numbers
+        state = super().__getstate__()
+        if state.get("_model_parallel_group") is not None:
+            state["_model_parallel_group"] = None
+            state["_group_detached"] = True
+        return state
+
+    def __setstate__(self, state: Dict[str, Any]) -> None:
+        state = dict(state)
+        state.setdefault("_model_parallel_group", None)
+        state.setdefault("_group_detached", False)
+        super().__setstate__(state)
+
+    def __deepcopy__(self, memo: Dict[int, Any]) -> "ModelParallelGradScaler":
+        group = self._model_parallel_group
+        state = super().__getstate__()  # torch's pickled state, the group still in it
+        if group is not None:
+            memo[id(group)] = group  # shared, never copied
+        new = type(self).__new__(type(self))
+        memo[id(self)] = new
+        new.__setstate__(copy.deepcopy(state, memo))
+        return new
+
+    # ---- the agreed found_inf ----------------------------------------------------------------
 
     def _unscale_grads_(self, optimizer, inv_scale, found_inf, allow_fp16):
         # torch.amp calls this from unscale_ and from _check_inf_per_device (optimizers with
         # _step_supports_amp_scaling); both feed step()'s skip decision and update().
+        self._require_group("unscale_")  # before any grad is touched
         per_device = super()._unscale_grads_(optimizer, inv_scale, found_inf, allow_fp16)
-        if self.model_parallel_group is None:
+        if self._model_parallel_group is None:
             return per_device
-        combined = torch.zeros((), dtype=torch.float32, device=found_inf.device)
+        # found_inf's own shape: () from torch, (1,) or any one-element shape from a caller
+        combined = torch.zeros(found_inf.shape, dtype=torch.float32, device=found_inf.device)
         for flag in per_device.values():
-            combined += flag.to(combined.device)
-        dist.all_reduce(combined, op=dist.ReduceOp.MAX, group=self.model_parallel_group)
+            combined += flag.to(combined.device).reshape(combined.shape)
+        dist.all_reduce(combined, op=dist.ReduceOp.MAX, group=self._model_parallel_group)
         return {combined.device: combined}
 
     def found_inf(self, optimizer: torch.optim.Optimizer) -> torch.Tensor:
@@ -118,7 +212,7 @@ class ModelParallelGradScaler(torch.amp.GradScaler):
         per_device = self._per_optimizer_states[id(optimizer)]["found_inf_per_device"]
         if not per_device:
             raise RuntimeError("found_inf is known only after unscale_(optimizer) or step()")
-        flags = [f.to(self._scale.device) for f in per_device.values()]
+        flags = [f.to(self._scale.device).reshape(()) for f in per_device.values()]
         return torch.stack(flags).sum()
 
 
