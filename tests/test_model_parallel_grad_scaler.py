@@ -17,6 +17,7 @@ round trip with the group attached again.
 from __future__ import annotations
 
 import copy
+import io
 import pickle
 
 import pytest
@@ -318,6 +319,11 @@ def _detached_worker(rank, world):
     u = pickle.loads(pickle.dumps(s))
     out["state"] = (u.state_dict(), s.state_dict())
     out["detached"] = (u.model_parallel_group is None, u.is_detached())
+    buf = io.BytesIO()
+    torch.save(s, buf)
+    buf.seek(0)
+    t = torch.load(buf, weights_only=False)
+    out["torch.save"] = (t.state_dict(), t.is_detached())
     p.grad = None
     u.scale(p.sum()).backward()  # scale works while detached
     grad_before = p.grad.clone()
@@ -336,6 +342,15 @@ def _detached_worker(rank, world):
     u.step(opt)
     u.update()
     out["after_attach"] = (u.state_dict(), p.tolist(), u.is_detached())
+    # a disabled scaler checks nothing: it comes back without the group, not detached
+    d = pickle.loads(pickle.dumps(ModelParallelGradScaler("cpu", enabled=False,
+                                                          model_parallel_group=group)))
+    q = nn.Parameter(torch.ones(2))
+    qopt = torch.optim.SGD([q], lr=0.5)
+    d.scale(q.sum()).backward()
+    d.step(qopt)
+    d.update()
+    out["disabled"] = (d.is_detached(), d.model_parallel_group, q.tolist())
     return out
 
 
@@ -346,6 +361,7 @@ def test_a_pickled_scaler_with_a_group_is_detached_until_a_group_is_attached():
     assert unpickled == original == {"scale": 8.0, "growth_factor": 2.0, "backoff_factor": 0.5,
                                      "growth_interval": 3, "_growth_tracker": 1}
     assert out["detached"] == (True, True)
+    assert out["torch.save"] == (original, True)
     assert set(out["errors"]) == {"unscale_", "step", "update", "_unscale_grads_"}
     for what, msg in out["errors"].items():
         assert "unpickled without its model_parallel_group" in msg, msg
@@ -355,6 +371,7 @@ def test_a_pickled_scaler_with_a_group_is_detached_until_a_group_is_attached():
     # second clean step: tracker 2 of 3; p = 1 - 0.5 - 0.5
     assert sd["scale"] == 8.0 and sd["_growth_tracker"] == 2 and params == [0.0, 0.0]
     assert not detached
+    assert out["disabled"] == (False, None, [0.5, 0.5])
 
 
 def _agreement_worker(rank, world):

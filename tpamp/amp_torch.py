@@ -66,7 +66,8 @@ class ModelParallelGradScaler(torch.amp.GradScaler):
     that had one comes back *detached*: its ``unscale_``, ``step`` and ``update`` raise
     RuntimeError until :meth:`set_model_parallel_group` attaches a group again (on every rank),
     so it never silently stops agreeing with its peers. ``scale``, ``state_dict``,
-    ``load_state_dict`` and the getters work while detached. A scaler created without a group
+    ``load_state_dict`` and the getters work while detached. (A disabled scaler checks
+    nothing: it comes back without the group and not detached.) A scaler created without a group
     pickles and unpickles exactly as ``torch.amp.GradScaler``. As in torch, pickling and deep
     copy are allowed only between iterations (before the first ``unscale_``/``step`` or after
     ``update``); in the middle of one they raise torch's AssertionError.
@@ -79,7 +80,9 @@ class ModelParallelGradScaler(torch.amp.GradScaler):
     Raises ValueError (naming the argument) unless init_scale is finite and > 0 in float32,
     growth_factor > 1, 0 < backoff_factor < 1 (finite), growth_interval an int >= 1; TypeError
     for a non-bool enabled, a device that is not a str, or a group that is not a ProcessGroup;
-    ValueError for a model_parallel_group this rank is not a member of.
+    ValueError for a model_parallel_group this rank is not a member of. On a detached scaler
+    (unpickled, see above) ``unscale_``, ``step`` and ``update`` raise RuntimeError naming
+    :meth:`set_model_parallel_group`.
     """
 
     def __init__(
@@ -171,7 +174,8 @@ class ModelParallelGradScaler(torch.amp.GradScaler):
         state = super().__getstate__()
         if state.get("_model_parallel_group") is not None:
             state["_model_parallel_group"] = None
-            state["_group_detached"] = True
+            # a disabled scaler checks nothing, so it has nothing to agree on
+            state["_group_detached"] = bool(state.get("_enabled", True))
         return state
 
     def __setstate__(self, state: Dict[str, Any]) -> None:
