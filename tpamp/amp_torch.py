@@ -180,7 +180,8 @@ class ModelParallelGradScaler(torch.amp.GradScaler):
 
     def __setstate__(self, state: Dict[str, Any]) -> None:
         state = dict(state)
-        state.setdefault("_model_parallel_group", None)
+        # a state pickled before the group became a property held it as model_parallel_group
+        state.setdefault("_model_parallel_group", state.pop("model_parallel_group", None))
         state.setdefault("_group_detached", False)
         super().__setstate__(state)
 
