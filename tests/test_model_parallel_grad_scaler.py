@@ -5,20 +5,28 @@ our scaler must share (unscale of dense and sparse grads, the found_inf of any o
 shape, growth and backoff, state dict round trips, pickling and deep copy between iterations,
 foreach and fused optimizers, autocast loops) against hand-worked numbers or against
 torch.amp.GradScaler running the same loop (an independent reference: the same algorithm in
-torch's code). Pickling a scaler that holds a group: the copy keeps the numbers, drops the
-group and refuses unscale_/step/update until set_model_parallel_group.
+torch's code). Pickling a scaler that holds a group: the copy keeps the numbers; loaded in the
+process that pickled it, it has the same group back; loaded in another process (a fresh
+interpreter, the fork parent), after its group was destroyed, or from a state with a forged
+token or pid, it comes back without the group and refuses unscale_/step/update until
+set_model_parallel_group.
 
 Two fork-started gloo ranks: under each of those loops one rank's overflow makes both ranks
 skip and back off identically (hand-worked scale trace; params equal to torch's scaler run
 with the overflow on every rank), also after a state dict round trip, a deep copy and a pickle
-round trip with the group attached again.
+round trip in the same process (no set_model_parallel_group call).
 """
 
 from __future__ import annotations
 
+import ast
 import copy
 import io
+import os
 import pickle
+import subprocess
+import sys
+import uuid
 
 import pytest
 import torch
@@ -307,6 +315,16 @@ def test_set_model_parallel_group_checks_its_argument():
 # ---- a 1-rank group in a forked process, and two ranks ---------------------------------------
 
 
+def _forged(scaler, **changes):
+    # what pickle.loads does with a pickled state whose entries were changed
+    state = scaler.__getstate__()
+    assert set(changes) <= set(state), (sorted(changes), sorted(state))
+    state.update(changes)
+    new = ModelParallelGradScaler.__new__(ModelParallelGradScaler)
+    new.__setstate__(state)
+    return new
+
+
 def _detached_worker(rank, world):
     group = dist.new_group([0])
     s = ModelParallelGradScaler("cpu", init_scale=8.0, growth_interval=3, model_parallel_group=group)
@@ -316,14 +334,38 @@ def _detached_worker(rank, world):
     s.step(opt)
     s.update()
     out = {"deepcopy_shares": copy.deepcopy(s).model_parallel_group is group}
-    u = pickle.loads(pickle.dumps(s))
-    out["state"] = (u.state_dict(), s.state_dict())
-    out["detached"] = (u.model_parallel_group is None, u.is_detached())
+    # same process: the same group back, also through torch.save and a second round trip
+    same = pickle.loads(pickle.dumps(s))
+    again = pickle.loads(pickle.dumps(same))
     buf = io.BytesIO()
     torch.save(s, buf)
     buf.seek(0)
     t = torch.load(buf, weights_only=False)
-    out["torch.save"] = (t.state_dict(), t.is_detached())
+    out["same_process"] = [(x.model_parallel_group is group, x.is_detached(), x.state_dict())
+                           for x in (same, again, t)]
+    # two scalers, two groups (equal ranks): each comes back with its own
+    other_group = dist.new_group([0])
+    other = ModelParallelGradScaler("cpu", model_parallel_group=other_group)
+    pair = pickle.loads(pickle.dumps((s, other)))
+    out["own_groups"] = (pair[0].model_parallel_group is group,
+                         pair[1].model_parallel_group is other_group)
+    # what the fork parent and a fresh interpreter load (another pid, not this registry)
+    out["pickled"] = pickle.dumps(s)
+    # a forged token or pid: detached
+    forged = {"token": _forged(s, _group_token=uuid.uuid4().hex),
+              "pid": _forged(s, _group_pid=os.getpid() + 1),
+              "no token": _forged(s, _group_token=None)}
+    # a destroyed group: detached, also when the scaler still holds the group object
+    doomed = dist.new_group([0])
+    d = copy.deepcopy(s)
+    d.set_model_parallel_group(doomed)
+    blob = pickle.dumps(d)
+    dist.destroy_process_group(doomed)
+    forged["destroyed"] = pickle.loads(blob)
+    out["forged"] = {k: (v.model_parallel_group is None, v.is_detached(), v.state_dict())
+                     for k, v in forged.items()}
+    out["state"] = s.state_dict()
+    u = forged["token"]
     p.grad = None
     u.scale(p.sum()).backward()  # scale works while detached
     grad_before = p.grad.clone()
@@ -354,14 +396,47 @@ def _detached_worker(rank, world):
     return out
 
 
-def test_a_pickled_scaler_with_a_group_is_detached_until_a_group_is_attached():
+_FRESH = """
+import pickle, sys
+import torch
+from torch import nn
+s = pickle.loads(sys.stdin.buffer.read())
+p = nn.Parameter(torch.ones(2))
+opt = torch.optim.SGD([p], lr=0.5)
+s.scale(p.sum()).backward()
+try:
+    s.step(opt)
+    err = None
+except RuntimeError as e:
+    err = str(e)
+print(repr((s.model_parallel_group is None, s.is_detached(), s.state_dict(), err, p.tolist())))
+"""
+
+
+def test_a_pickled_scaler_with_a_group_is_detached_unless_loaded_in_the_same_process():
     (out,) = run_workers(_detached_worker, 1, timeout=SHORT)
     assert out["deepcopy_shares"]
-    unpickled, original = out["state"]
-    assert unpickled == original == {"scale": 8.0, "growth_factor": 2.0, "backoff_factor": 0.5,
-                                     "growth_interval": 3, "_growth_tracker": 1}
-    assert out["detached"] == (True, True)
-    assert out["torch.save"] == (original, True)
+    state = {"scale": 8.0, "growth_factor": 2.0, "backoff_factor": 0.5, "growth_interval": 3,
+             "_growth_tracker": 1}
+    assert out["state"] == state
+    assert out["same_process"] == [(True, False, state)] * 3
+    assert out["own_groups"] == (True, True)
+    assert out["forged"] == {k: (True, True, state)
+                             for k in ("token", "pid", "no token", "destroyed")}
+    # the fork parent: another process
+    parent = pickle.loads(out["pickled"])
+    assert parent.model_parallel_group is None and parent.is_detached()
+    assert parent.state_dict() == state
+    # a fresh interpreter
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(
+        [os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+         os.environ.get("PYTHONPATH", "")]))
+    run = subprocess.run([sys.executable, "-c", _FRESH], input=out["pickled"],
+                         capture_output=True, env=env, timeout=120)
+    assert run.returncode == 0, run.stderr.decode()
+    none, detached, sd, err, params = ast.literal_eval(run.stdout.decode())
+    assert (none, detached, sd, params) == (True, True, state, [1.0, 1.0])
+    assert "unpickled without its model_parallel_group" in err, err
     assert set(out["errors"]) == {"unscale_", "step", "update", "_unscale_grads_"}
     for what, msg in out["errors"].items():
         assert "unpickled without its model_parallel_group" in msg, msg
@@ -415,16 +490,16 @@ def _agreement_worker(rank, world):
         assert new_scaler.model_parallel_group is group
         return new_scaler
 
-    def pickle_reattach(step, scaler):
+    def pickle_round_trip(step, scaler):
+        # same process: the same group back, no set_model_parallel_group call
         if step != 3:
             return scaler
         new_scaler = pickle.loads(pickle.dumps(scaler))
-        assert new_scaler.is_detached()
-        new_scaler.set_model_parallel_group(group)
+        assert new_scaler.model_parallel_group is group and not new_scaler.is_detached()
         return new_scaler
 
     for name, replace in (("state_dict", state_dict_reload), ("deepcopy", deep_copy),
-                          ("pickle", pickle_reattach)):
+                          ("pickle", pickle_round_trip)):
         for kind in ("sgd", "adam-fused"):
             got = run_loop(kind, new(), unscale=False, overflow_here=mine, replace=replace)
             out[f"{name}-{kind}"] = _summary(got, _torch_reference(kind, False))

@@ -19,6 +19,9 @@ Usage (what ``tpamp.initialize(..., fp16=dict(mode="torch"))`` builds)::
 from __future__ import annotations
 
 import copy
+import os
+import uuid
+import weakref
 from typing import Any, Dict, Optional
 
 import torch
@@ -36,6 +39,20 @@ from tpamp.grad_stats import (
 from tpamp.optimizer import OptimizerWrapper, StepResult
 
 __all__ = ["ModelParallelGradScaler", "TorchAMPModel", "TorchAMPLoss", "TorchAMPOptimizer"]
+
+# The groups of the scalers this process has pickled, by the token in the pickled state: an
+# unpickle in this process finds its own group again (weak: a collected group is gone).
+_PICKLED_GROUPS: "weakref.WeakValueDictionary[str, dist.ProcessGroup]" = (
+    weakref.WeakValueDictionary()
+)
+
+
+def _live_member_group(group) -> bool:
+    # still a registered group of the current world, with this rank a member
+    try:
+        return dist.is_initialized() and dist.get_rank(group) >= 0
+    except (ValueError, RuntimeError, KeyError):  # destroyed / not registered any more
+        return False
 
 
 class ModelParallelGradScaler(torch.amp.GradScaler):
@@ -66,7 +83,10 @@ class ModelParallelGradScaler(torch.amp.GradScaler):
     that had one comes back *detached*: its ``unscale_``, ``step`` and ``update`` raise
     RuntimeError until :meth:`set_model_parallel_group` attaches a group again (on every rank),
     so it never silently stops agreeing with its peers. ``scale``, ``state_dict``,
-    ``load_state_dict`` and the getters work while detached. (A disabled scaler checks
+    ``load_state_dict`` and the getters work while detached. Loaded in the process that pickled
+    it (same pid, a per-pairing token found in a module registry of weak references), it gets
+    the very same group back, not detached, if that group is still registered with this rank in
+    it (another process, a destroyed group, a forged token: detached). (A disabled scaler checks
     nothing: it comes back without the group and not detached.) A scaler created without a group
     pickles and unpickles exactly as ``torch.amp.GradScaler``. As in torch, pickling and deep
     copy are allowed only between iterations (before the first ``unscale_``/``step`` or after
@@ -119,6 +139,7 @@ class ModelParallelGradScaler(torch.amp.GradScaler):
         )
         self._model_parallel_group = model_parallel_group
         self._group_detached = False
+        self._group_token: Optional[str] = None  # set when pickled with a group
 
     # ---- the group -------------------------------------------------------------------------
 
@@ -140,6 +161,7 @@ class ModelParallelGradScaler(torch.amp.GradScaler):
         _validation.check_group_member(group, "model_parallel_group")
         self._model_parallel_group = group
         self._group_detached = False
+        self._group_token = None  # a new scaler-group pairing
 
     def is_detached(self) -> bool:
         """True for a scaler unpickled without the group it had (see the class docstring):
@@ -172,10 +194,18 @@ class ModelParallelGradScaler(torch.amp.GradScaler):
     def __getstate__(self) -> Dict[str, Any]:
         # torch's: refuses mid-iteration, keeps scale and growth tracker as numbers
         state = super().__getstate__()
-        if state.get("_model_parallel_group") is not None:
+        group = state.get("_model_parallel_group")
+        state["_group_token"] = None
+        if group is not None:
             state["_model_parallel_group"] = None
             # a disabled scaler checks nothing, so it has nothing to agree on
             state["_group_detached"] = bool(state.get("_enabled", True))
+            if state["_group_detached"]:
+                if getattr(self, "_group_token", None) is None:
+                    self._group_token = uuid.uuid4().hex
+                _PICKLED_GROUPS[self._group_token] = group
+                state["_group_token"] = self._group_token
+                state["_group_pid"] = os.getpid()
         return state
 
     def __setstate__(self, state: Dict[str, Any]) -> None:
@@ -183,6 +213,14 @@ class ModelParallelGradScaler(torch.amp.GradScaler):
         # a state pickled before the group became a property held it as model_parallel_group
         state.setdefault("_model_parallel_group", state.pop("model_parallel_group", None))
         state.setdefault("_group_detached", False)
+        token, pid = state.pop("_group_token", None), state.pop("_group_pid", None)
+        state["_group_token"] = None
+        if state["_group_detached"] and state["_model_parallel_group"] is None:
+            # same process only: the token names the very group this scaler was pickled with
+            group = _PICKLED_GROUPS.get(token) if isinstance(token, str) else None
+            if pid == os.getpid() and group is not None and _live_member_group(group):
+                state.update(_model_parallel_group=group, _group_detached=False,
+                             _group_token=token)
         super().__setstate__(state)
 
     def __deepcopy__(self, memo: Dict[int, Any]) -> "ModelParallelGradScaler":
