@@ -18,6 +18,10 @@ Usage (what ``tpamp.initialize(..., fp16=dict(mode="torch"))`` builds)::
 
 from __future__ import annotations
 
+import copy
+import os
+import uuid
+import weakref
 from typing import Any, Dict, Optional
 
 import torch
@@ -36,6 +40,20 @@ from tpamp.optimizer import OptimizerWrapper, StepResult
 
 __all__ = ["ModelParallelGradScaler", "TorchAMPModel", "TorchAMPLoss", "TorchAMPOptimizer"]
 
+# The groups of the scalers this process has pickled, by the token in the pickled state: an
+# unpickle in this process finds its own group again (weak: a collected group is gone).
+_PICKLED_GROUPS: "weakref.WeakValueDictionary[str, dist.ProcessGroup]" = (
+    weakref.WeakValueDictionary()
+)
+
+
+def _live_member_group(group) -> bool:
+    # still a registered group of the current world, with this rank a member
+    try:
+        return dist.is_initialized() and dist.get_rank(group) >= 0
+    except (ValueError, RuntimeError, KeyError):  # destroyed / not registered any more
+        return False
+
 
 class ModelParallelGradScaler(torch.amp.GradScaler):
     """A ``torch.amp.GradScaler`` whose inf/nan check is agreed over the model-parallel group.
@@ -44,16 +62,35 @@ class ModelParallelGradScaler(torch.amp.GradScaler):
     ``growth_factor=2``, ``backoff_factor=0.5``, ``growth_interval=2000``, ``enabled``): the
     scale is multiplied by ``backoff_factor`` after a step with an inf/nan gradient (which is
     skipped) and by ``growth_factor`` after ``growth_interval`` clean steps in a row. Gradient
-    accumulation, ``unscale_`` before clipping, several optimizers and ``state_dict`` work as in
-    torch.amp.
+    accumulation, ``unscale_`` before clipping, sparse grads, several optimizers, optimizers
+    that unscale themselves (``fused=True``), ``state_dict`` and pickling work as in torch.amp.
 
-    The one difference: when this rank's grads have been checked (in ``unscale_``, or in
-    ``step`` for optimizers that unscale themselves), the per-device ``found_inf`` flags
-    (``optimizer_state["found_inf_per_device"]``) are summed into one float32 flag on the
-    scale's device and all-reduced with MAX over ``model_parallel_group``; that flag replaces
-    the per-device ones, so ``step`` (skip or not) and ``update`` (back off or grow) decide
-    identically on every rank. Every rank of the group must call ``unscale_``/``step`` for
-    each optimizer, also a rank whose optimizer holds no grads (it contributes 0).
+    The one difference in arithmetic: when this rank's grads have been checked (in
+    ``unscale_``, or in ``step`` for optimizers that unscale themselves), the per-device
+    ``found_inf`` flags (``optimizer_state["found_inf_per_device"]``) are summed into one
+    float32 flag on the device of the ``found_inf`` tensor torch passes in (the scale's device;
+    the flag has that tensor's shape: () from torch, any one-element shape such as (1,) from a
+    direct ``_unscale_grads_`` call) and all-reduced with MAX over ``model_parallel_group``;
+    that flag replaces the per-device ones, so ``step`` (skip or not) and ``update`` (back off
+    or grow) decide identically on every rank. Every rank of the group must call
+    ``unscale_``/``step`` for each optimizer, also a rank whose optimizer holds no grads (it
+    contributes 0).
+
+    Copies and pickling. ``copy.deepcopy`` gives a scaler with the same numbers (scale, growth
+    tracker, factors, interval, enabled, device) that shares this scaler's group (a
+    ProcessGroup is a live connection: it is never copied). ``pickle`` (and ``torch.save``)
+    cannot carry a group: the pickled scaler keeps every number but not the group, and a scaler
+    that had one comes back *detached*: its ``unscale_``, ``step`` and ``update`` raise
+    RuntimeError until :meth:`set_model_parallel_group` attaches a group again (on every rank),
+    so it never silently stops agreeing with its peers. ``scale``, ``state_dict``,
+    ``load_state_dict`` and the getters work while detached. Loaded in the process that pickled
+    it (same pid, a per-pairing token found in a module registry of weak references), it gets
+    the very same group back, not detached, if that group is still registered with this rank in
+    it (another process, a destroyed group, a forged token: detached). (A disabled scaler checks
+    nothing: it comes back without the group and not detached.) A scaler created without a group
+    pickles and unpickles exactly as ``torch.amp.GradScaler``. As in torch, pickling and deep
+    copy are allowed only between iterations (before the first ``unscale_``/``step`` or after
+    ``update``); in the middle of one they raise torch's AssertionError.
 
     Args:
         device: device type of the grads and the scale, e.g. "cuda" or "cpu".
@@ -63,7 +100,9 @@ class ModelParallelGradScaler(torch.amp.GradScaler):
     Raises ValueError (naming the argument) unless init_scale is finite and > 0 in float32,
     growth_factor > 1, 0 < backoff_factor < 1 (finite), growth_interval an int >= 1; TypeError
     for a non-bool enabled, a device that is not a str, or a group that is not a ProcessGroup;
-    ValueError for a model_parallel_group this rank is not a member of.
+    ValueError for a model_parallel_group this rank is not a member of. On a detached scaler
+    (unpickled, see above) ``unscale_``, ``step`` and ``update`` raise RuntimeError naming
+    :meth:`set_model_parallel_group`.
     """
 
     def __init__(
@@ -98,18 +137,116 @@ class ModelParallelGradScaler(torch.amp.GradScaler):
             growth_interval=growth_interval,
             enabled=enabled,
         )
-        self.model_parallel_group = model_parallel_group
+        self._model_parallel_group = model_parallel_group
+        self._group_detached = False
+        self._group_token: Optional[str] = None  # set when pickled with a group
+
+    # ---- the group -------------------------------------------------------------------------
+
+    @property
+    def model_parallel_group(self) -> Optional[dist.ProcessGroup]:
+        """The group ``found_inf`` is all-reduced over (None: no reduction). Assigning to it
+        is :meth:`set_model_parallel_group`."""
+        return self._model_parallel_group
+
+    @model_parallel_group.setter
+    def model_parallel_group(self, group: Optional[dist.ProcessGroup]) -> None:
+        self.set_model_parallel_group(group)
+
+    def set_model_parallel_group(self, group: Optional[dist.ProcessGroup]) -> None:
+        """Attach ``group`` (a ProcessGroup this rank is a member of, or None for no
+        reduction), e.g. after unpickling a scaler that had one. Call it on every rank of the
+        group, between iterations. Raises TypeError for a non-group, ValueError when this rank
+        is not a member."""
+        _validation.check_group_member(group, "model_parallel_group")
+        self._model_parallel_group = group
+        self._group_detached = False
+        self._group_token = None  # a new scaler-group pairing
+
+    def is_detached(self) -> bool:
+        """True for a scaler unpickled without the group it had (see the class docstring):
+        ``unscale_``/``step``/``update`` raise until :meth:`set_model_parallel_group`."""
+        return self._group_detached
+
+    def _require_group(self, what: str) -> None:
+        if self._group_detached:
+            raise RuntimeError(
+                f"ModelParallelGradScaler.{what}: this scaler was unpickled without its "
+                "model_parallel_group (a ProcessGroup cannot be pickled), so it cannot agree "
+                "found_inf with its peers; call scaler.set_model_parallel_group(group) on every "
+                "rank first (set_model_parallel_group(None) to run without a group)"
+            )
+
+    def unscale_(self, optimizer: torch.optim.Optimizer) -> None:
+        self._require_group("unscale_")
+        return super().unscale_(optimizer)
+
+    def step(self, optimizer: torch.optim.Optimizer, *args: Any, **kwargs: Any):
+        self._require_group("step")
+        return super().step(optimizer, *args, **kwargs)
+
+    def update(self, new_scale=None) -> None:
+        self._require_group("update")
+        return super().update(new_scale)
+
+    # ---- copies ----------------------------------------------------------------------------
+
+    def __getstate__(self) -> Dict[str, Any]:
+        # torch's: refuses mid-iteration, keeps scale and growth tracker as numbers
+        state = super().__getstate__()
+        group = state.get("_model_parallel_group")
+        state["_group_token"] = None
+        if group is not None:
+            state["_model_parallel_group"] = None
+            # a disabled scaler checks nothing, so it has nothing to agree on
+            state["_group_detached"] = bool(state.get("_enabled", True))
+            if state["_group_detached"]:
+                if getattr(self, "_group_token", None) is None:
+                    self._group_token = uuid.uuid4().hex
+                _PICKLED_GROUPS[self._group_token] = group
+                state["_group_token"] = self._group_token
+                state["_group_pid"] = os.getpid()
+        return state
+
+    def __setstate__(self, state: Dict[str, Any]) -> None:
+        state = dict(state)
+        # a state pickled before the group became a property held it as model_parallel_group
+        state.setdefault("_model_parallel_group", state.pop("model_parallel_group", None))
+        state.setdefault("_group_detached", False)
+        token, pid = state.pop("_group_token", None), state.pop("_group_pid", None)
+        state["_group_token"] = None
+        if state["_group_detached"] and state["_model_parallel_group"] is None:
+            # same process only: the token names the very group this scaler was pickled with
+            group = _PICKLED_GROUPS.get(token) if isinstance(token, str) else None
+            if pid == os.getpid() and group is not None and _live_member_group(group):
+                state.update(_model_parallel_group=group, _group_detached=False,
+                             _group_token=token)
+        super().__setstate__(state)
+
+    def __deepcopy__(self, memo: Dict[int, Any]) -> "ModelParallelGradScaler":
+        group = self._model_parallel_group
+        state = super().__getstate__()  # torch's pickled state, the group still in it
+        if group is not None:
+            memo[id(group)] = group  # shared, never copied
+        new = type(self).__new__(type(self))
+        memo[id(self)] = new
+        new.__setstate__(copy.deepcopy(state, memo))
+        return new
+
+    # ---- the agreed found_inf ----------------------------------------------------------------
 
     def _unscale_grads_(self, optimizer, inv_scale, found_inf, allow_fp16):
         # torch.amp calls this from unscale_ and from _check_inf_per_device (optimizers with
         # _step_supports_amp_scaling); both feed step()'s skip decision and update().
+        self._require_group("unscale_")  # before any grad is touched
         per_device = super()._unscale_grads_(optimizer, inv_scale, found_inf, allow_fp16)
-        if self.model_parallel_group is None:
+        if self._model_parallel_group is None:
             return per_device
-        combined = torch.zeros((), dtype=torch.float32, device=found_inf.device)
+        # found_inf's own shape: () from torch, (1,) or any one-element shape from a caller
+        combined = torch.zeros(found_inf.shape, dtype=torch.float32, device=found_inf.device)
         for flag in per_device.values():
-            combined += flag.to(combined.device)
-        dist.all_reduce(combined, op=dist.ReduceOp.MAX, group=self.model_parallel_group)
+            combined += flag.to(combined.device).reshape(combined.shape)
+        dist.all_reduce(combined, op=dist.ReduceOp.MAX, group=self._model_parallel_group)
         return {combined.device: combined}
 
     def found_inf(self, optimizer: torch.optim.Optimizer) -> torch.Tensor:
@@ -118,7 +255,7 @@ class ModelParallelGradScaler(torch.amp.GradScaler):
         per_device = self._per_optimizer_states[id(optimizer)]["found_inf_per_device"]
         if not per_device:
             raise RuntimeError("found_inf is known only after unscale_(optimizer) or step()")
-        flags = [f.to(self._scale.device) for f in per_device.values()]
+        flags = [f.to(self._scale.device).reshape(()) for f in per_device.values()]
         return torch.stack(flags).sum()
 
 

@@ -1,0 +1,537 @@
+"""ModelParallelGradScaler does what torch.amp.GradScaler does, and agrees found_inf over its group.
+
+Single process (no group): every behaviour that PyTorch's own GradScaler tests check and that
+our scaler must share (unscale of dense and sparse grads, the found_inf of any one-element
+shape, growth and backoff, state dict round trips, pickling and deep copy between iterations,
+foreach and fused optimizers, autocast loops) against hand-worked numbers or against
+torch.amp.GradScaler running the same loop (an independent reference: the same algorithm in
+torch's code). Pickling a scaler that holds a group: the copy keeps the numbers; loaded in the
+process that pickled it, it has the same group back; loaded in another process (a fresh
+interpreter, the fork parent), after its group was destroyed, or from a state with a forged
+token or pid, it comes back without the group and refuses unscale_/step/update until
+set_model_parallel_group.
+
+Two fork-started gloo ranks: under each of those loops one rank's overflow makes both ranks
+skip and back off identically (hand-worked scale trace; params equal to torch's scaler run
+with the overflow on every rank), also after a state dict round trip, a deep copy and a pickle
+round trip in the same process (no set_model_parallel_group call).
+"""
+
+from __future__ import annotations
+
+import ast
+import copy
+import io
+import os
+import pickle
+import subprocess
+import sys
+import uuid
+
+import pytest
+import torch
+import torch.distributed as dist
+from dist_utils import run_workers
+from torch import nn
+
+from tpamp import ModelParallelGradScaler
+
+SHORT = 10.0  # seconds: the gloo timeout of the two-rank runs
+
+# A hand-worked trace: init_scale 8, growth_factor 2, backoff_factor 0.25, growth_interval 2;
+# an overflow at steps 2 and 4. torch.amp's rule: an overflow multiplies the scale by the
+# backoff factor and zeroes the tracker; a clean step adds one to the tracker and, when it
+# reaches the interval, multiplies the scale by the growth factor and zeroes the tracker.
+KW = dict(init_scale=8.0, growth_factor=2.0, backoff_factor=0.25, growth_interval=2)
+STEPS = 8
+OVERFLOW_AT = {2: 1, 4: 0}  # step -> the rank whose grads overflow (every rank in one process)
+SCALES = [8.0, 16.0, 4.0, 4.0, 1.0, 1.0, 2.0, 2.0]  # after each update
+TRACKERS = [1, 0, 0, 1, 0, 1, 0, 1]
+SKIPPED = [False, False, True, False, True, False, False, False]
+
+SHAPES = [(), (1,), (1, 1)]  # found_inf shapes torch accepts (one element)
+
+# (name, optimizer kwargs or "sparse"/"autocast" model, unscale_ before step)
+LOOPS = [
+    ("sgd", "sgd", False),
+    ("sgd-unscale", "sgd", True),
+    ("sgd-foreach", "sgd-foreach", False),
+    ("sparse", "sparse", False),
+    ("sparse-unscale", "sparse", True),
+    ("adam-foreach", "adam-foreach", False),
+    ("adam-fused", "adam-fused", False),
+    ("adam-fused-unscale", "adam-fused", True),
+    ("autocast", "autocast", False),
+    ("autocast-unscale", "autocast", True),
+]
+
+
+def _model_and_optimizer(kind):
+    torch.manual_seed(0)
+    if kind == "sparse":
+        model = nn.Embedding(6, 3, sparse=True)
+        return model, torch.optim.SGD(model.parameters(), lr=0.125)
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
+    if kind in ("sgd", "autocast"):
+        opt = torch.optim.SGD(model.parameters(), lr=0.125, momentum=0.5, foreach=False)
+    elif kind == "sgd-foreach":
+        opt = torch.optim.SGD(model.parameters(), lr=0.125, momentum=0.5, foreach=True)
+    elif kind == "adam-foreach":
+        opt = torch.optim.Adam(model.parameters(), lr=0.01, foreach=True)
+    elif kind == "adam-fused":
+        opt = torch.optim.Adam(model.parameters(), lr=0.01, fused=True)
+    else:
+        raise AssertionError(kind)
+    return model, opt
+
+
+def _loss(kind, model, step):
+    g = torch.Generator().manual_seed(100 + step)
+    if kind == "sparse":
+        idx = torch.tensor([[0, 2, 2], [5, 1, 0]])  # repeated rows: an uncoalesced grad
+        return model(idx).pow(2).sum()
+    x = torch.randn(5, 4, generator=g)
+    if kind == "autocast":
+        with torch.autocast("cpu", dtype=torch.float16):
+            out = model(x)
+        return out.float().pow(2).mean()
+    return model(x).pow(2).mean()
+
+
+def _poison(model):
+    # one element of one grad becomes inf (the scaled grad overflowed on this rank)
+    p = next(model.parameters())
+    with torch.no_grad():
+        if p.grad.is_sparse:
+            p.grad = p.grad.coalesce()
+            p.grad.values()[0, 0] = float("inf")
+        else:
+            p.grad.view(-1)[0] = float("inf")
+
+
+def run_loop(kind, scaler, *, unscale, overflow_here, replace=None, steps=STEPS):
+    """The training loop every test runs; returns the trace and the final params.
+
+    overflow_here(step) -> bool: whether this rank poisons its grads at that step;
+    replace(step, scaler) -> scaler: called after update (pickle, deep copy, state dict)."""
+    model, opt = _model_and_optimizer(kind)
+    scales, trackers, skipped = [], [], []
+    for step in range(steps):
+        opt.zero_grad()
+        before = [p.detach().clone() for p in model.parameters()]
+        scaler.scale(_loss(kind, model, step)).backward()
+        if overflow_here(step):
+            _poison(model)
+        if unscale:
+            scaler.unscale_(opt)
+        scaler.step(opt)
+        scaler.update()
+        skipped.append(all(torch.equal(b, p) for b, p in zip(before, model.parameters())))
+        sd = scaler.state_dict()
+        scales.append(sd["scale"])
+        trackers.append(sd["_growth_tracker"])
+        if replace is not None:
+            scaler = replace(step, scaler)
+    params = [p.detach().clone() for p in model.parameters()]
+    return {"scales": scales, "trackers": trackers, "skipped": skipped, "params": params,
+            "scaler": scaler}
+
+
+def _torch_reference(kind, unscale):
+    # torch's own scaler, the overflow on this (the only) rank at every step where any rank
+    # of the group overflowed
+    return run_loop(kind, torch.amp.GradScaler("cpu", **KW), unscale=unscale,
+                    overflow_here=lambda s: s in OVERFLOW_AT)
+
+
+def _assert_trace(got):
+    assert got["scales"] == SCALES, got["scales"]
+    assert got["trackers"] == TRACKERS, got["trackers"]
+    assert got["skipped"] == SKIPPED, got["skipped"]
+
+
+def _assert_same_params(got, ref):
+    for a, b in zip(got["params"], ref["params"]):
+        assert torch.equal(a, b), (a, b)
+
+
+# ---- one process, no group: torch.amp's behaviour -----------------------------------------
+
+
+@pytest.mark.parametrize("name,kind,unscale", LOOPS, ids=[n for n, _, _ in LOOPS])
+def test_loops_match_torch_scaler_and_the_hand_worked_trace(name, kind, unscale):
+    ref = _torch_reference(kind, unscale)
+    _assert_trace(ref)  # torch's scaler itself follows the hand-worked trace
+    got = run_loop(kind, ModelParallelGradScaler("cpu", **KW), unscale=unscale,
+                   overflow_here=lambda s: s in OVERFLOW_AT)
+    _assert_trace(got)
+    _assert_same_params(got, ref)
+
+
+def test_unscale_of_dense_grads_divides_by_the_scale_and_flags_inf_and_nan():
+    p = nn.Parameter(torch.zeros(3))
+    q = nn.Parameter(torch.zeros(2, 2, dtype=torch.float64))
+    opt = torch.optim.SGD([p, q], lr=1.0)
+    s = ModelParallelGradScaler("cpu", init_scale=4.0)
+    s.scale(torch.ones(()))  # the scale is made lazily, by the first scale()
+    p.grad = torch.tensor([4.0, -8.0, 2.0])
+    q.grad = torch.full((2, 2), 12.0, dtype=torch.float64).t()  # not contiguous
+    s.unscale_(opt)
+    assert p.grad.tolist() == [1.0, -2.0, 0.5]
+    assert q.grad.tolist() == [[3.0, 3.0], [3.0, 3.0]]
+    assert s.found_inf(opt).item() == 0.0
+    for bad in (float("inf"), float("nan")):
+        s.update(4.0)
+        p.grad = torch.tensor([4.0, bad, 2.0])
+        s.unscale_(opt)
+        assert s.found_inf(opt).item() > 0
+        s.step(opt)  # skipped
+        assert p.tolist() == [0.0, 0.0, 0.0]
+
+
+def test_unscale_of_sparse_grads_and_the_fp16_coalesced_overflow():
+    s = ModelParallelGradScaler("cpu", init_scale=4.0)
+    s.scale(torch.ones(()))
+    i = torch.tensor([[0, 1, 1], [2, 0, 2]])
+    p = nn.Parameter(torch.sparse_coo_tensor(i, torch.ones(3), (2, 3)))
+    opt = torch.optim.SGD([p], lr=1.0)
+    p.grad = torch.sparse_coo_tensor(i, torch.tensor([16.0, 32.0, 64.0]), (2, 3))
+    s.unscale_(opt)
+    assert s.found_inf(opt).item() == 0.0
+    assert p.grad.to_dense().tolist() == [[0.0, 0.0, 4.0], [8.0, 0.0, 16.0]]
+    s.update(4.0)
+    # fp16, duplicated index: each value fits fp16 (max 65504), their sum 128000 does not
+    half = nn.Parameter(torch.sparse_coo_tensor(i, torch.ones(3), (2, 3)).half())
+    hopt = torch.optim.SGD([half], lr=1.0)
+    dup = torch.tensor([[0, 1, 0], [2, 0, 2]])
+    half.grad = torch.sparse_coo_tensor(dup, torch.tensor([64000.0, 32.0, 64000.0]), (2, 3),
+                                        dtype=torch.float16)
+    flags = s._unscale_grads_(hopt, torch.full((), 0.25), torch.zeros(()), True)
+    assert sum(v.item() for v in flags.values()) == 1.0
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=["0-dim", "(1,)", "(1,1)"])
+def test_found_inf_of_any_one_element_shape(shape):
+    s = ModelParallelGradScaler("cpu")
+    p = nn.Parameter(torch.zeros(2))
+    h = nn.Parameter(torch.zeros(2, dtype=torch.float16))
+    opt = torch.optim.SGD([p, h], lr=1.0)
+    p.grad = torch.tensor([4.0, 8.0])
+    h.grad = torch.tensor([2.0, float("inf")], dtype=torch.float16)
+    flags = s._unscale_grads_(opt, torch.full(shape, 0.5), torch.zeros(shape), True)
+    assert [tuple(f.shape) for f in flags.values()] == [shape]
+    assert sum(f.item() for f in flags.values()) == 1.0  # the fp16 grad's inf, once
+    assert p.grad.tolist() == [2.0, 4.0]
+
+
+def test_growth_stops_short_of_inf_and_set_scale_by_update():
+    # torch's rule: a growth that would give inf keeps the scale
+    s = ModelParallelGradScaler("cpu", init_scale=1e38, growth_factor=16.0, growth_interval=1)
+    p = nn.Parameter(torch.ones(1))
+    opt = torch.optim.SGD([p], lr=1e-45)
+    s.scale(p.sum() * 1e-30).backward()
+    s.step(opt)
+    s.update()
+    assert s.get_scale() == torch.tensor(1e38, dtype=torch.float32).item()
+    s.update(new_scale=32.0)
+    assert s.get_scale() == 32.0
+
+
+@pytest.mark.parametrize("at", [0, 3, 6])
+def test_state_dict_round_trip_mid_training_continues_the_trace(at):
+    def reload(step, scaler):
+        if step != at:
+            return scaler
+        fresh = ModelParallelGradScaler("cpu", init_scale=3.0, growth_factor=7.0,
+                                        backoff_factor=0.8, growth_interval=5)
+        fresh.scale(torch.ones(1))  # the scale tensor made before the load, as torch's test does
+        fresh.load_state_dict(scaler.state_dict())
+        assert fresh.state_dict() == scaler.state_dict()
+        return fresh
+
+    got = run_loop("sgd", ModelParallelGradScaler("cpu", **KW), unscale=False,
+                   overflow_here=lambda s: s in OVERFLOW_AT, replace=reload)
+    _assert_trace(got)
+    _assert_same_params(got, _torch_reference("sgd", False))
+
+
+@pytest.mark.parametrize("how", ["pickle", "deepcopy", "torch.save"])
+def test_copies_between_iterations_without_a_group_behave_as_torch(how, tmp_path):
+    def roundtrip(scaler):
+        if how == "pickle":
+            return pickle.loads(pickle.dumps(scaler))
+        if how == "deepcopy":
+            return copy.deepcopy(scaler)
+        torch.save(scaler, tmp_path / "s.pt")
+        return torch.load(tmp_path / "s.pt", weights_only=False)
+
+    def replace(step, scaler):
+        new = roundtrip(scaler)
+        assert type(new) is ModelParallelGradScaler and new is not scaler
+        assert new.model_parallel_group is None and not new.is_detached()
+        assert new.state_dict() == scaler.state_dict()
+        return new
+
+    got = run_loop("adam-fused", ModelParallelGradScaler("cpu", **KW), unscale=False,
+                   overflow_here=lambda s: s in OVERFLOW_AT, replace=replace)
+    _assert_trace(got)
+    _assert_same_params(got, _torch_reference("adam-fused", False))
+
+
+@pytest.mark.parametrize("how", ["pickle", "deepcopy"])
+def test_copies_in_the_middle_of_an_iteration_are_refused_as_by_torch(how):
+    op = pickle.dumps if how == "pickle" else copy.deepcopy
+    p = nn.Parameter(torch.ones(2))
+    opt = torch.optim.SGD([p], lr=1.0)
+    for scaler in (torch.amp.GradScaler("cpu"), ModelParallelGradScaler("cpu")):
+        scaler.scale(p.sum()).backward()
+        scaler.unscale_(opt)
+        with pytest.raises(AssertionError, match="beginning of an iteration"):
+            op(scaler)
+        p.grad = None
+
+
+def test_disabled_scaler_pickles_and_steps_as_torch():
+    s = pickle.loads(pickle.dumps(ModelParallelGradScaler("cpu", enabled=False)))
+    assert not s.is_enabled() and s.state_dict() == {} and s.get_scale() == 1.0
+    p = nn.Parameter(torch.ones(2))
+    opt = torch.optim.SGD([p], lr=1.0)
+    s.scale(p.sum()).backward()
+    s.step(opt)
+    s.update()
+    assert p.tolist() == [0.0, 0.0]
+
+
+def test_set_model_parallel_group_checks_its_argument():
+    s = ModelParallelGradScaler("cpu")
+    with pytest.raises(TypeError, match="model_parallel_group.*int"):
+        s.set_model_parallel_group(3)
+    with pytest.raises(TypeError, match="model_parallel_group.*str"):
+        s.model_parallel_group = "tp"
+    s.set_model_parallel_group(None)
+    assert s.model_parallel_group is None and not s.is_detached()
+
+
+# ---- a 1-rank group in a forked process, and two ranks ---------------------------------------
+
+
+def _forged(scaler, **changes):
+    # what pickle.loads does with a pickled state whose entries were changed
+    state = scaler.__getstate__()
+    assert set(changes) <= set(state), (sorted(changes), sorted(state))
+    state.update(changes)
+    new = ModelParallelGradScaler.__new__(ModelParallelGradScaler)
+    new.__setstate__(state)
+    return new
+
+
+def _detached_worker(rank, world):
+    group = dist.new_group([0])
+    s = ModelParallelGradScaler("cpu", init_scale=8.0, growth_interval=3, model_parallel_group=group)
+    p = nn.Parameter(torch.ones(2))
+    opt = torch.optim.SGD([p], lr=0.5)
+    s.scale(p.sum()).backward()
+    s.step(opt)
+    s.update()
+    out = {"deepcopy_shares": copy.deepcopy(s).model_parallel_group is group}
+    # same process: the same group back, also through torch.save and a second round trip
+    same = pickle.loads(pickle.dumps(s))
+    again = pickle.loads(pickle.dumps(same))
+    buf = io.BytesIO()
+    torch.save(s, buf)
+    buf.seek(0)
+    t = torch.load(buf, weights_only=False)
+    out["same_process"] = [(x.model_parallel_group is group, x.is_detached(), x.state_dict())
+                           for x in (same, again, t)]
+    # two scalers, two groups (equal ranks): each comes back with its own
+    other_group = dist.new_group([0])
+    other = ModelParallelGradScaler("cpu", model_parallel_group=other_group)
+    pair = pickle.loads(pickle.dumps((s, other)))
+    out["own_groups"] = (pair[0].model_parallel_group is group,
+                         pair[1].model_parallel_group is other_group)
+    # what the fork parent and a fresh interpreter load (another pid, not this registry)
+    out["pickled"] = pickle.dumps(s)
+    # a forged token or pid: detached
+    forged = {"token": _forged(s, _group_token=uuid.uuid4().hex),
+              "pid": _forged(s, _group_pid=os.getpid() + 1),
+              "no token": _forged(s, _group_token=None)}
+    # a destroyed group: detached, also when the scaler still holds the group object
+    doomed = dist.new_group([0])
+    d = copy.deepcopy(s)
+    d.set_model_parallel_group(doomed)
+    blob = pickle.dumps(d)
+    dist.destroy_process_group(doomed)
+    forged["destroyed"] = pickle.loads(blob)
+    out["forged"] = {k: (v.model_parallel_group is None, v.is_detached(), v.state_dict())
+                     for k, v in forged.items()}
+    out["state"] = s.state_dict()
+    u = forged["token"]
+    p.grad = None
+    u.scale(p.sum()).backward()  # scale works while detached
+    grad_before = p.grad.clone()
+    errors = {}
+    for what, call in (("unscale_", lambda: u.unscale_(opt)), ("step", lambda: u.step(opt)),
+                       ("update", lambda: u.update()),
+                       ("_unscale_grads_", lambda: u._unscale_grads_(
+                           opt, torch.ones(1), torch.zeros(1), True))):
+        try:
+            call()
+        except RuntimeError as e:
+            errors[what] = str(e)
+    out["errors"] = errors
+    out["grad_untouched"] = torch.equal(p.grad, grad_before)
+    u.set_model_parallel_group(group)
+    u.step(opt)
+    u.update()
+    out["after_attach"] = (u.state_dict(), p.tolist(), u.is_detached())
+    # a disabled scaler checks nothing: it comes back without the group, not detached
+    d = pickle.loads(pickle.dumps(ModelParallelGradScaler("cpu", enabled=False,
+                                                          model_parallel_group=group)))
+    q = nn.Parameter(torch.ones(2))
+    qopt = torch.optim.SGD([q], lr=0.5)
+    d.scale(q.sum()).backward()
+    d.step(qopt)
+    d.update()
+    out["disabled"] = (d.is_detached(), d.model_parallel_group, q.tolist())
+    return out
+
+
+_FRESH = """
+import pickle, sys
+import torch
+from torch import nn
+s = pickle.loads(sys.stdin.buffer.read())
+p = nn.Parameter(torch.ones(2))
+opt = torch.optim.SGD([p], lr=0.5)
+s.scale(p.sum()).backward()
+try:
+    s.step(opt)
+    err = None
+except RuntimeError as e:
+    err = str(e)
+print(repr((s.model_parallel_group is None, s.is_detached(), s.state_dict(), err, p.tolist())))
+"""
+
+
+def test_a_pickled_scaler_with_a_group_is_detached_unless_loaded_in_the_same_process():
+    (out,) = run_workers(_detached_worker, 1, timeout=SHORT)
+    assert out["deepcopy_shares"]
+    state = {"scale": 8.0, "growth_factor": 2.0, "backoff_factor": 0.5, "growth_interval": 3,
+             "_growth_tracker": 1}
+    assert out["state"] == state
+    assert out["same_process"] == [(True, False, state)] * 3
+    assert out["own_groups"] == (True, True)
+    assert out["forged"] == {k: (True, True, state)
+                             for k in ("token", "pid", "no token", "destroyed")}
+    # the fork parent: another process
+    parent = pickle.loads(out["pickled"])
+    assert parent.model_parallel_group is None and parent.is_detached()
+    assert parent.state_dict() == state
+    # a fresh interpreter
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(
+        [os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+         os.environ.get("PYTHONPATH", "")]))
+    run = subprocess.run([sys.executable, "-c", _FRESH], input=out["pickled"],
+                         capture_output=True, env=env, timeout=120)
+    assert run.returncode == 0, run.stderr.decode()
+    none, detached, sd, err, params = ast.literal_eval(run.stdout.decode())
+    assert (none, detached, sd, params) == (True, True, state, [1.0, 1.0])
+    assert "unpickled without its model_parallel_group" in err, err
+    assert set(out["errors"]) == {"unscale_", "step", "update", "_unscale_grads_"}
+    for what, msg in out["errors"].items():
+        assert "unpickled without its model_parallel_group" in msg, msg
+        assert "set_model_parallel_group(group)" in msg, msg
+    assert out["grad_untouched"]  # refused before any grad was unscaled
+    sd, params, detached = out["after_attach"]
+    # second clean step: tracker 2 of 3; p = 1 - 0.5 - 0.5
+    assert sd["scale"] == 8.0 and sd["_growth_tracker"] == 2 and params == [0.0, 0.0]
+    assert not detached
+    assert out["disabled"] == (False, None, [0.5, 0.5])
+
+
+def _agreement_worker(rank, world):
+    group = dist.new_group(list(range(world)))
+    out = {}
+
+    def mine(step):
+        return OVERFLOW_AT.get(step) == rank
+
+    def new():
+        return ModelParallelGradScaler("cpu", **KW, model_parallel_group=group)
+
+    for name, kind, unscale in LOOPS:
+        got = run_loop(kind, new(), unscale=unscale, overflow_here=mine)
+        ref = _torch_reference(kind, unscale)
+        out[name] = _summary(got, ref)
+
+    # found_inf of each one-element shape, the overflow on rank 1 only
+    shapes = {}
+    for shape in SHAPES:
+        p = nn.Parameter(torch.zeros(2))
+        opt = torch.optim.SGD([p], lr=1.0)
+        p.grad = torch.tensor([4.0, float("inf") if rank == 1 else 8.0])
+        flags = new()._unscale_grads_(opt, torch.full(shape, 0.5), torch.zeros(shape), True)
+        shapes[shape] = ([tuple(f.shape) for f in flags.values()],
+                              [f.item() for f in flags.values()])
+    out["shapes"] = shapes
+
+    # copies between iterations, each at step 3
+    def state_dict_reload(step, scaler):
+        if step != 3:
+            return scaler
+        fresh = ModelParallelGradScaler("cpu", model_parallel_group=group)
+        fresh.load_state_dict(scaler.state_dict())
+        return fresh
+
+    def deep_copy(step, scaler):
+        if step != 3:
+            return scaler
+        new_scaler = copy.deepcopy(scaler)
+        assert new_scaler.model_parallel_group is group
+        return new_scaler
+
+    def pickle_round_trip(step, scaler):
+        # same process: the same group back, no set_model_parallel_group call
+        if step != 3:
+            return scaler
+        new_scaler = pickle.loads(pickle.dumps(scaler))
+        assert new_scaler.model_parallel_group is group and not new_scaler.is_detached()
+        return new_scaler
+
+    for name, replace in (("state_dict", state_dict_reload), ("deepcopy", deep_copy),
+                          ("pickle", pickle_round_trip)):
+        for kind in ("sgd", "adam-fused"):
+            got = run_loop(kind, new(), unscale=False, overflow_here=mine, replace=replace)
+            out[f"{name}-{kind}"] = _summary(got, _torch_reference(kind, False))
+    return out
+
+
+def _summary(got, ref):
+    return {"scales": got["scales"], "trackers": got["trackers"], "skipped": got["skipped"],
+            "same_params_as_torch": all(torch.equal(a, b)
+                                        for a, b in zip(got["params"], ref["params"])),
+            "params": [p.tolist() for p in got["params"]]}
+
+
+@pytest.fixture(scope="module")
+def two_ranks():
+    return run_workers(_agreement_worker, 2, timeout=SHORT)
+
+
+COPIES = [f"{n}-{k}" for n in ("state_dict", "deepcopy", "pickle") for k in ("sgd", "adam-fused")]
+
+
+@pytest.mark.parametrize("name", [n for n, _, _ in LOOPS] + COPIES)
+def test_one_ranks_overflow_makes_every_rank_skip_and_back_off(two_ranks, name):
+    r0, r1 = (r[name] for r in two_ranks)
+    for r in (r0, r1):
+        _assert_trace(r)  # the hand-worked trace on both ranks, each overflow on one rank
+        assert r["same_params_as_torch"]  # = torch's scaler with the overflow on this rank
+    assert r0["params"] == r1["params"]
+
+
+def test_found_inf_of_any_one_element_shape_is_agreed(two_ranks):
+    for r in two_ranks:
+        for shape in SHAPES:
+            shapes, values = r["shapes"][shape]
+            assert shapes == [shape] and values == [1.0], (shape, shapes, values)
