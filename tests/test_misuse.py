@@ -259,7 +259,7 @@ CASES = [
     ("mpgs-growth_factor-1", lambda: tpamp.ModelParallelGradScaler("cpu", growth_factor=1.0), ValueError, ["growth_factor", "1.0"]),
     ("mpgs-backoff_factor-1.5", lambda: tpamp.ModelParallelGradScaler("cpu", backoff_factor=1.5), ValueError, ["backoff_factor", "1.5"]),
     ("mpgs-growth_interval-0", lambda: tpamp.ModelParallelGradScaler("cpu", growth_interval=0), ValueError, ["growth_interval", "0"]),
-    ("mpgs-growth_interval-float", lambda: tpamp.ModelParallelGradScaler("cpu", growth_interval=2.5), ValueError, ["growth_interval", "2.5"]),
+    ("mpgs-growth_interval-float", lambda: tpamp.ModelParallelGradScaler("cpu", growth_interval=2.5), TypeError, ["growth_interval", "2.5"]),
     ("mpgs-enabled-str", lambda: tpamp.ModelParallelGradScaler("cpu", enabled="yes"), TypeError, ["enabled", "'yes'"]),
     ("mpgs-device-int", lambda: tpamp.ModelParallelGradScaler(3), TypeError, ["device", "3"]),
     ("mpgs-group-int", lambda: tpamp.ModelParallelGradScaler("cpu", model_parallel_group=7), TypeError, ["model_parallel_group", "int"]),

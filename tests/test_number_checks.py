@@ -57,7 +57,6 @@ def _torch_config(**kw):
 
 
 _OPTIMIZER_PY = "tpamp/optimizer.py check_wrapper_args still raises ValueError for a wrong type"
-_AMP_TORCH_PY = "tpamp/amp_torch.py still turns the TypeError of the shared check into ValueError"
 _NONFINITE_PY = "tpamp/nonfinite.py's margin check still raises ValueError for a wrong type"
 
 ARGS = [
@@ -72,16 +71,16 @@ ARGS = [
     Arg("ModelParallelGradScaler", "init_scale",
         lambda v: tpamp.ModelParallelGradScaler("cpu", init_scale=v), "real"),
     Arg("ModelParallelGradScaler", "growth_factor",
-        lambda v: tpamp.ModelParallelGradScaler("cpu", growth_factor=v), "real", pending=_AMP_TORCH_PY),
+        lambda v: tpamp.ModelParallelGradScaler("cpu", growth_factor=v), "real"),
     Arg("ModelParallelGradScaler", "backoff_factor",
-        lambda v: tpamp.ModelParallelGradScaler("cpu", backoff_factor=v), "real", pending=_AMP_TORCH_PY),
+        lambda v: tpamp.ModelParallelGradScaler("cpu", backoff_factor=v), "real"),
     Arg("ModelParallelGradScaler", "growth_interval",
-        lambda v: tpamp.ModelParallelGradScaler("cpu", growth_interval=v), "int", pending=_AMP_TORCH_PY),
+        lambda v: tpamp.ModelParallelGradScaler("cpu", growth_interval=v), "int"),
     Arg("MixedPrecisionOptimizer", "clip_grad", lambda v: _mpo(clip_grad=v), "real", pending=_OPTIMIZER_PY),
     Arg("MixedPrecisionOptimizer", "norm_type", lambda v: _mpo(norm_type=v), "real", inf_ok=True),
     Arg("FP32Optimizer", "clip_grad", lambda v: _fp32(clip_grad=v), "real", pending=_OPTIMIZER_PY),
     Arg("FP32Optimizer", "norm_type", lambda v: _fp32(norm_type=v), "real", inf_ok=True),
-    Arg("TorchAMPOptimizer", "clip_grad", lambda v: _torch_amp(clip_grad=v), "real", pending=_AMP_TORCH_PY),
+    Arg("TorchAMPOptimizer", "clip_grad", lambda v: _torch_amp(clip_grad=v), "real"),
     Arg("TorchAMPOptimizer", "norm_type", lambda v: _torch_amp(norm_type=v), "real", inf_ok=True),
     Arg("get_grad_norm_fp32", "norm_type",
         lambda v: tpamp.get_grad_norm_fp32([torch.ones(3)], norm_type=v), "real", inf_ok=True),

@@ -97,10 +97,11 @@ class ModelParallelGradScaler(torch.amp.GradScaler):
         model_parallel_group: the TP x PP group (``ParallelState.model_parallel_group``);
             None means no reduction (then it behaves exactly like torch.amp.GradScaler).
 
-    Raises ValueError (naming the argument) unless init_scale is finite and > 0 in float32,
-    growth_factor > 1, 0 < backoff_factor < 1 (finite), growth_interval an int >= 1; TypeError
-    for a non-bool enabled, a device that is not a str, or a group that is not a ProcessGroup;
-    ValueError for a model_parallel_group this rank is not a member of. On a detached scaler
+    Raises TypeError (naming the argument) for a non-number init_scale, growth_factor or
+    backoff_factor, a non-int growth_interval, a non-bool enabled, a device that is not a str,
+    or a group that is not a ProcessGroup; ValueError unless init_scale is finite and > 0 in
+    float32, growth_factor > 1, 0 < backoff_factor < 1, growth_interval in [1, 2**31 - 1], and
+    for a model_parallel_group this rank is not a member of. On a detached scaler
     (unpickled, see above) ``unscale_``, ``step`` and ``update`` raise RuntimeError naming
     :meth:`set_model_parallel_group`.
     """
@@ -119,14 +120,11 @@ class ModelParallelGradScaler(torch.amp.GradScaler):
         if not isinstance(device, str):
             raise TypeError(f"device must be a device type string such as 'cuda' or 'cpu', got "
                             f"{device!r} ({type(device).__name__})")
-        _validation.check_f32_scale("init_scale", init_scale, type_error=ValueError)
-        _real_arg("growth_factor", growth_factor, low=1.0, low_inclusive=False)
-        _real_arg("backoff_factor", backoff_factor, low=0.0, low_inclusive=False, high=1.0,
-                  high_inclusive=False)
-        try:
-            _validation.check_int("growth_interval", growth_interval, low=1, high=2**31 - 1)
-        except TypeError as e:
-            raise ValueError(str(e)) from None
+        _validation.check_f32_scale("init_scale", init_scale)
+        _validation.check_real("growth_factor", growth_factor, low=1.0, low_inclusive=False)
+        _validation.check_real("backoff_factor", backoff_factor, low=0.0, low_inclusive=False,
+                               high=1.0, high_inclusive=False)
+        _validation.check_int("growth_interval", growth_interval, low=1, high=2**31 - 1)
         _validation.check_bool("enabled", enabled)
         _validation.check_group_member(model_parallel_group, "model_parallel_group")
         super().__init__(
@@ -259,14 +257,6 @@ class ModelParallelGradScaler(torch.amp.GradScaler):
         return torch.stack(flags).sum()
 
 
-def _real_arg(name, value, **bounds) -> float:
-    # torch.amp.GradScaler's arguments: ValueError for any bad value (as tpamp's scalers)
-    try:
-        return _validation.check_real(name, value, **bounds)
-    except TypeError as e:
-        raise ValueError(str(e)) from None
-
-
 class _AutocastCall(nn.Module):
     """Calls the wrapped callable, held in attribute ``_target``, under
     ``torch.autocast(device_type, dtype, enabled)``."""
@@ -348,10 +338,7 @@ class TorchAMPOptimizer(OptimizerWrapper):
                 "scaler must be a tpamp.ModelParallelGradScaler (or torch.amp.GradScaler), got "
                 f"{type(scaler).__name__}"
             )
-        try:
-            _validation.check_real("clip_grad", clip_grad, low=0.0)
-        except TypeError as e:
-            raise ValueError(str(e)) from None
+        _validation.check_real("clip_grad", clip_grad, low=0.0)
         _check_norm_type(norm_type)
         _validation.check_group_member(grad_stats_group, "grad_stats_group")
         _validation.check_group_member(tensor_parallel_group, "tensor_parallel_group")
