@@ -99,3 +99,42 @@ def test_narrow_adam_found_inf_changes_nothing(order):
             assert torch.equal(x.view(torch.uint8) if x.dtype == F8 else x,
                                y.view(torch.uint8) if y.dtype == F8 else y)
     assert all(torch.equal(x, y) for x, y in zip(am + av, msc + vsc))
+
+
+def test_narrow_adam_8bit_block_saturates_when_a_grad_square_overflows(order):
+    """A finite grad element whose square overflows float32 (1e30; the largest finite bf16)
+    under the emulated CUDA launcher: the 8-bit exp_avg_sq block saturates (scale FLT_MAX / 448,
+    that element code 448) like the CPU twin's, instead of a NaN scale; over several steps
+    every param and scale stays finite and the emulated launcher agrees with the CPU twin."""
+    n = 1000
+    g = torch.Generator().manual_seed(31)
+    master = torch.randn(n, generator=g)
+    grad = torch.randn(n, generator=g) * 1e-2
+    grad[5] = 1e30
+    grad[2 * 256 + 9] = -float(torch.finfo(torch.bfloat16).max)
+    grad = grad.to(torch.bfloat16)
+    runs = []
+    for lib in (SIMT, CPU):
+        hi, lo = ops.split_remainders(master)
+        m, ms = ops.encode_moment(torch.randn(n, generator=torch.Generator().manual_seed(1)) * 1e-3,
+                                  F8)
+        v, vs = ops.encode_moment(torch.rand(n, generator=torch.Generator().manual_seed(2)) * 1e-6,
+                                  F8, sqrt=True)
+        step = torch.tensor([0.0])
+        for _ in range(4):
+            lib.fused_adam_step_([lo], [m], [v], [step], [hi], [grad], None, torch.tensor([0.0]),
+                                 None, 1e-3, 0.9, 0.95, 1e-8, 0.1, True, False, [ms], [vs])
+            p = ops.join_remainders(hi, lo)
+            assert bool(p.isfinite().all())
+            assert bool(ms.isfinite().all()) and bool(vs.isfinite().all()), (ms, vs)
+        runs.append((p, m.view(torch.uint8), ms, v.view(torch.uint8), vs))
+    (pa, ma, msa, va, vsa), (pb, mb, msb, vb, vsb) = runs
+    sat = torch.finfo(torch.float32).max / 448.0
+    assert float(vsa[0]) == float(torch.tensor(sat)) and float(vsa[2]) == float(torch.tensor(sat))
+    assert int(va[5]) == 0x7E and int(va[2 * 256 + 9]) == 0x7E  # sqrt(v) >= 0: +448
+    # the saturated blocks agree bit for bit; the others to float32 rounding (fma, see above)
+    assert torch.equal(vsa[[0, 2]], vsb[[0, 2]])
+    assert torch.equal(va[:256], vb[:256]) and torch.equal(va[512:768], vb[512:768])
+    torch.testing.assert_close(vsa, vsb, rtol=1e-6, atol=0)
+    torch.testing.assert_close(pa, pb, rtol=1e-6, atol=1e-9)
+    torch.testing.assert_close(msa, msb, rtol=1e-6, atol=0)

@@ -70,6 +70,14 @@ def _ref_fp8(x: torch.Tensor, sqrt: bool):
             scales.append(0.0)
             codes.append(torch.zeros(blk.numel(), dtype=torch.uint8))
             continue
+        if amax == float("inf"):  # saturated block: FLT_MAX / 448; inf -> +-448 (code 0x7e)
+            fmax = torch.tensor(torch.finfo(torch.float32).max, dtype=torch.float32)
+            scales.append(float(fmax / 448.0))
+            finite = (blk * (torch.tensor(448.0, dtype=torch.float32) / fmax)).to(
+                torch.float8_e4m3fn).view(torch.uint8)
+            sat = torch.where(blk > 0, 0x7E, 0xFE).to(torch.uint8)
+            codes.append(torch.where(blk.isinf(), sat, finite))
+            continue
         a32 = torch.tensor(amax, dtype=torch.float32)
         scales.append(float(a32 / 448.0))
         inv = torch.tensor(448.0, dtype=torch.float32) / a32
@@ -293,6 +301,80 @@ def test_remainders_bit_identical_to_fp32_masters_over_hundreds_of_steps():
     # the fp32-state run is the same algorithm: its masters stay close to the bf16-moment run's
     for a, b in zip(masters, masters_a2):
         assert torch.allclose(a, b, rtol=0, atol=2e-3)
+
+
+BF16_MAX = float(torch.finfo(torch.bfloat16).max)  # 3.3895e38
+
+
+def _overflow_case(n=1000):
+    """8-bit moments of n elements and a bf16 grad with one element 1e30 in block 0 and one
+    the largest finite bf16 in block 2 (their squares overflow float32; all else small)."""
+    gen = torch.Generator().manual_seed(21)
+    master = torch.randn(n, generator=gen)
+    grad = (torch.randn(n, generator=gen) * 1e-2)
+    grad[5] = 1e30
+    grad[2 * 256 + 9] = -BF16_MAX
+    grad = grad.to(torch.bfloat16)
+    sm, ms, sv, vs = _state(n, gen, torch.float8_e4m3fn, torch.float8_e4m3fn)
+    return master, grad, sm, ms, sv, vs
+
+
+@pytest.mark.parametrize("remainders", [False, True])
+def test_8bit_moments_stay_finite_when_a_grad_square_overflows(path, remainders):
+    """A finite bf16 grad element whose square overflows float32 (1e30; the largest finite
+    bf16) makes its exp_avg_sq inf in float32 (the fp32-state step's value: that element's
+    update is 0). The 8-bit block saturates (scale FLT_MAX / 448, the inf element code 448)
+    instead of writing a NaN scale, so over several steps every param and every scale stays
+    finite, and each step equals the fp32-state step on the decoded state, stored by the
+    documented rule (``_ref_fp8``)."""
+    master, grad, sm, ms, sv, vs = _overflow_case()
+    param, model = _param_and_model(master, remainders)
+    step = torch.tensor(0.0)
+    fmax = torch.tensor(torch.finfo(torch.float32).max)
+    for k in range(4):
+        ref_p = _masters([param], [model], remainders)
+        ref_m = [ops.decode_moment(sm, ms)]
+        ref_v = [ops.decode_moment(sv, vs, sqrt=True)]
+        ref_step = [step.clone()]
+        # the reference: the fp32-state step (same path) on the decoded state
+        ops.fused_adam_step_(ref_p, [grad], ref_m, ref_v, ref_step, **HYPER)
+        ops.fused_adam_step_([param], [grad], [sm], [sv], [step],
+                             model_params=[model] if remainders else None,
+                             exp_avg_scales=[ms], exp_avg_sq_scales=[vs], **HYPER)
+        got = ops.join_remainders(model, param) if remainders else param
+        assert bool(got.isfinite().all()), k
+        assert torch.equal(got, ref_p[0]), k
+        assert bool(ms.isfinite().all()) and bool(vs.isfinite().all()), (k, ms, vs)
+        rc, rs = _ref_fp8(ref_v[0], True)
+        assert torch.equal(sv.view(torch.uint8), rc), k
+        assert torch.equal(vs, rs), k
+        rc, rs = _ref_fp8(ref_m[0], False)
+        assert torch.equal(sm.view(torch.uint8), rc), k
+        assert torch.equal(ms, rs), k
+        # the overflowing elements' blocks saturate; the others do not
+        assert float(vs[0]) == float(fmax / 448.0) and float(vs[2]) == float(fmax / 448.0)
+        assert float(vs[1]) < 1.0 and float(vs[3]) < 1.0
+        # and read back as the fp32 state holds them: inf exp_avg_sq
+        back = ops.decode_moment(sv, vs, sqrt=True)
+        assert float(back[5]) == float("inf") and float(back[2 * 256 + 9]) == float("inf")
+    from tpamp import state_formats
+
+    assert state_formats.SATURATED_SCALE == float(fmax / 448.0)
+
+
+def test_encode_moment_saturates_inf_and_keeps_nan():
+    """encode_moment (the kernels' reference): an inf block saturates (finite scale, +-448),
+    a NaN block keeps a NaN scale (a NaN cannot come from a finite grad), zeros scale 0."""
+    x = torch.zeros(3 * 256)
+    x[0], x[1], x[2] = float("inf"), float("-inf"), 1e30
+    x[256] = float("nan")
+    codes, scales = ops.encode_moment(x, torch.float8_e4m3fn)
+    fmax = torch.tensor(torch.finfo(torch.float32).max)
+    assert float(scales[0]) == float(fmax / 448.0)
+    assert codes.view(torch.uint8)[:3].tolist() == [0x7E, 0xFE, 0x00]  # 1e30 / 7.6e35 -> 0
+    assert bool(scales[1].isnan()) and float(scales[2]) == 0.0
+    rc, rs = _ref_fp8(torch.cat([x[:256], x[512:]]), False)
+    assert torch.equal(codes.view(torch.uint8)[:256], rc[:256])
 
 
 def test_op_rejects_bad_narrow_state(path):
@@ -841,3 +923,82 @@ def test_opcheck_fused_adam_step_with_narrow_state(cfg):
     assert all(torch.equal(a, b) for a, b in zip(read_only, read_only_before))
     # and the 8-bit state it marks is in fact written (codes or scales change)
     assert any(not torch.equal(a, b) for a, b in zip(raw(ms + mscales), state_before))
+
+
+# -- a grad whose square overflows float32, through the wrappers ----------------------------
+
+def _overflow_grads(model, gen, step, big=BF16_MAX):
+    """Small grads plus, on the first Linear's weight, 1e30 in one 256-block and -``big`` (the
+    largest finite bf16) in another (every step, so the blocks stay saturated)."""
+    grads = [(torch.randn(p.shape, generator=gen) * 1e-2) for p in model.parameters()]
+    w = grads[0].view(-1)
+    w[3] = 1e30
+    w[700] = -big  # (alternating signs would overflow g - exp_avg in float32 moments too)
+    return [g.to(torch.bfloat16) for g in grads]
+
+
+def _assert_8bit_state_finite(opt, params):
+    for p in params:
+        st = opt.optimizer.state[p]
+        assert bool(st["exp_avg_scale"].isfinite().all())
+        assert bool(st["exp_avg_sq_scale"].isfinite().all())
+        assert bool(ops.decode_moment(st["exp_avg"], st["exp_avg_scale"]).isfinite().all())
+
+
+@pytest.mark.parametrize("cfg", ["8bit", "8bit+rem"])
+def test_wrapper_8bit_keeps_params_finite_when_a_grad_square_overflows(cfg):
+    """MixedPrecisionOptimizer with 8-bit moments, 5 steps with 1e30 and the largest finite bf16
+    in the grads: every param stays finite (as with float32 moments, where the overflowing
+    elements' exp_avg_sq is inf and their update 0) and every 8-bit scale is finite."""
+    if not _kernel_built():
+        pytest.skip("tpamp._C with the fused step kernels is not built")
+    m8, m32 = _model(seed=4), _model(seed=4)
+    a = _wrap(m8, **CONFIGS[cfg])
+    b = _wrap(m32)
+    gen_a, gen_b = torch.Generator().manual_seed(3), torch.Generator().manual_seed(3)
+    w0 = next(m8.parameters()).detach().clone()
+    for k in range(5):
+        for m, gen in ((m8, gen_a), (m32, gen_b)):
+            for p, g in zip(m.parameters(), _overflow_grads(m, gen, k)):
+                p.grad = g
+        assert a.step().update_successful and b.step().update_successful
+        assert all(bool(p.isfinite().all()) for p in m8.parameters()), k
+        assert all(bool(p.isfinite().all()) for p in m32.parameters()), k
+        _assert_8bit_state_finite(a, a.optimizer.param_groups[0]["params"])
+    w = next(m8.parameters()).detach().view(-1)
+    # the overflowing elements are not updated (exp_avg_sq inf) apart from weight decay, as
+    # with float32 moments
+    w32 = next(m32.parameters()).detach().view(-1)
+    assert torch.equal(w[[3, 700]], w32[[3, 700]])
+    assert not torch.equal(w, w0.view(-1))
+
+
+def _overflow_dist_worker(rank, world_size):
+    import torch.distributed as dist
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(40, 300),
+                                torch.nn.Linear(300, 7)).to(torch.bfloat16)
+    inner = torch.optim.AdamW(model.parameters(), lr=1e-2, betas=(0.9, 0.95), weight_decay=0.1)
+    dp = dist.new_group(list(range(world_size)))
+    opt = tpamp.DistributedOptimizer(inner, data_parallel_group=dp, bucket_size=5000,
+                                     **CONFIGS["8bit+rem"])
+    gen = torch.Generator().manual_seed(11)
+    for k in range(4):
+        # the same on every rank: the DP mean is g exactly. Half the largest bf16: the DP sum
+        # of two largest bf16 would be inf (a real overflow, skipped by found_inf)
+        for p, g in zip(model.parameters(), _overflow_grads(model, gen, k, big=BF16_MAX / 2)):
+            p.main_grad.copy_(g)
+        assert opt.step().update_successful
+        opt.zero_grad()
+        assert all(bool(p.isfinite().all()) for p in model.parameters()), (rank, k)
+        for st in opt.optimizer.state.values():
+            for key in ("exp_avg_scale", "exp_avg_sq_scale"):
+                assert bool(st[key].isfinite().all()), (rank, k, key)
+    return True
+
+
+def test_distributed_optimizer_8bit_keeps_params_finite_when_a_grad_square_overflows():
+    if not _kernel_built():
+        pytest.skip("tpamp._C with the fused step kernels is not built")
+    assert run_workers(_overflow_dist_worker, 2, timeout=60.0) == [True, True]

@@ -53,6 +53,7 @@ __all__ = [
     # bit formats (the kernels' reference)
     "MOMENT_BLOCK",
     "MOMENT_DTYPES",
+    "SATURATED_SCALE",
     "moment_blocks",
     "encode_moment",
     "decode_moment",
@@ -85,6 +86,10 @@ Tensor = torch.Tensor
 #: Elements per float32 scale of an 8-bit moment (csrc/kernels/optimizer_step.h kMomentBlock).
 MOMENT_BLOCK = 256
 _FP8_MAX = 448.0
+_FLT_MAX = torch.finfo(torch.float32).max
+#: The scale of an 8-bit block holding +-inf: FLT_MAX / 448 in float32 (0x1.249248p+119), as
+#: csrc/kernels/optimizer_step.h kFp8SaturatedScale; 448 times it is FLT_MAX.
+SATURATED_SCALE = float.fromhex("0x1.249248p+119")
 #: The dtypes a stored moment may have (float8_e4m3fn: 8-bit codes with per-block scales).
 MOMENT_DTYPES = (torch.float32, torch.bfloat16, torch.float8_e4m3fn)
 
@@ -116,7 +121,11 @@ def encode_moment(x: Tensor, dtype: torch.dtype, sqrt: bool = False):
     float32: a copy; bfloat16: round to nearest even; float8_e4m3fn: per block of
     :data:`MOMENT_BLOCK` elements in memory order, scale = absmax / 448 (float32),
     codes = e4m3fn(x * (448 / absmax)) (round to nearest even), scales float32
-    [moment_blocks(numel)]; ``sqrt=True`` (exp_avg_sq) quantizes sqrt(x) instead.
+    [moment_blocks(numel)]; ``sqrt=True`` (exp_avg_sq) quantizes sqrt(x) instead. A block
+    holding +-inf (a finite grad whose square overflows float32) saturates: scale
+    :data:`SATURATED_SCALE`, its inf elements code +-448 (value +-FLT_MAX, squared inf), its
+    finite ones quantized against FLT_MAX; so a finite grad never writes a non-finite scale
+    (only a NaN in the block gives a NaN scale). An all-zero block has scale 0.
     x: a dense float tensor (any device). Raises ValueError for another dtype."""
     if dtype not in MOMENT_DTYPES:
         raise ValueError(f"a moment dtype must be one of {MOMENT_DTYPES}, got {dtype}")
@@ -130,13 +139,20 @@ def encode_moment(x: Tensor, dtype: torch.dtype, sqrt: bool = False):
     nb = moment_blocks(n)
     blocks = torch.nn.functional.pad(flat, (0, nb * MOMENT_BLOCK - n)).view(nb, MOMENT_BLOCK)
     absmax = blocks.abs().amax(dim=1) if nb else blocks.new_zeros(0)
-    ok = (absmax > 0) & (absmax <= torch.finfo(torch.float32).max)
+    ok = (absmax > 0) & (absmax <= _FLT_MAX)
+    saturated = absmax == math.inf
     safe = torch.where(ok, absmax, torch.ones_like(absmax))
     scale = torch.where(ok, safe / _FP8_MAX,
                         torch.where(absmax == 0, torch.zeros_like(absmax),
                                     torch.full_like(absmax, math.nan)))
+    scale = torch.where(saturated, torch.full_like(absmax, SATURATED_SCALE), scale)
     inv = torch.where(ok, _FP8_MAX / safe, torch.zeros_like(absmax))
-    codes = (blocks * inv[:, None]).view(-1)[:n].to(torch.float8_e4m3fn)
+    # 448 / FLT_MAX rounded to float32, as the kernels divide
+    sat_inv = torch.full_like(absmax, _FP8_MAX) / torch.full_like(absmax, _FLT_MAX)
+    inv = torch.where(saturated, sat_inv, inv)
+    # clamp: inf * inv -> +-448 as the kernels' encode saturates (NaN stays NaN)
+    q = (blocks * inv[:, None]).clamp(-_FP8_MAX, _FP8_MAX)
+    codes = q.view(-1)[:n].to(torch.float8_e4m3fn)
     return _unflatten_like(codes, x), scale
 
 

@@ -100,7 +100,12 @@ TPAMP_INLINE void adam_element(V& p, V& m, V& v, V g, const AdamScalars& s,
 //   rounded to nearest even, so the block's largest |x| maps to +-448; value = float(code) *
 //   scale. exp_avg_sq is stored as the codes of sqrt(exp_avg_sq) (the quantity the denominator
 //   uses; twice the dynamic range in exp_avg_sq): value = (float(code) * scale)^2. An all-zero
-//   block has scale 0 and codes 0. (torchao's and bitsandbytes' 8-bit Adam quantize blockwise
+//   block has scale 0 and codes 0. A block holding +-inf (a finite grad whose square overflows
+//   float32 makes exp_avg_sq, and so its root, inf) saturates: scale = kFp8SaturatedScale
+//   (FLT_MAX / 448, finite), the inf elements get code +-448 (value +-FLT_MAX; squared, inf
+//   again, as a float32 exp_avg_sq holds it: that element's update stays 0) and the block's
+//   finite elements are quantized against FLT_MAX. So no finite grad writes a non-finite scale;
+//   only a NaN in the block (which a finite grad cannot make) gives a NaN scale. (torchao's and bitsandbytes' 8-bit Adam quantize blockwise
 //   too, with a dynamic-tree codebook instead of e4m3fn.)
 // * bf16 params with 16-bit remainders (Transformer Engine's FusedAdam store_param_remainders,
 //   Megatron-core's precision-aware optimizer): the float32 master x is not stored; its bits are
@@ -114,6 +119,9 @@ TPAMP_INLINE void adam_element(V& p, V& m, V& v, V g, const AdamScalars& s,
 
 constexpr int64_t kMomentBlock = 256;  // elements per scale of an 8-bit moment; divides kChunkSize
 constexpr float kFp8Max = 448.0f;      // largest finite torch.float8_e4m3fn
+// The scale of a block holding +-inf: FLT_MAX / 448 rounded to float32 (0x1.249248p+119); 448
+// times it is FLT_MAX, still finite.
+constexpr float kFp8SaturatedScale = 0x1.249248p+119f;
 
 TPAMP_INLINE int64_t num_moment_blocks(int64_t numel) {
   return (numel + kMomentBlock - 1) / kMomentBlock;
@@ -211,7 +219,8 @@ TPAMP_INLINE float fp8_e4m3_decode(uint32_t c) {
   return bits_to_float(mag | ((c & 0x80u) << 24));
 }
 
-// A block's scale and its multiplier for encoding, from the block's max |value| (NaN if any).
+// A block's scale and its multiplier for encoding, from the block's max |value| (NaN if any;
+// inf saturates, see above).
 struct MomentScale {
   float scale;  // stored: value = float(code) * scale
   float inv;    // code = e4m3fn(x * inv)
@@ -222,7 +231,10 @@ TPAMP_INLINE MomentScale moment_scale(float absmax) {
   if (absmax > 0.0f && absmax <= FLT_MAX) {
     s.scale = absmax / kFp8Max;
     s.inv = kFp8Max / absmax;
-  } else {  // all zero: codes 0, scale 0; inf/NaN: codes 0, scale NaN (the block reads NaN)
+  } else if (absmax > FLT_MAX) {  // +-inf: saturate (inf * inv encodes as +-448, see above)
+    s.scale = kFp8SaturatedScale;
+    s.inv = kFp8Max / FLT_MAX;
+  } else {  // all zero: codes 0, scale 0; NaN: codes 0, scale NaN (the block reads NaN)
     s.scale = absmax == 0.0f ? 0.0f : bits_to_float(0x7fc00000u);
     s.inv = 0.0f;
   }
