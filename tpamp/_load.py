@@ -14,6 +14,7 @@ import torch.distributed as dist
 from tpamp._checks import check_mapping
 from tpamp._guards import gather_rows, reset_step_guard
 from tpamp.common import local_tensor
+from tpamp.state_formats import check_saved_scales
 
 Tensor = torch.Tensor
 
@@ -65,8 +66,9 @@ def check_inner_optimizer_state(optimizer, state_dict, where: str = "state_dict[
     number of param groups and params per group, the optimizer class's hyperparameters present
     in every group (an SGD state dict lacks Adam's ``betas``), state entries for listed params
     only, with the keys of the current state (when there is one) and per-element tensors of the
-    param's shape, all floating-point state finite. Raises TypeError/KeyError/ValueError naming
-    the key."""
+    param's shape, all floating-point state finite, and 8-bit moments with their per-block
+    scales (:func:`tpamp.state_formats.check_saved_scales`: present, shape, finite, >= 0).
+    Raises TypeError/KeyError/ValueError naming the key."""
     check_mapping(where, state_dict)
     for key in ("state", "param_groups"):
         if key not in state_dict:
@@ -120,7 +122,7 @@ def check_inner_optimizer_state(optimizer, state_dict, where: str = "state_dict[
         for k, v in entry.items():
             if not isinstance(v, Tensor):
                 continue
-            cur = current.get(k)
+            cur = current.get(k) if k not in NARROW_STATE_KEYS else None  # checked below
             expected = tuple(cur.shape) if isinstance(cur, Tensor) else (
                 tuple(p.shape) if k in _PER_ELEMENT_STATE else None
             )
@@ -135,6 +137,8 @@ def check_inner_optimizer_state(optimizer, state_dict, where: str = "state_dict[
     for name, ok in zip(names, _all_finite(to_check)):
         if not ok:
             raise ValueError(f"{name} holds inf or nan values; refusing to load it")
+    # 8-bit moments and their scales, in any configuration (every loader converts them)
+    check_saved_scales(state, f"{where}['state']")
 
 
 def _prefixed(prefix: str, fn, *args):

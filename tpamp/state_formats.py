@@ -66,6 +66,7 @@ __all__ = [
     "needs_conversion",
     "state_tensor_bytes",
     "SCALE_KEYS",
+    "check_saved_scales",
     # conversion between formats
     "convert_adam_state",
     "layout_free_state",
@@ -238,6 +239,88 @@ def check_state_options(
             "has float16 params (use an fp32 master for them: store_param_remainders=False)"
         )
     return exp_avg_dtype, exp_avg_sq_dtype, store_param_remainders
+
+
+def check_saved_scales(state, where: str = "state_dict['optimizer']['state']") -> None:
+    """Check the 8-bit scale keys of a saved torch.optim state (``{param id: {key: value}}``,
+    as in a state dict's ``'state'``) before anything is loaded, whatever the loading
+    optimizer's configuration (it converts every moment to its own dtypes, reading 8-bit codes
+    through these scales):
+
+    * an 8-bit moment (``exp_avg`` / ``exp_avg_sq`` of dtype torch.float8_e4m3fn) needs its
+      scale key (:data:`SCALE_KEYS`): KeyError naming both;
+    * a scale key needs its moment, a float tensor of ``moment_blocks(numel)`` elements
+      (``numel``: the moment's local elements; one float32 scale per :data:`MOMENT_BLOCK`),
+      finite and >= 0 (0 only for an all-zero block); a moment with a scale key that is not
+      float8 (e.g. cast to float32 by a torch.optim load) must hold e4m3fn code values exactly.
+      TypeError for a non-tensor, ValueError otherwise, naming the key and the bad value.
+
+    One host read for all the scales' values. Raises before any change (it changes nothing)."""
+    to_read = []
+    for pid, entry in state.items():
+        if not hasattr(entry, "get"):
+            continue  # the caller's mapping checks name it
+        swhere = f"{where}[{pid!r}]"
+        for key, skey in SCALE_KEYS.items():
+            moment, scales = entry.get(key), entry.get(skey)
+            if isinstance(moment, Tensor) and moment.dtype == torch.float8_e4m3fn and scales is None:
+                raise KeyError(
+                    f"{swhere}[{key!r}] holds 8-bit (float8_e4m3fn) codes but {swhere} has no "
+                    f"{skey!r}: without its per-block scales the codes have no values; refusing "
+                    "to load it (nothing was changed)"
+                )
+            if skey not in entry:
+                continue
+            if not isinstance(scales, Tensor):
+                raise TypeError(f"{swhere}[{skey!r}] must be a tensor, got {type(scales).__name__}")
+            if not isinstance(moment, Tensor):
+                raise ValueError(
+                    f"{swhere} has {skey!r} but no {key!r} tensor (got {type(moment).__name__}): "
+                    "scales without their 8-bit moment"
+                )
+            if not scales.is_floating_point() or scales.element_size() < 2:
+                raise ValueError(
+                    f"{swhere}[{skey!r}] has dtype {scales.dtype}; 8-bit scales are torch.float32"
+                )
+            n = local_tensor(moment).numel()
+            nb = moment_blocks(n)
+            if scales.dim() != 1 or scales.numel() != nb:
+                raise ValueError(
+                    f"{swhere}[{skey!r}] has shape {tuple(scales.shape)}; {key!r} has {n} "
+                    f"elements, so its scales have shape ({nb},) (one per block of "
+                    f"{MOMENT_BLOCK}): a truncated or foreign state dict?"
+                )
+            to_read.append((f"{swhere}[{skey!r}]", scales, f"{swhere}[{key!r}]", moment))
+    if not to_read:
+        return
+    flags = []
+    for _, scales, _, moment in to_read:
+        sc = local_tensor(scales).float()
+        codes = local_tensor(moment)
+        if codes.dtype == torch.float8_e4m3fn:
+            exact = torch.ones((), dtype=torch.bool, device=sc.device)
+        else:  # codes cast to another dtype: must round-trip through e4m3fn exactly
+            c = codes.float()
+            exact = ((c.to(torch.float8_e4m3fn).float() == c) | c.isnan()).all().to(sc.device)
+        flags.append(torch.stack([sc.isfinite().all(), (sc >= 0).all(), exact]).cpu())
+    for (sname, scales, mname, moment), (finite, nonneg, exact) in zip(
+            to_read, torch.stack(flags).tolist()):
+        sc = local_tensor(scales).float()
+        if not finite:
+            bad = sc[~sc.isfinite()][:3].tolist()
+            raise ValueError(f"{sname} holds non-finite scales {bad}; refusing to load it")
+        if not nonneg:
+            bad = sc[sc < 0][:3].tolist()
+            raise ValueError(
+                f"{sname} holds negative scales {bad}; a scale is a block's max |value| / 448 "
+                "(>= 0); refusing to load it"
+            )
+        if not exact:
+            raise ValueError(
+                f"{mname} has dtype {moment.dtype} with values that are not float8_e4m3fn codes, "
+                f"but {sname} is present: a state dict whose moments are not the 8-bit codes "
+                "their scales belong to; refusing to load it"
+            )
 
 
 def refuse_generic_step(wrapper) -> None:
