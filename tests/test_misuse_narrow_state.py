@@ -165,3 +165,92 @@ def test_check_saved_scales_accepts_codes_cast_to_float32():
             {0: {"exp_avg": codes.float() + 0.01, "exp_avg_scale": scales}})
     with pytest.raises(ValueError, match="scales without their 8-bit moment"):
         state_formats.check_saved_scales({0: {"exp_avg_scale": scales}})
+
+
+# -- options that cannot apply are refused at construction -----------------------------------
+
+
+def _inner_picture(inner, params):
+    return ([tensor_bytes(p) for p in params], freeze(inner.state_dict()))
+
+
+def _refused_construction(build, inner, params, exc, words):
+    from tpamp._guards import wrapped_by
+
+    before = _inner_picture(inner, params)
+    with pytest.raises(exc) as info:
+        build()
+    for w in words:
+        assert w in str(info.value), (w, str(info.value))
+    assert _inner_picture(inner, params) == before and wrapped_by(inner) is None
+    return str(info.value)
+
+
+@pytest.mark.parametrize("cls", ["MixedPrecisionOptimizer", "FP32Optimizer"])
+def test_remainders_without_bf16_params_are_refused(cls):
+    """fp32 params are their own masters: store_param_remainders would do nothing."""
+    model = torch.nn.Linear(4, 3)
+    inner = torch.optim.AdamW(model.parameters(), lr=0.1)
+    _refused_construction(
+        lambda: getattr(tpamp, cls)(inner, store_param_remainders=True), inner,
+        list(model.parameters()), ValueError,
+        ["store_param_remainders=True", "no trainable bf16 param", "torch.float32",
+         "store_param_remainders=False"])
+    getattr(tpamp, cls)(inner)  # without it: accepted
+
+
+def test_remainders_with_bf16_and_fp32_params_apply_to_the_bf16_ones():
+    bf, fp = torch.nn.Parameter(torch.ones(3, dtype=torch.bfloat16)), torch.nn.Parameter(torch.ones(3))
+    opt = tpamp.MixedPrecisionOptimizer(torch.optim.AdamW([bf, fp], lr=0.1),
+                                        store_param_remainders=True)
+    assert opt.store_param_remainders
+
+
+@pytest.mark.parametrize("option", ["amsgrad", "capturable", "differentiable"])
+@pytest.mark.parametrize("cfg", ["bf16", "8bit", "8bit+rem"])
+def test_narrow_state_with_an_adam_option_the_one_pass_step_lacks_is_refused(option, cfg):
+    model = _model()
+    inner = torch.optim.Adam(model.parameters(), lr=0.1, **{option: True})
+    _refused_construction(
+        lambda: tpamp.MixedPrecisionOptimizer(inner, **CONFIGS[cfg]), inner,
+        list(model.parameters()), ValueError,
+        [f"{option}=True", "param group 0", f"pass {option}=False to Adam"])
+
+
+_LOW_SCALERS = [
+    (lambda: tpamp.DynamicGradScaler(initial_scale=8.0, min_scale=0.5), "min_scale=0.5"),
+    (lambda: tpamp.ConstantGradScaler(0.25), "scale=0.25"),
+]
+
+
+@pytest.mark.parametrize("make,setting", _LOW_SCALERS, ids=["dynamic", "constant"])
+@pytest.mark.parametrize("cfg", ["bf16", "8bit+rem"])
+def test_check_narrow_state_scaler_names_the_setting(make, setting, cfg):
+    from tpamp._checks import check_narrow_state_scaler
+
+    opts = CONFIGS[cfg]
+    args = (opts["exp_avg_dtype"], opts["exp_avg_sq_dtype"],
+            opts.get("store_param_remainders", False))
+    scaler = make()
+    before = freeze(scaler.state_dict())
+    with pytest.raises(ValueError, match="never drops below 1") as info:
+        check_narrow_state_scaler(scaler, *args)
+    assert setting in str(info.value) and type(scaler).__name__ in str(info.value)
+    assert freeze(scaler.state_dict()) == before
+    # accepted: float32 state with that scaler; narrow state without a scaler or with one >= 1
+    check_narrow_state_scaler(scaler, torch.float32, torch.float32, False)
+    check_narrow_state_scaler(None, *args)
+    check_narrow_state_scaler(tpamp.DynamicGradScaler(initial_scale=8.0, min_scale=1.0), *args)
+    check_narrow_state_scaler(tpamp.ConstantGradScaler(1.0), *args)
+
+
+@pytest.mark.xfail(reason="the wrappers' constructors call check_narrow_state_scaler once the "
+                          "optimizer restructuring merges (then remove this mark)", strict=False)
+def test_narrow_state_with_a_scaler_below_one_is_refused_at_construction():
+    model = _model()
+    inner = torch.optim.AdamW(model.parameters(), lr=0.1)
+    _refused_construction(
+        lambda: tpamp.MixedPrecisionOptimizer(
+            inner, grad_scaler=tpamp.DynamicGradScaler(initial_scale=8.0, min_scale=0.5),
+            **CONFIGS["8bit"]),
+        inner, list(model.parameters()), ValueError, ["min_scale=0.5", "never drops below 1"])

@@ -30,6 +30,7 @@ __all__ = [
     "check_int",
     "check_loss",
     "check_mapping",
+    "check_narrow_state_scaler",
     "check_norm_type",
     "check_real",
     "check_tensor_list",
@@ -217,3 +218,37 @@ def check_mapping(name: str, value) -> Mapping:
     if not isinstance(value, Mapping):
         raise TypeError(f"{name} must be a dict, got {value!r:.80} ({type(value).__name__})")
     return value
+
+
+# ---- options of the optimizer wrappers -------------------------------------------------------
+
+
+def check_narrow_state_scaler(grad_scaler, exp_avg_dtype, exp_avg_sq_dtype,
+                              store_param_remainders) -> None:
+    """Narrow optimizer state (``exp_avg_dtype`` / ``exp_avg_sq_dtype`` other than
+    torch.float32, or ``store_param_remainders=True``; tpamp.state_formats) is kept only by the
+    one-pass fused step, which runs only with a loss scaler that never drops below 1 (or none):
+    raise ValueError at construction, naming the scaler's setting, when ``grad_scaler`` may
+    drop below 1 (its ``never_below_one`` is False: a DynamicGradScaler with min_scale < 1, a
+    ConstantGradScaler with scale < 1). Call it with the options already checked
+    (tpamp.state_formats.check_state_options). Changes nothing."""
+    narrow = (exp_avg_dtype != torch.float32 or exp_avg_sq_dtype != torch.float32
+              or store_param_remainders is True)
+    if not narrow or grad_scaler is None or getattr(grad_scaler, "never_below_one", True):
+        return
+    cls = type(grad_scaler).__name__
+    if hasattr(grad_scaler, "min_scale"):
+        setting = f"min_scale={float(grad_scaler.min_scale)!r}"
+        fix = "min_scale >= 1"
+    elif isinstance(getattr(grad_scaler, "scale", None), Tensor):  # a constant scale
+        setting = f"scale={float(grad_scaler.scale.reshape(-1)[0])!r}"
+        fix = "a scale >= 1"
+    else:
+        setting = "never_below_one=False"
+        fix = "a scaler that never drops below 1"
+    raise ValueError(
+        f"exp_avg_dtype={exp_avg_dtype}, exp_avg_sq_dtype={exp_avg_sq_dtype}, "
+        f"store_param_remainders={store_param_remainders} are kept only by the one-pass fused "
+        f"step, which needs a loss scaler that never drops below 1; this {cls} has {setting}, "
+        f"so the loss scale can be below 1 (give it {fix}, or keep float32 state)"
+    )

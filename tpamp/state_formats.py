@@ -212,8 +212,13 @@ def check_state_options(
 
     Raises ValueError for a dtype outside :data:`MOMENT_DTYPES`, a non-default option
     without the one-pass Adam step (``fused_step=False`` or an inner optimizer other than an
-    exact torch.optim.Adam/AdamW), or ``store_param_remainders`` with a trainable fp16 param
-    (``half_dtypes``: the dtypes of the trainable 16-bit params); TypeError for a non-bool."""
+    exact torch.optim.Adam/AdamW) or with a param group option that step lacks (``amsgrad``,
+    ``capturable``, ``differentiable``: named with the group), ``store_param_remainders`` with
+    a trainable fp16 param or without any trainable bf16 param (fp32 params, FSDP2's
+    included, have no remainder to keep: the option would do nothing) (``half_dtypes``: the
+    dtypes of the trainable 16-bit params); TypeError for a non-bool. The loss scaler's part
+    (narrow state needs one that never drops below 1) is
+    :func:`tpamp._checks.check_narrow_state_scaler`."""
     for name, dtype in (("exp_avg_dtype", exp_avg_dtype), ("exp_avg_sq_dtype", exp_avg_sq_dtype)):
         if dtype not in MOMENT_DTYPES:
             raise ValueError(
@@ -238,6 +243,26 @@ def check_state_options(
             "store_param_remainders=True keeps bf16 params + int16 remainders; this optimizer "
             "has float16 params (use an fp32 master for them: store_param_remainders=False)"
         )
+    if store_param_remainders and torch.bfloat16 not in half_dtypes:
+        dtypes = sorted({str(p.dtype) for g in getattr(optimizer, "param_groups", [])
+                         for p in g["params"] if p.requires_grad})
+        raise ValueError(
+            f"store_param_remainders=True replaces the fp32 master of a bf16 param by an int16 "
+            f"remainder, but this optimizer has no trainable bf16 param (its trainable params "
+            f"are {dtypes or 'none'}; fp32 params, FSDP2's sharded fp32 params included, are "
+            f"their own masters), so it would do nothing: pass store_param_remainders=False"
+        )
+    if narrow:
+        for gi, group in enumerate(getattr(optimizer, "param_groups", [])):
+            for opt_name in ("amsgrad", "capturable", "differentiable"):
+                if group.get(opt_name, False):
+                    raise ValueError(
+                        f"exp_avg_dtype={exp_avg_dtype}, exp_avg_sq_dtype={exp_avg_sq_dtype}, "
+                        f"store_param_remainders={store_param_remainders} need the one-pass "
+                        f"Adam step, which has no {opt_name}; param group {gi} has "
+                        f"{opt_name}=True (pass {opt_name}=False to "
+                        f"{type(optimizer).__name__}, or keep float32 state)"
+                    )
     return exp_avg_dtype, exp_avg_sq_dtype, store_param_remainders
 
 
