@@ -301,6 +301,60 @@ def test_misuse_is_refused_with_a_clear_error():
         tpamp.fsdp.track_param_grad_norms(plain, [("w", plain.param_groups[0]["params"][0])])
 
 
+def _wrong_mesh(rank, world):
+    """A model fully_shard'ed over a 1-D DP mesh of 4, given a (dp 2, tp 2) mesh: refused
+    naming both meshes, nothing changed (the inner optimizer is not wrapped, params and grads
+    keep their bytes); the right mesh is accepted afterwards."""
+    from dist_utils import tensor_bytes
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    from tpamp._guards import wrapped_by
+
+    dp4 = init_device_mesh("cpu", (4,), mesh_dim_names=("dp",))
+    dp2tp2 = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 4))
+    fully_shard(model, mesh=dp4)
+    model(torch.ones(2, 8)).sum().backward()
+    inner = torch.optim.AdamW(model.parameters(), lr=0.1)
+    before = [(tensor_bytes(p.to_local()), tensor_bytes(p.grad.to_local()))
+              for p in model.parameters()]
+    out = {}
+    for name, mesh in (("2d", dp2tp2), ("dp-of-2d", dp2tp2["dp"])):
+        try:
+            tpamp.fsdp.fully_shard_optimizer(inner, mesh)
+            out[name] = None
+        except ValueError as e:
+            out[name] = str(e)
+    out["unchanged"] = wrapped_by(inner) is None and before == [
+        (tensor_bytes(p.to_local()), tensor_bytes(p.grad.to_local())) for p in model.parameters()]
+    try:  # FSDP2's sharded fp32 params are their own masters: no remainder to keep
+        tpamp.fsdp.fully_shard_optimizer(inner, dp4, store_param_remainders=True)
+        out["remainders"] = None
+    except ValueError as e:
+        out["remainders"] = str(e)
+    opt = tpamp.fsdp.fully_shard_optimizer(inner, dp4)  # the mesh it was sharded on
+    out["accepted"] = opt.step().update_successful
+    return out
+
+
+def test_a_mesh_other_than_the_models_is_refused_naming_both():
+    for rank, out in enumerate(run_workers(_wrong_mesh, 4, timeout=60)):
+        for key in ("2d", "dp-of-2d"):
+            msg = out[key]
+            assert msg is not None, (rank, key)
+            assert "was sharded on DeviceMesh(dims ('dp',), sizes (4,), ranks [0, 1, 2, 3]" in msg
+            assert "pass the mesh the model was fully_shard'ed" in msg
+        dp_ranks = [0, 2] if rank % 2 == 0 else [1, 3]
+        assert "dims ('dp', 'tp'), sizes (2, 2), ranks [[0, 1], [2, 3]]" in out["2d"]
+        assert f"DP sub-mesh DeviceMesh(dims ('dp',), sizes (2,), ranks {dp_ranks}" in out["2d"]
+        assert f"given DeviceMesh(dims ('dp',), sizes (2,), ranks {dp_ranks}" in out["dp-of-2d"]
+        assert out["unchanged"] and out["accepted"], rank
+        assert "no trainable bf16 param" in out["remainders"], rank
+        assert "FSDP2's sharded fp32 params" in out["remainders"], rank
+
+
 # ----------------------------------------------------------------------------- the main job
 
 FSDP2_TP2_DP2 = ["--use-torch-fsdp2", "--tensor-model-parallel-size", "2",

@@ -111,8 +111,25 @@ def _mesh_group(mesh):
     return dist.new_group(ranks)
 
 
-def _check_fsdp_params(optimizer, dp_dim: str) -> None:
+def _describe_mesh(mesh) -> str:
+    names = tuple(mesh.mesh_dim_names or ())
+    return (f"DeviceMesh(dims {names}, sizes {tuple(mesh.mesh.shape)}, ranks {mesh.mesh.tolist()}, "
+            f"{mesh.device_type!r})")
+
+
+def _same_mesh(a, b) -> bool:
+    """Same dim names, sizes, ranks (in mesh order) and device type."""
+    return (tuple(a.mesh_dim_names or ()) == tuple(b.mesh_dim_names or ())
+            and a.device_type == b.device_type and a.mesh.tolist() == b.mesh.tolist())
+
+
+def _check_fsdp_params(optimizer, dp_dim: str, mesh=None) -> None:
     from torch.distributed.tensor import DTensor
+
+    # the meshes a param of a model sharded on ``mesh`` may have: the mesh itself (DP only, or
+    # a TP param sharded over DP too) or, for a 2-D mesh, its DP sub-mesh (a param replicated
+    # over TP that fully_shard shards over mesh[dp] only)
+    allowed = [] if mesh is None else [mesh] + ([mesh[dp_dim]] if mesh.ndim == 2 else [])
 
     for gi, group in enumerate(getattr(optimizer, "param_groups", [])):
         for pi, p in enumerate(group["params"]):
@@ -127,6 +144,15 @@ def _check_fsdp_params(optimizer, dp_dim: str) -> None:
                     f"{where} has dtype {p.dtype}; fully_shard's sharded params are the fp32 "
                     "master weights: keep the model fp32 and give the compute dtype to "
                     "MixedPrecisionPolicy(param_dtype=...) (tpamp.fsdp.mixed_precision_policy)"
+                )
+            if allowed and not any(_same_mesh(p.device_mesh, m) for m in allowed):
+                raise ValueError(
+                    f"{where} was sharded on {_describe_mesh(p.device_mesh)}, but "
+                    f"fully_shard_optimizer was given {_describe_mesh(mesh)}"
+                    + (f" (DP sub-mesh {_describe_mesh(allowed[1])})" if len(allowed) > 1 else "")
+                    + ": pass the mesh the model was fully_shard'ed (and tensor-parallelized) "
+                    "on; with another mesh the grad norm, zero count and inf/nan decision would "
+                    "miss other ranks' shards"
                 )
             names = tuple(p.device_mesh.mesh_dim_names or ())
             # Shard, or _StridedShard (fully_shard over a TP-sharded dim 0: not a Shard
@@ -155,16 +181,19 @@ def fully_shard_optimizer(optimizer: torch.optim.Optimizer, mesh, *, tp_dim: str
         clip_grad, norm_type, log_num_zeros_in_grad, skip_nonfinite, spike_detector,
         fused_step, sync_free), with its guards (step guard, cross-rank settings check).
 
-    Collective when ``mesh`` does not span the whole default group (a ``new_group``).
+    Collective: every rank of ``mesh`` must call it (when ``mesh`` does not span the whole
+    default group, a ``new_group``: then every rank of the default group).
     Raises TypeError for a mesh that is not a DeviceMesh or a param that is not an fp32
-    DTensor; ValueError for a mesh of other dims, a param not sharded over the DP dim, or
-    grad_stats_group / tensor_parallel_group given (this function sets them).
+    DTensor; ValueError for a mesh of other dims, a param sharded on another mesh than
+    ``mesh`` (or, for a 2-D mesh, its DP sub-mesh; dims, sizes and ranks compared, both meshes
+    named), a param not sharded over the DP dim, or grad_stats_group / tensor_parallel_group
+    given (this function sets them). Nothing is changed when it raises.
     """
     for key in ("grad_stats_group", "tensor_parallel_group"):
         if key in kwargs:
             raise ValueError(f"fully_shard_optimizer sets {key} from the mesh; do not pass it")
     dp_dim, tp = _mesh_dims(mesh, tp_dim)
-    _check_fsdp_params(optimizer, dp_dim)
+    _check_fsdp_params(optimizer, dp_dim, mesh)
     tp_group = mesh[tp].get_group() if tp is not None else None
     dp_group = mesh[dp_dim].get_group() if mesh.ndim == 2 else mesh.get_group()
     opt = FP32Optimizer(
@@ -179,9 +208,12 @@ def track_param_grad_norms(optimizer, named_params: Iterable[Tuple[str, Tensor]]
     ``optimizer.track_param_grad_norms``): every rank of the mesh holds a piece of every param,
     so all give the same names. Returns the :class:`tpamp.param_norms.ParamGradNormTracker`,
     also set as ``optimizer.param_norm_tracker``; after ``optimizer.step(param_grad_norms=True)``
-    its ``norms`` are {name: norm of the full, unsharded gradient} on every rank. A collective
-    over the mesh (every rank calls it once). Raises ValueError for an optimizer that
-    :func:`fully_shard_optimizer` did not build, and as the tracker does."""
+    its ``norms`` are {name: norm of the full, unsharded gradient} on every rank.
+
+    Collective: every rank of the optimizer's mesh must call it, once, with the same names
+    (a rank that skips it leaves the others waiting in the first tracked step). Raises
+    ValueError for an optimizer that :func:`fully_shard_optimizer` did not build, and as the
+    tracker does (:class:`tpamp.param_norms.ParamGradNormTracker`)."""
     if optimizer not in _DP_GROUPS:
         raise ValueError(
             "track_param_grad_norms takes an optimizer built by tpamp.fsdp.fully_shard_optimizer, "
