@@ -254,3 +254,45 @@ def test_narrow_state_with_a_scaler_below_one_is_refused_at_construction():
             inner, grad_scaler=tpamp.DynamicGradScaler(initial_scale=8.0, min_scale=0.5),
             **CONFIGS["8bit"]),
         inner, list(model.parameters()), ValueError, ["min_scale=0.5", "never drops below 1"])
+
+
+# -- names for last_nonfinite: the grad-norm tracker's rules ---------------------------------
+
+
+def _names_cases():
+    model = torch.nn.Sequential(torch.nn.Linear(3, 2), torch.nn.Linear(2, 1)).to(torch.bfloat16)
+    w0, b0, w1, b1 = model.parameters()
+    return model, [
+        ("duplicate-name", [("w", w0), ("w", b0), ("x", w1), ("y", b1)],
+         ["'w'", "two different params"]),
+        ("empty-name", [("", w0), ("b0", b0)], ["non-empty", "''"]),
+        ("two-names", [("a", w0), ("b", w0)], ["named both", "'a'", "'b'"]),
+        ("dict-duplicate", {w0: "same", b0: "same"}, ["'same'", "two different params"]),
+    ]
+
+
+@pytest.mark.parametrize("case", [c[0] for c in _names_cases()[1]])
+def test_param_names_for_last_nonfinite_are_checked_as_the_tracker_checks_them(case):
+    from tpamp.nonfinite import param_name_map
+
+    model, cases = _names_cases()
+    names, words = {c[0]: (c[1], c[2]) for c in cases}[case]
+    inner = torch.optim.AdamW(model.parameters(), lr=0.1)
+    _refused_construction(
+        lambda: tpamp.MixedPrecisionOptimizer(inner, param_names=names), inner,
+        list(model.parameters()), ValueError, ["param_names", *words])
+    with pytest.raises(ValueError, match="param_names"):
+        param_name_map(names)
+    # the tracker refuses the same names
+    if not isinstance(names, dict):
+        opt = tpamp.MixedPrecisionOptimizer(inner)
+        with pytest.raises(ValueError):
+            opt.track_param_grad_norms(names)
+
+
+def test_param_names_accepts_named_parameters_and_a_repeated_pair():
+    from tpamp.nonfinite import param_name_map
+
+    model = torch.nn.Linear(3, 2)
+    pairs = list(model.named_parameters())
+    assert param_name_map(pairs + pairs[:1]) == {id(p): n for n, p in pairs}

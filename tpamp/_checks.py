@@ -32,6 +32,7 @@ __all__ = [
     "check_mapping",
     "check_narrow_state_scaler",
     "check_norm_type",
+    "check_param_names",
     "check_real",
     "check_tensor_list",
     "tp_rank",
@@ -252,3 +253,22 @@ def check_narrow_state_scaler(grad_scaler, exp_avg_dtype, exp_avg_sq_dtype,
         f"step, which needs a loss scaler that never drops below 1; this {cls} has {setting}, "
         f"so the loss scale can be below 1 (give it {fix}, or keep float32 state)"
     )
+
+
+def check_param_names(pairs, name: str = "param_names") -> None:
+    """The values of (param name, param) pairs, as the per-parameter grad-norm tracker checks
+    them (tpamp.param_norms.ParamGradNormTracker): every name a non-empty string (ValueError
+    naming the position), no name given to two different params, no param given two different
+    names (ValueError naming both). The same (name, param) pair twice is fine. Types are the
+    caller's check. Changes nothing."""
+    by_name, by_param = {}, {}
+    for i, (n, p) in enumerate(pairs):
+        if not isinstance(n, str) or not n:
+            raise ValueError(f"{name}: names must be non-empty strings, got {n!r} (entry {i})")
+        if n in by_name and by_name[n] is not p:
+            raise ValueError(f"{name}: the name {n!r} is given to two different params")
+        other = by_param.get(id(p))
+        if other is not None and other != n:
+            raise ValueError(f"{name}: one param is named both {other!r} and {n!r}")
+        by_name[n] = p
+        by_param[id(p)] = n

@@ -41,6 +41,8 @@ from typing import Callable, Dict, Iterable, List, NamedTuple, Optional, Sequenc
 import torch
 import torch.distributed as dist
 
+from tpamp._checks import check_param_names
+
 __all__ = [
     "NonFiniteGrad",
     "NonFiniteActivation",
@@ -89,8 +91,9 @@ def rank_coords(parallel_state=None, *, tensor_parallel_group=None, data_paralle
 
 def param_name_map(param_names) -> Dict[int, str]:
     """{id(param): name} from ``model.named_parameters()`` ((name, param) pairs) or a dict
-    param -> name (None: {}); the first name of a param given twice wins. Raises TypeError for
-    an entry that is not (str, Tensor)."""
+    param -> name (None: {}). Raises TypeError for an entry that is not (str, Tensor),
+    ValueError for an empty name, a name given to two params or a param given two names
+    (:func:`tpamp._checks.check_param_names`, the grad-norm tracker's rules)."""
     if param_names is None:
         return {}
     if isinstance(param_names, dict):
@@ -112,6 +115,7 @@ def param_name_map(param_names) -> Dict[int, str]:
                 f"param -> name; got an entry {item!r:.80}"
             )
         out.setdefault(id(item[1]), item[0])
+    check_param_names(items)  # as the grad-norm tracker: no empty or duplicate names
     return out
 
 
