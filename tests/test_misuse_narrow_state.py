@@ -296,3 +296,95 @@ def test_param_names_accepts_named_parameters_and_a_repeated_pair():
     model = torch.nn.Linear(3, 2)
     pairs = list(model.named_parameters())
     assert param_name_map(pairs + pairs[:1]) == {id(p): n for n, p in pairs}
+
+
+# -- the unclear cases ----------------------------------------------------------------------
+
+
+def test_plot_without_matplotlib_prints_one_install_line_and_exits_2(tmp_path):
+    """``python -m tpamp.plot`` where matplotlib cannot be imported (hidden by a path entry
+    that makes its import fail): exit code 2, one line on stderr naming the install command,
+    no traceback, no image written."""
+    import os
+    import subprocess
+    import sys
+
+    log = tmp_path / "log.jsonl"
+    log.write_text('{"iteration": 1, "loss": 2.0, "grad_norm": 1.0, "loss_scale": 8.0}\n')
+    blocker = tmp_path / "block"
+    blocker.mkdir()
+    (blocker / "sitecustomize.py").write_text(
+        "import sys\nsys.modules['matplotlib'] = None  # import matplotlib -> ModuleNotFoundError\n")
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(blocker), root]))
+    res = subprocess.run([sys.executable, "-m", "tpamp.plot", str(log)], env=env,
+                         capture_output=True, text=True, timeout=120)
+    assert res.returncode == 2, (res.returncode, res.stderr)
+    lines = res.stderr.strip().splitlines()
+    assert lines == ["tpamp.plot needs matplotlib, which is not installed: pip install matplotlib "
+                     "(or pip install 'tpamp[plot]')"], res.stderr
+    assert not (tmp_path / "log.png").exists()
+
+
+def test_track_param_grad_norms_takes_a_dict_or_says_what_to_pass():
+    """A dict {name: param} (or {param: name}) names the params as its items do; a list of
+    names raises TypeError saying to pass named_parameters() / .items(), tracker unchanged."""
+    model = torch.nn.Sequential(torch.nn.Linear(3, 2), torch.nn.Linear(2, 1)).to(torch.bfloat16)
+    opt = tpamp.MixedPrecisionOptimizer(torch.optim.AdamW(model.parameters(), lr=0.1))
+    want = [n for n, _ in model.named_parameters()]
+
+    def norms_after_a_step(tracker):
+        for p in model.parameters():
+            p.grad = torch.full_like(p, 0.5)
+        opt.step(param_grad_norms=True)
+        return dict(tracker.norms)
+
+    by_pairs = norms_after_a_step(opt.track_param_grad_norms(model.named_parameters()))
+    assert list(by_pairs) == want
+    # an independent reference: the norm of a grad of 0.5 everywhere
+    for n, p in model.named_parameters():
+        assert by_pairs[n] == pytest.approx(0.5 * p.numel() ** 0.5, rel=1e-6)
+    by_name = opt.track_param_grad_norms(dict(model.named_parameters()))
+    assert by_name.names == want
+    by_param = opt.track_param_grad_norms({p: n for n, p in model.named_parameters()})
+    assert by_param.names == want
+    current = opt.param_norm_tracker
+    for bad, words in ((want, ["named_parameters()", ".items()", "'0.weight'"]),
+                       ({"w": "not a tensor"}, ["dict {name: param}", "str: str"]),
+                       (torch.ones(2), ["Tensor"])):
+        with pytest.raises(TypeError) as info:
+            opt.track_param_grad_norms(bad)
+        for w in words:
+            assert w in str(info.value), (w, str(info.value))
+        assert opt.param_norm_tracker is current  # unchanged
+
+
+@needs_kernel
+def test_param_grad_norms_work_with_narrow_state():
+    """step(param_grad_norms=True) takes the one-pass path with narrow state (no refusal): the
+    norms equal the grads' own norms, and the params moved."""
+    model, opt = _trained("8bit+rem", steps=1)
+    tracker = opt.track_param_grad_norms(model.named_parameters())
+    gen = torch.Generator().manual_seed(9)
+    grads = {n: (torch.randn(p.shape, generator=gen) * 1e-2).to(p.dtype)
+             for n, p in model.named_parameters()}
+    before = [p.detach().clone() for p in model.parameters()]
+    for n, p in model.named_parameters():
+        p.grad = grads[n].clone()
+    assert opt.step(param_grad_norms=True).update_successful
+    for n, g in grads.items():
+        assert tracker.norms[n] == pytest.approx(float(g.double().norm()), rel=1e-5)
+    assert all(not torch.equal(a, b) for a, b in zip(before, model.parameters()))
+
+
+def test_collective_helpers_say_so():
+    """Every collective-only helper's docstring says which ranks must call it."""
+    from tpamp import fsdp, grad_stats, nonfinite, param_norms
+    from tpamp.checkpoint import load_checkpoint, save_checkpoint
+
+    for fn in (fsdp.fully_shard_optimizer, fsdp.track_param_grad_norms,
+               grad_stats.get_grad_norm_fp32, grad_stats.count_zeros_fp32,
+               nonfinite.gather_nonfinite, nonfinite.NonFiniteTracer.result,
+               param_norms.ParamGradNormTracker, save_checkpoint, load_checkpoint):
+        doc = " ".join((fn.__doc__ or "").split())
+        assert "ollective: every rank of" in doc and "must call it" in doc, fn.__qualname__

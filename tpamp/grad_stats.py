@@ -142,6 +142,8 @@ def get_grad_norm_fp32(
     Returns a 0-dim float32 tensor on the grads' device (for an empty list, the collective's
     device); nothing is read on the host. Raises ValueError for a bad norm_type or a group this
     rank is not in.
+
+    Collective: every rank of ``grad_stats_group`` must call it (None: no communication).
     """
     norm_type = _check_norm_type(norm_type)
     _check_group(grad_stats_group)
@@ -211,7 +213,8 @@ def count_zeros_fp32(
     """Number of zero elements in the filtered gradients of ``params``, summed over
     ``grad_stats_group`` (Megatron-LM's count_zeros_fp32). Exact: a 0-dim int64 tensor on the
     grads' device (the collective's device when this rank has none); no host sync.
-    Raises ValueError for a group this rank is not in."""
+    Raises ValueError for a group this rank is not in. Collective: every rank of
+    ``grad_stats_group`` must call it (None: no communication)."""
     _check_group(grad_stats_group)
     grads = filter_grads_for_norm(params, tensor_parallel_group)
     device = grads[0].device if grads else collective_device(grad_stats_group)

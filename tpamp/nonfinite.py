@@ -195,7 +195,8 @@ def local_records(names: Sequence[str], tensors: Sequence[Tensor], coords: RankC
 
 def gather_nonfinite(records: Sequence[NonFiniteGrad], group) -> List[NonFiniteGrad]:
     """Every rank's records, the same list on every rank of ``group`` (one
-    ``all_gather_object``; every rank of the group must call it, also one with no records), in
+    ``all_gather_object``. Collective: every rank of ``group`` must call it, also one with no
+    records), in
     backward order: the last pipeline stage first, and each rank's records in reverse of the
     order given (pass them in model order: backward produces the last layers' grads first), then
     by TP and DP rank. So the first record is the most downstream parameter, where an overflow
@@ -433,8 +434,8 @@ class NonFiniteTracer:
     # -- result ----------------------------------------------------------------------------
 
     def result(self, group=None) -> Optional[NonFiniteActivation]:
-        """The earliest finding along the pipeline over ``group`` (every rank of it must call
-        this: one ``all_gather_object``), the same on every rank; None when no rank found
+        """The earliest finding along the pipeline over ``group`` (collective: every rank of
+        ``group`` must call it; one ``all_gather_object``), the same on every rank; None when no rank found
         anything. group None: this rank's :attr:`first`."""
         found = [self.first] if self.first is not None else []
         if group is not None and dist.is_available() and dist.is_initialized():

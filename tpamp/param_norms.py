@@ -24,6 +24,7 @@ Usage::
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from typing import Dict, Iterable, List, Optional, Sequence, Tuple
 
 import torch
@@ -56,11 +57,40 @@ def top_k(norms: Dict[str, float], k: Optional[int]) -> Dict[str, float]:
     return dict(sorted(norms.items(), key=key)[: len(norms) if k is None else k])
 
 
+def _named_pairs(named_params) -> List[Tuple[str, Tensor]]:
+    """(name, param) pairs from ``model.named_parameters()`` (or any iterable of pairs), a dict
+    {name: param} (e.g. ``dict(model.named_parameters())``) or a dict {param: name} (as
+    ``param_names=`` takes). TypeError with what to pass for anything else."""
+    hint = ("named_params must be (name, param) pairs such as model.named_parameters(), or a "
+            "dict {name: param} / {param: name}")
+    if isinstance(named_params, (str, bytes, Tensor)):
+        raise TypeError(f"{hint}; got {type(named_params).__name__}")
+    if isinstance(named_params, Mapping):
+        pairs = list(named_params.items())
+        if all(isinstance(k, Tensor) and isinstance(v, str) for k, v in pairs):
+            return [(v, k) for k, v in pairs]
+        if not all(isinstance(k, str) and isinstance(v, Tensor) for k, v in pairs):
+            bad = next(kv for kv in pairs if not (isinstance(kv[0], str) and isinstance(kv[1], Tensor)))
+            raise TypeError(f"{hint}; got a dict with the entry ({type(bad[0]).__name__}: "
+                            f"{type(bad[1]).__name__})")
+        return pairs
+    try:
+        items = list(named_params)
+    except TypeError:
+        raise TypeError(f"{hint}; got {type(named_params).__name__}") from None
+    for item in items:
+        if not (isinstance(item, (tuple, list)) and len(item) == 2 and isinstance(item[1], Tensor)):
+            raise TypeError(f"{hint} (pass model.named_parameters() or a dict's .items()); got "
+                            f"an entry {item!r:.80}")
+    return [tuple(item) for item in items]
+
+
 class ParamGradNormTracker:
     """Names the optimizer's params and reduces their per-tensor grad norms over the group.
 
-    Built by :meth:`tpamp.MixedPrecisionOptimizer.track_param_grad_norms` (a collective over
-    the grad-stats group: every rank calls it, once). Attributes after a step with
+    Built by :meth:`tpamp.MixedPrecisionOptimizer.track_param_grad_norms`. Collective: every
+    rank of the optimizer's grad-stats group must call it, once (and then every step with
+    ``param_grad_norms=True`` on every rank alike). Attributes after a step with
     ``param_grad_norms=True``: :attr:`norms` ({name: float}, gradient units, unscaled and
     before clipping, in model order: the group's ranks in order, each rank's params in the
     order of ``named_params``); inf or nan for a param whose gradient overflowed on that step (which
@@ -84,14 +114,16 @@ class ParamGradNormTracker:
         itself (the default: every inner param is a model param). model_params: the model
         params this rank names (default: those of ``mains``; a DistributedOptimizer passes
         every trainable param, also one with no piece on this rank). data_parallel_group: the
-        group over which a DistributedOptimizer shards (its ranks hold the same names)."""
+        group over which a DistributedOptimizer shards (its ranks hold the same names).
+        named_params may also be a dict {name: param} or {param: name}; anything else raises
+        TypeError saying what to pass."""
         self.optimizer = optimizer
         self.norm_type = optimizer.norm_type
         group = optimizer.grad_stats_group
         # model param -> name; the optimizer holds main params (fp32 copies) for fp16/bf16 ones
         by_id: Dict[int, str] = {}
         position: Dict[str, int] = {}  # the caller's (module) order
-        for name, p in named_params:
+        for name, p in _named_pairs(named_params):
             if not isinstance(name, str) or not name:
                 raise ValueError(f"param names must be non-empty strings, got {name!r}")
             if id(p) in by_id and by_id[id(p)] != name:

@@ -84,18 +84,28 @@ def culprit_label(rec: Dict) -> Optional[str]:
     return text + (f" +{more}" if more > 0 else "")
 
 
+_NO_MATPLOTLIB = ("tpamp.plot needs matplotlib, which is not installed: pip install matplotlib "
+                  "(or pip install 'tpamp[plot]')")
+
+
 def plot_log(
     records: Sequence[Dict], path: str, *, max_params: int = 24, title: Optional[str] = None,
     max_labels: int = 40,
 ) -> str:
     """Draw ``records`` (from :func:`read_log`) into the image file ``path`` (format from its
     suffix, e.g. .png); returns path. max_params: rows of the per-parameter heatmap (>= 1).
-    max_labels: culprit labels on overflow-skipped steps (>= 0; the first ones)."""
+    max_labels: culprit labels on overflow-skipped steps (>= 0; the first ones). Raises
+    ModuleNotFoundError with the install line when matplotlib is missing."""
     if not isinstance(max_params, int) or max_params < 1:
         raise ValueError(f"max_params must be an int >= 1, got {max_params!r}")
     if isinstance(max_labels, bool) or not isinstance(max_labels, int) or max_labels < 0:
         raise ValueError(f"max_labels must be an int >= 0, got {max_labels!r}")
-    import matplotlib
+    try:
+        import matplotlib
+    except ModuleNotFoundError as e:
+        if e.name != "matplotlib":
+            raise
+        raise ModuleNotFoundError(_NO_MATPLOTLIB, name="matplotlib") from None
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -203,6 +213,11 @@ def main(argv=None) -> int:
         records = read_log(args.log)
         plot_log(records, out, max_params=args.max_params, title=args.title or args.log,
                  max_labels=args.max_labels)
+    except ModuleNotFoundError as e:
+        if e.name != "matplotlib":
+            raise
+        print(_NO_MATPLOTLIB, file=sys.stderr)  # one line, no traceback
+        return 2
     except (OSError, ValueError) as e:
         print(f"tpamp.plot: {e}", file=sys.stderr)
         return 2

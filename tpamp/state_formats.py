@@ -357,9 +357,10 @@ def refuse_generic_step(wrapper) -> None:
             or getattr(wrapper, "exp_avg_sq_dtype", torch.float32) != torch.float32
             or getattr(wrapper, "store_param_remainders", False)):
         raise RuntimeError(
-            f"this step would take the generic path (inner optimizer.step(): step hooks, an "
-            f"option the one-pass kernel lacks, param_grad_norms=True or a loss scaler that may "
-            f"drop below 1), which cannot keep exp_avg_dtype={wrapper.exp_avg_dtype}, "
+            f"this step would take the generic path (inner optimizer.step(): step hooks, a "
+            f"param group option the one-pass kernel lacks such as amsgrad set after "
+            f"construction, or a loss scaler that may drop below 1), which cannot keep "
+            f"exp_avg_dtype={wrapper.exp_avg_dtype}, "
             f"exp_avg_sq_dtype={wrapper.exp_avg_sq_dtype}, "
             f"store_param_remainders={wrapper.store_param_remainders}; nothing was changed"
         )

@@ -49,7 +49,8 @@ def load_checkpoint(checkpoint_dir: str, model_params: Mapping[str, Tensor], opt
                     verify_checksums: bool = True) -> Dict[str, Any]:
     """Load a :func:`save_checkpoint` checkpoint, written on any layout, into this rank's
     params, optimizer (main params, state, param-group hyperparameters, loss scaler, spike
-    detector); returns the requested ``extra`` values. Collective over ``process_group``.
+    detector); returns the requested ``extra`` values. Collective: every rank of
+    ``process_group`` must call it.
 
     All-or-nothing, in this order, every stage agreed over all ranks before the next (module
     docstring): (1) the checksum manifest and DCP's ``.metadata`` (against its checksum); (2)

@@ -72,7 +72,8 @@ def save_checkpoint(checkpoint_dir: str, model_params: Mapping[str, Tensor], opt
     """Write the model params, the optimizer's main params and state, its loss scaler and
     ``extra`` to ``checkpoint_dir`` with torch.distributed.checkpoint (keys: package docstring).
 
-    Collective over ``process_group`` (default: the world; no process group: one process).
+    Collective: every rank of ``process_group`` must call it (default: the world; no process
+    group: one process).
 
     Atomic: every rank writes into a new hidden directory beside ``checkpoint_dir``
     (``.NAME.saving-TOKEN``); when every rank's data and DCP's ``.metadata`` are written, the
