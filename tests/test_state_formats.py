@@ -1002,3 +1002,56 @@ def test_distributed_optimizer_8bit_keeps_params_finite_when_a_grad_square_overf
     if not _kernel_built():
         pytest.skip("tpamp._C with the fused step kernels is not built")
     assert run_workers(_overflow_dist_worker, 2, timeout=60.0) == [True, True]
+
+
+def _bad_scales_dist_worker(rank, world_size, src, dst):
+    """DistributedOptimizer at DP 2: rank 0's state dict loses its 8-bit scale keys (src
+    8-bit) or gains a short one; rank 0 refuses with KeyError / ValueError naming the key, rank
+    1 with ValueError naming rank 0, and neither changed anything."""
+    import torch.distributed as dist
+    from dist_utils import freeze, tensor_bytes
+
+    def build(cfg, seed):
+        torch.manual_seed(seed)
+        model = torch.nn.Sequential(torch.nn.Linear(40, 300),
+                                    torch.nn.Linear(300, 7)).to(torch.bfloat16)
+        inner = torch.optim.AdamW(model.parameters(), lr=1e-2, betas=(0.9, 0.95))
+        opt = tpamp.DistributedOptimizer(inner, data_parallel_group=dp, bucket_size=5000,
+                                         **CONFIGS[cfg])
+        gen = torch.Generator().manual_seed(seed)
+        for _ in range(2):
+            for p in model.parameters():
+                p.main_grad.copy_(torch.randn(p.shape, generator=gen) * 1e-2)
+            assert opt.step().update_successful
+            opt.zero_grad()
+        return model, opt
+
+    dp = dist.new_group(list(range(world_size)))
+    _, a = build(src, 1)
+    sd = a.state_dict()
+    if rank == 0:
+        for entry in sd["optimizer"]["state"].values():
+            if src == "8bit":
+                entry.pop("exp_avg_scale", None)
+            else:
+                entry["exp_avg_scale"] = torch.ones(1)
+    model, b = build(dst, 2)
+    before = ([tensor_bytes(p) for p in model.parameters()], freeze(b.state_dict()))
+    try:
+        b.load_state_dict(sd)
+        err = None
+    except (KeyError, ValueError) as e:
+        err = (type(e).__name__, str(e))
+    after = ([tensor_bytes(p) for p in model.parameters()], freeze(b.state_dict()))
+    return err, before == after
+
+
+@pytest.mark.parametrize("src,dst", [("8bit", "fp32"), ("8bit", "8bit+rem"), ("fp32", "8bit")])
+def test_distributed_optimizer_refuses_bad_8bit_scales_on_every_rank(src, dst):
+    if not _kernel_built():
+        pytest.skip("tpamp._C with the fused step kernels is not built")
+    (err0, same0), (err1, same1) = run_workers(_bad_scales_dist_worker, 2, src, dst, timeout=60.0)
+    assert same0 and same1
+    assert err0[0] == ("KeyError" if src == "8bit" else "ValueError")
+    assert "exp_avg_scale" in err0[1]
+    assert err1[0] == "ValueError" and "refused on rank(s) [0]" in err1[1]
