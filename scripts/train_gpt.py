@@ -63,6 +63,10 @@ What happens:
   every stage for the iteration after such a skip (``always``: every iteration, slow) and logs
   the first module, phase and micro-batch whose activations or activation grads are non-finite
   or within 2x of fp16's max, agreed over all ranks (JSONL ``nonfinite_activation``).
+- Flags: every flag and the ``--data`` file are checked first, on every rank, before torch is
+  imported or any process group, model or optimizer exists (``validate_args``): a bad one ends
+  the run with exit status 2 on every rank and one line on stderr from rank 0 naming the flag,
+  its value and what is expected.
 - Logging on one rank (last PP stage, TP rank 0, DP rank 0): a tqdm bar when stderr is a
   terminal, Megatron's line every ``--log-interval`` iterations (``tpamp.TrainingLogger``), a
   JSONL record per iteration and TensorBoard scalars under ``--log-dir``, validation loss every
@@ -303,8 +307,8 @@ def validate_args(args) -> None:
         _check(args, dest, getattr(args, dest) >= 1, "expected a size >= 1")
     tp, pp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
     _check(args, "tensor_model_parallel_size", world % (tp * pp) == 0,
-           f"tensor x pipeline size {tp} x {pp} = {tp * pp} must divide the {world} ranks "
-           "(WORLD_SIZE)")
+           f"expected tensor x pipeline size ({tp} x {pp} = {tp * pp}) to divide the {world} "
+           "ranks (WORLD_SIZE)")
     dp = world // (tp * pp)
     if args.use_torch_fsdp2:
         _check(args, "use_distributed_optimizer", not args.use_distributed_optimizer,
@@ -396,13 +400,13 @@ def validate_args(args) -> None:
         if not os.access(args.data, os.R_OK):
             raise FlagError("--data", args.data, "is not readable; expected a readable text file")
     size = data_size(args)
-    train, valid = split_sizes(size, args.valid_fraction)
-    if min(train, valid) <= args.seq_length + 1:
+    n_train, n_valid = split_sizes(size, args.valid_fraction)
+    if min(n_train, n_valid) <= args.seq_length + 1:
         flag, value = ("--data", args.data) if args.data else ("--data-max-bytes", args.data_max_bytes)
         raise FlagError(
             flag, value,
-            f"{'an empty file' if size == 0 else f'{size} bytes'} split into {train} train and "
-            f"{valid} validation bytes (--valid-fraction {args.valid_fraction}); expected more "
+            f"{'an empty file' if size == 0 else f'{size} bytes'} split into {n_train} train and "
+            f"{n_valid} validation bytes (--valid-fraction {args.valid_fraction}); expected more "
             f"than --seq-length + 1 = {args.seq_length + 1} bytes in each split"
         )
     # logging and evaluation
