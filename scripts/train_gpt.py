@@ -946,7 +946,7 @@ def train_step(run: Run, tracer, log_now: bool):
 
 
 def log_iteration(run: Run, it, loss, lr, loss_scale, result, log_now, extra) -> None:
-    """The logger's record and line (logging rank), the validation line, the bar."""
+    """The logger's record and line, and the validation line (on the logging rank)."""
     optimizer = run.optimizer
     if run.is_logging_rank:
         run.logger.record(
@@ -1058,6 +1058,7 @@ def summarize(run: Run, history, val_loss: float, elapsed: float) -> None:
 
 
 def main(argv=None):
+    """Configuration, build, one loop, summary. ``argv``: the flags (default sys.argv[1:])."""
     args = parse_args(argv)  # every flag and the data file checked: a bad one exits 2 here
     st, device = setup_distributed(args)
     run = build(args, st, device)
