@@ -235,3 +235,86 @@ def test_the_tracker_file_reads_as_tpamp_checkpoint_reads_it(tmp_path, text):
             gpt_checkpoint.resume_iteration(args)
     else:
         assert gpt_checkpoint.resume_iteration(args) == want
+
+
+# ----------------------------------------------------------------------------- in process
+
+
+def _train_gpt():
+    sys.path.insert(0, os.path.join(ROOT, "scripts"))
+    import train_gpt
+
+    return train_gpt
+
+
+IN_PROCESS = [
+    ("valid-fraction-one", ["--valid-fraction", "1"], ["--valid-fraction", "1.0", "0 < fraction < 1"]),
+    ("data-max-bytes-too-small", ["--data-max-bytes", "40"],
+     ["--data-max-bytes", "40", "--seq-length + 1 = 33"]),
+    ("loss-scale-beyond-float32", ["--loss-scale", "1e39"], ["--loss-scale", "1e+39", "float32"]),
+    ("hysteresis-zero", ["--hysteresis", "0"], ["--hysteresis", "0", ">= 1"]),
+    ("spike-threshold-zero", ["--spike-threshold", "0"], ["--spike-threshold", "0.0", "> 0"]),
+    ("eval-iters-zero", ["--eval-iters", "0"], ["--eval-iters", "0", ">= 1"]),
+    ("dist-timeout-zero", ["--dist-timeout", "0"], ["--dist-timeout", "0.0", "> 0"]),
+    ("num-layers-not-split-evenly", ["--tensor-model-parallel-size", "1",
+                                     "--pipeline-model-parallel-size", "2", "--num-layers", "3"],
+     ["--num-layers", "3", "--pipeline-model-parallel-size 2"]),
+    ("tp-not-dividing-the-vocabulary", ["--tensor-model-parallel-size", "3",
+                                        "--num-attention-heads", "3", "--hidden-size", "33"],
+     ["--tensor-model-parallel-size", "3", "256"]),
+]
+
+
+@pytest.mark.parametrize("case_id,flags,words", IN_PROCESS, ids=[c[0] for c in IN_PROCESS])
+def test_parse_args_refuses_in_process_with_one_line_on_rank_0(monkeypatch, capsys, case_id,
+                                                                flags, words):
+    train_gpt = _train_gpt()
+    world = "3" if case_id == "tp-not-dividing-the-vocabulary" else str(WORLD)
+    for rank, printed in ((0, True), (1, False)):
+        monkeypatch.setenv("RANK", str(rank))
+        monkeypatch.setenv("WORLD_SIZE", world)
+        argv = [f for f in BASE]
+        for f in flags:
+            if f.startswith("--") and f in argv:
+                argv = _without(argv, f)
+        with pytest.raises(SystemExit) as info:
+            train_gpt.parse_args([*argv, *flags])
+        assert info.value.code == 2
+        out, err = capsys.readouterr()
+        assert out == ""
+        if not printed:
+            assert err == "", err
+            continue
+        lines = err.splitlines()
+        assert len(lines) == 1 and lines[0].startswith("train_gpt.py: error: "), err
+        for w in words:
+            assert w in lines[0], (w, lines[0])
+
+
+@pytest.mark.parametrize("tracker, words", [("6", ["--load", "iteration 6", "--train-iters 2"]),
+                                            ("2", ["--load", "iteration 2", "--train-iters 2"]),
+                                            ("soon", ["--load", "'soon'", "iteration number"])])
+def test_a_load_directory_with_nothing_left_to_train_is_refused(monkeypatch, capsys, tmp_path,
+                                                                 tracker, words):
+    train_gpt = _train_gpt()
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", str(WORLD))
+    (tmp_path / "latest_checkpointed_iteration.txt").write_text(tracker)
+    with pytest.raises(SystemExit) as info:
+        train_gpt.parse_args([*BASE, "--load", str(tmp_path)])
+    assert info.value.code == 2
+    line = capsys.readouterr().err.strip()
+    for w in words:
+        assert w in line, (w, line)
+
+
+def test_the_flags_of_a_run_that_can_start_are_accepted(monkeypatch, capsys, tmp_path):
+    train_gpt = _train_gpt()
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", str(WORLD))
+    (tmp_path / "latest_checkpointed_iteration.txt").write_text("1")
+    args = train_gpt.parse_args([*BASE, "--bf16", "--store-param-remainders", "--exp-avg-dtype",
+                                 "fp8", "--load", str(tmp_path), "--log-dir", str(tmp_path / "l")])
+    assert args.store_param_remainders and args.exp_avg_dtype == "fp8"
+    assert capsys.readouterr() == ("", "")
+    assert not (tmp_path / "l").exists()
