@@ -238,11 +238,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     a("--eval-iters", type=int, default=5, help="global batches per evaluation")
     a("--no-progress", action="store_true", help="no tqdm bar")
     a("--dist-timeout", type=float, default=300.0, help="seconds before a collective fails")
-    # checkpoints (Megatron-LM's flags; scripts/gpt_checkpoint.py)
-    a("--save", default=None, help="directory to save checkpoints to (iter_NNNNNNN/ inside)")
-    a("--save-interval", type=int, default=None, help="save every N iterations (and at the end)")
-    a("--load", default=None, help="directory to resume from (latest checkpoint by default)")
-    a("--ckpt-step", type=int, default=None, help="resume from this iteration's checkpoint")
+    gpt_checkpoint.add_arguments(p)  # --save, --save-interval, --load, --ckpt-step
     args = p.parse_args(argv)
     try:
         validate_args(args)
