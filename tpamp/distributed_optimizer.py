@@ -35,6 +35,7 @@ import torch.distributed as dist
 
 from tpamp import _validation, ops, state_formats
 from tpamp.common import FUSED_KINDS, local_tensor, placed_like
+from tpamp.dp_collectives import all_gather_tensor, start_all_gather, start_reduce_scatter, uses_ring
 from tpamp.grad_scaler import MegatronGradScaler
 from tpamp.grad_stats import clip_coefficient, counts_toward_norm
 from tpamp.nonfinite import rank_coords
@@ -50,70 +51,6 @@ __all__ = ["DistributedOptimizer"]
 
 Tensor = torch.Tensor
 _FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
-
-# torch 2.13 renamed reduce_scatter_tensor / all_gather_into_tensor (the old names warn)
-_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-
-
-class _Ring:
-    """A reduce-scatter (SUM) or an all-gather over a gloo group by isend/irecv around the
-    ring (the bandwidth-optimal ring algorithm: d - 1 steps of n / d elements each way).
-
-    Used for gloo groups only: gloo's own reduce_scatter_tensor and all_gather_into_tensor
-    copy their whole input and output through temporaries (on this project's 2-core machine,
-    DP 2, 20M fp32 elements: reduce_scatter_tensor ~5x and all_gather_into_tensor ~7x the
-    time of the same bytes moved by isend/irecv; docs/benchmarks.md). Other backends (NCCL)
-    keep torch.distributed's collectives.
-
-    ``chunks``: [d, n / d] view of the flat buffer (reduce-scatter: the input, left unchanged;
-    all-gather: the output, whose chunk r is this rank's input). Reduce-scatter: ``out``
-    [n / d] receives the sum of chunk r over the ranks; the partial sums of the other chunks
-    pass through ``out`` and ``scratch`` [n / d] (d > 2 only) in turn. The first step is posted
-    at construction (async); ``wait()`` runs the rest. With d = 2 the sum is theirs + mine: the
-    same bits as any SUM of two."""
-
-    def __init__(self, group, chunks: Tensor, tag: int, out: Optional[Tensor] = None,
-                 scratch: Optional[Tensor] = None):
-        self.group, self.chunks, self.tag, self.out, self.scratch = group, chunks, tag, out, scratch
-        self.d = chunks.shape[0]
-        self.r = dist.get_rank(group)
-        self.step, self.works = 0, []
-        self.sent = None
-        self._post()
-
-    def _post(self) -> None:
-        d, r, s, chunks = self.d, self.r, self.step, self.chunks
-        nxt, prv = (r + 1) % d, (r - 1) % d
-        if self.out is None:  # all-gather: pass chunk r - s on, receive chunk r - s - 1
-            send, recv = chunks[(r - s) % d], chunks[(r - s - 1) % d]
-        else:  # reduce-scatter: pass the partial sum of chunk r - s - 1 on
-            send = chunks[(r - 1) % d] if s == 0 else self.sent
-            recv = self.out if (d - 2 - s) % 2 == 0 else self.scratch  # ends in out
-        self.recv = recv
-        self.works = [dist.irecv(recv, group=self.group, group_src=prv, tag=self.tag),
-                      dist.isend(send, group=self.group, group_dst=nxt, tag=self.tag)]
-
-    def wait(self) -> None:
-        while True:
-            for w in self.works:
-                w.wait()
-            self.works = []
-            if self.out is not None:  # add this rank's own part of the received chunk
-                self.recv.add_(self.chunks[(self.r - self.step - 2) % self.d])
-                self.sent = self.recv
-            self.step += 1
-            if self.step == self.d - 1:
-                return
-            self._post()
-
-
-class _Done:
-    """The handle of a collective that finished at once (a one-rank group)."""
-
-    def wait(self) -> None:
-        pass
-
 
 # grads of another dtype are added into main_grad in chunks of this many elements, so the
 # cast goes through a small temporary (not one the size of the grad: page faults on CPU)
@@ -392,9 +329,8 @@ class DistributedOptimizer(OptimizerWrapper):
         if grad_scaler is not None and grad_scaler.device != self._device:
             grad_scaler.to(self._device)
         self._one = torch.ones(1, dtype=torch.float32, device=self._device)
-        # gloo on CPU: reduce-scatter and all-gather by isend/irecv rings (see _Ring)
-        self._ring_p2p = (self._dp_size > 1 and self._device.type == "cpu"
-                          and "gloo" in str(dist.get_backend(data_parallel_group)))
+        # gloo on CPU: reduce-scatter and all-gather by isend/irecv rings (tpamp.dp_collectives)
+        self._ring_p2p = uses_ring(data_parallel_group, self._device)
         if check_params_across_dp and self._dp_size > 1:
             self._check_params_match_across_dp(entries)
         old_main_grads = {id(p): getattr(p, "main_grad", None) for p, _, _ in entries}
@@ -445,7 +381,7 @@ class DistributedOptimizer(OptimizerWrapper):
         local = torch.stack(sums) if sums else torch.zeros(0, 2, dtype=torch.float64)
         gathered = torch.empty((self._dp_size,) + tuple(local.shape), dtype=torch.float64,
                                device=local.device)
-        _all_gather(gathered.view(-1), local.reshape(-1).contiguous(), group=group)
+        all_gather_tensor(gathered.view(-1), local.reshape(-1).contiguous(), group=group)
         bits = gathered.view(torch.int64)
         differs = (bits != bits[0:1]).any(dim=2).any(dim=0)
         if bool(differs.any()):
@@ -679,20 +615,11 @@ class DistributedOptimizer(OptimizerWrapper):
             # a half-precision sum could overflow: scale by 1/d before it, as Megatron-LM does
             # (an fp32 sum cannot: there 1/d joins the unscale pass of step(), no extra pass)
             bucket.grad_data.mul_(1.0 / self._dp_size)
-        if self._ring_p2p:
-            d = self._dp_size
-            if d > 2 and bucket.scratch is None:
-                bucket.scratch = torch.empty_like(bucket.reduce_out)
-            bucket.handle = _Ring(self.data_parallel_group, bucket.grad_data.view(d, -1),
-                                  2 * bucket.index, out=bucket.reduce_out, scratch=bucket.scratch)
-        elif self._dp_size == 1:
-            bucket.reduce_out.copy_(bucket.grad_data)
-            bucket.handle = _Done()
-        else:
-            bucket.handle = _reduce_scatter(
-                bucket.reduce_out, bucket.grad_data, group=self.data_parallel_group,
-                async_op=True
-            )
+        if self._ring_p2p and self._dp_size > 2 and bucket.scratch is None:
+            bucket.scratch = torch.empty_like(bucket.reduce_out)
+        bucket.handle = start_reduce_scatter(
+            self.data_parallel_group, bucket.grad_data, bucket.reduce_out, 2 * bucket.index,
+            ring=self._ring_p2p, scratch=bucket.scratch)
 
     def _finish_grad_sync(self) -> None:
         """Step 1: grads set by hand go into main_grad, every bucket not yet reduced is
@@ -913,14 +840,8 @@ class DistributedOptimizer(OptimizerWrapper):
                 # fp32 params (the main shard is the input), remainder buckets (their own
                 # bf16 shard of high halves): into this rank's chunk of the in-place gather
                 own.copy_(b.param_shard)
-            if self._ring_p2p:
-                handles.append(_Ring(self.data_parallel_group, b.param_data.view(d, -1),
-                                     2 * b.index + 1))
-            elif d == 1:
-                handles.append(_Done())
-            else:
-                handles.append(_all_gather(b.param_data, b.param_shard,
-                                           group=self.data_parallel_group, async_op=True))
+            handles.append(start_all_gather(self.data_parallel_group, b.param_data,
+                                            b.param_shard, 2 * b.index + 1, ring=self._ring_p2p))
         srcs, dsts = [], []
         for b, h in zip(self._buckets, handles):
             h.wait()
