@@ -125,6 +125,20 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
     8. the inner optimizer steps the shard's main params; they are cast to the model dtype and
        all-gathered over DP into the model params.
 
+    A :class:`tpamp.MixedPrecisionOptimizer` (``isinstance`` holds, as Megatron-core's
+    DistributedOptimizer is a MixedPrecisionOptimizer): it inherits the loss scale, the one
+    ``step()`` and its guards, the skip decision, the spike detector, ``last_nonfinite`` and the
+    one-pass path, and supplies only what differs through the step's hooks: the gradient
+    buckets and their reduce-scatter (``_sync_grads``), the 1/d of the DP mean
+    (``_grad_scale``), the shard views the step reads (``_generic_grads`` /
+    ``_fused_grads``), the pre-reduce grads for ``last_nonfinite`` and the all-gather of the
+    new params (``_finish_params``); the reduce-scatter and all-gather themselves live in
+    :mod:`tpamp.dp_collectives`. Construction sets the shared settings through the same core
+    but makes no whole-param fp32 copy (MixedPrecisionOptimizer's ``__init__`` is not run):
+    the main params are this rank's shard pieces, and the methods tied to whole-param copies
+    (state dicts, ``reload_model_params``, ``zero_grad``, ``main_params_by_group``,
+    ``named_model_params``, ``track_param_grad_norms``) are this class's own.
+
     Differences from MixedPrecisionOptimizer: a param whose grad never arrived has a zero
     gradient (its main_grad), not none, so it is stepped (e.g. weight decay) and its zeros are
     counted, as in Megatron-LM; there is no ``sync_free`` mode (the step reads found_inf, the
@@ -219,30 +233,29 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
         self,
         optimizer: torch.optim.Optimizer,
         *,
+        data_parallel_group,
+        grad_stats_group=None,
+        tensor_parallel_group=None,
         grad_scaler: Optional[MegatronGradScaler] = None,
         clip_grad: float = 0.0,
         norm_type: float = 2.0,
         log_num_zeros_in_grad: bool = False,
-        data_parallel_group,
-        grad_stats_group=None,
-        tensor_parallel_group=None,
         grad_reduce_in_fp32: bool = True,
         overlap_grad_reduce: bool = False,
         deferred_reduce_params=None,
         bucket_size: Optional[int] = None,
-        param_names=None,
         skip_nonfinite: bool = True,
-        check_params_across_dp: bool = True,
-        spike_detector=None,
-        fused_step: bool = True,
-        parallel_state=None,
         exp_avg_dtype: torch.dtype = torch.float32,
         exp_avg_sq_dtype: torch.dtype = torch.float32,
         store_param_remainders: bool = False,
+        spike_detector=None,
+        check_params_across_dp: bool = True,
+        fused_step: bool = True,
+        param_names=None,
+        parallel_state=None,
     ):
-        state_options = self._check_core_args(
-            optimizer, grad_scaler, clip_grad, fused_step, exp_avg_dtype, exp_avg_sq_dtype,
-            store_param_remainders)
+        options = (exp_avg_dtype, exp_avg_sq_dtype, store_param_remainders)
+        state_options = self._check_core_args(optimizer, grad_scaler, clip_grad, fused_step, *options)
         if bucket_size is not None and (
             isinstance(bucket_size, bool) or not isinstance(bucket_size, int) or bucket_size < 1
         ):
@@ -596,6 +609,16 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
         """id(model param) -> index of the inner optimizer's param group that steps its pieces
         on this rank (params with no piece here are absent)."""
         return {id(q.param): q.group_index for q in self._pieces}
+
+    def main_params_by_group(self) -> List[List[Tensor]]:
+        """Per inner param group, this rank's fp32 main-param pieces (1-D views of the main
+        shards; storage-free placeholders for remainder buckets), in the group's order."""
+        return [list(g["params"]) for g in self.optimizer.param_groups]
+
+    def named_model_params(self) -> List[tuple]:
+        """(name, model param) of every trained param (requires_grad) in param-group order:
+        the ``param_names`` given at construction, ``param_groups.<g>.<i>`` for the others."""
+        return [(self._names[id(p)], p) for p in self._model_params]
 
     def bucket_layout(self) -> List[Tuple[str, int]]:
         """(model dtype, padded number of elements) of each bucket, in reduce order; every DP

@@ -107,6 +107,16 @@ class MixedPrecisionOptimizer(OptimizerWrapper):
     copies the Megatron attributes ``tensor_model_parallel``, ``partition_dim``,
     ``partition_stride`` and ``shared``. fp32 params are used as they are (no copy).
 
+    This class is also the core of every tpamp optimizer wrapper, as Megatron-core's
+    MixedPrecisionOptimizer is: :class:`FP32Optimizer` and :class:`tpamp.DistributedOptimizer`
+    subclass it and inherit the loss scale (``get_loss_scale``, ``scale_loss``, ``backward``),
+    the one ``step()`` -- statistics pass, collective, scaler update, skip decision, spike
+    detector, ``last_nonfinite``, clip, update, the sync-free tail and the one-pass path,
+    written once -- its guards, ``optimizer_state_bytes`` and the common keys of
+    ``state_dict``. A subclass supplies only what differs, through the step's hooks
+    (``_sync_grads``, ``_grad_scale``, ``_generic_grads`` / ``_fused_grads``,
+    ``_nonfinite_grads``, ``_finish_params``), so a feature added to the step reaches all three.
+
     ``step()`` (SPEC.md section 2), in this order:
 
     1. main.grad = fp32(model.main_grad if present else model.grad); model grads are released;
