@@ -43,6 +43,7 @@ from tpamp.optimizer import (
     MixedPrecisionOptimizer,
     StepGrads,
     check_fp16_scaler,
+    clear_grad,
     param_dtype_error,
 )
 
@@ -522,12 +523,7 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
             b.grad_data.zero_()
             b.written.clear()
             for p in b.params:
-                if p.grad is not None:
-                    if set_to_none:
-                        p.grad = None
-                    else:
-                        p.grad.detach_()
-                        p.grad.zero_()
+                clear_grad(p, set_to_none)
 
     def reload_model_params(self) -> None:
         """Copy model params -> this rank's main-param shard (after the model's weights were

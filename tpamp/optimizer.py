@@ -388,10 +388,10 @@ class MixedPrecisionOptimizer(OptimizerWrapper):
         data-parallel wrapper that attached them and are left alone, as in Megatron-LM)."""
         for pairs, fp32s in zip(self._half_pairs, self._fp32_params):
             for model, main in pairs:
-                _clear(model, set_to_none)
-                _clear(main, set_to_none)
+                clear_grad(model, set_to_none)
+                clear_grad(main, set_to_none)
             for p in fp32s:
-                _clear(p, set_to_none)
+                clear_grad(p, set_to_none)
 
     def reload_model_params(self) -> None:
         """Copy model params -> main params (after the model's weights were changed, e.g. a
@@ -1134,7 +1134,9 @@ def _fp32_grad(grad: Tensor, p: Tensor) -> Tensor:
     return grad
 
 
-def _clear(p: Tensor, set_to_none: bool) -> None:
+def clear_grad(p: Tensor, set_to_none: bool) -> None:
+    """Release p's ``.grad`` (set_to_none) or zero it in place (detached), as
+    ``torch.optim.Optimizer.zero_grad`` does; nothing when it has none."""
     if p.grad is None:
         return
     if set_to_none:
