@@ -257,10 +257,7 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
     ):
         options = (exp_avg_dtype, exp_avg_sq_dtype, store_param_remainders)
         state_options = self._check_core_args(optimizer, grad_scaler, clip_grad, fused_step, *options)
-        if bucket_size is not None and (
-            isinstance(bucket_size, bool) or not isinstance(bucket_size, int) or bucket_size < 1
-        ):
-            raise ValueError(f"bucket_size must be None or an int >= 1, got {bucket_size!r}")
+        _validation.check_int("bucket_size", bucket_size, low=1, allow_none=True)
         if data_parallel_group is None:
             raise ValueError(
                 "data_parallel_group must be this rank's data-parallel process group (a group "
@@ -336,7 +333,6 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
                 else:
                     p.main_grad = old_main_grads[id(p)]
             raise
-        self._tpamp_settings_agreed = True
         self._shard_optimizer(entries)
         self._bucket_of = {id(p): b for b in self._buckets for p in b.params}
         for p, _, _ in entries:
@@ -869,8 +865,7 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
             self._convert_state()  # moments into this optimizer's configured dtypes
             self._gather_model_params()
         # as after load_state_dict: a fresh step guard, settings compared again at the next step
-        _validation.reset_step_guard(self)
-        self._tpamp_settings_agreed = False
+        _validation.reset_step_guard(self, settings=True)
 
     def _sharded_view(self, q: _Piece, flat: Tensor):
         """``flat`` (1-D, the piece's elements) as a ShardedTensor of the param's global shape."""

@@ -154,7 +154,7 @@ class MixedPrecisionOptimizer(OptimizerWrapper):
             0-dim, num_zeros_in_grad: int64 0-dim or None); a skipped step reports grad_norm
             nan and num_zeros_in_grad -1 (sentinels; :class:`tpamp.TrainingLogger` writes
             null). The min-scale stall is then not checked in step (read
-            ``grad_scaler._overflow_at_min_scale()`` when convenient).
+            ``grad_scaler.overflow_at_min_scale()`` when convenient).
         spike_detector: a :class:`tpamp.SpikeDetector` judging each step's reduced grad norm
             and loss after step 5 (log, skip or raise; tpamp/spikes.py); its state is saved in
             state_dict()["spike_detector"]. Not with sync_free (it decides on the host). Bound
@@ -184,7 +184,7 @@ class MixedPrecisionOptimizer(OptimizerWrapper):
             precision-aware optimizer, Transformer Engine's FusedAdam). They need the one-pass
             step (an exact torch.optim.Adam/AdamW, fused_step=True): construction raises
             ValueError otherwise, and a step that would take the generic path (step hooks,
-            amsgrad, param_grad_norms=True, a scaler that may drop below 1) raises
+            amsgrad, a scaler that may drop below 1) raises
             RuntimeError instead. :meth:`optimizer_state_bytes` counts what they save.
         param_names: ``model.named_parameters()`` ((name, param) pairs) or a dict param ->
             name, as DistributedOptimizer takes: the names of ``last_nonfinite`` records (and
@@ -427,13 +427,7 @@ class MixedPrecisionOptimizer(OptimizerWrapper):
         rem = self._remainders.get(id(main))
         if rem is None:
             return main.detach().clone()
-        value = ops.join_remainders(local_tensor(model.detach()), rem)
-        if local_tensor(main) is not main:  # DTensor: the same mesh and placements
-            from torch.distributed.tensor import DTensor
-
-            return DTensor.from_local(value, main.device_mesh, main.placements, run_check=False,
-                                      shape=main.shape, stride=main.stride())
-        return value
+        return state_formats.master_from_remainder(model, rem, main)
 
     def _pair_locals(self):
         models, mains = [], []
@@ -535,7 +529,7 @@ class MixedPrecisionOptimizer(OptimizerWrapper):
         at_min = None
         if self.grad_scaler is not None:
             self.grad_scaler.update(found_inf)
-            at_min = self.grad_scaler._overflow_at_min_scale()
+            at_min = self.grad_scaler.overflow_at_min_scale()
         norm = self._root(norm_stat, finite_p)
         if self.sync_free:
             return self._finish_on_device(grads, found_inf, norm, num_zeros)
@@ -722,7 +716,7 @@ class MixedPrecisionOptimizer(OptimizerWrapper):
         host = torch.cat(parts).tolist()
         found = host[0] > 0
         if at_min is not None and host[-1] > 0:  # overflow at min_scale, or growth capped
-            self.grad_scaler._report_overflow_at_min_scale()
+            self.grad_scaler.report_overflow_at_min_scale()
         spikes = self.spike_detector
         if spikes is not None:  # a spike skip: as an overflow skip, but the scaler is restored
             loss = spikes.reduce_loss(self.grad_stats_group, self._device)
@@ -856,7 +850,7 @@ class MixedPrecisionOptimizer(OptimizerWrapper):
             local = rem if rem is not None else local_tensor(main)  # what the kernel steps
             if len(state) == 0:  # torch.optim.Adam's _init_group, with the step on the device
                 if narrow:
-                    state.update(_moments_like_main(state_formats.new_adam_state(
+                    state.update(state_formats.moments_like(state_formats.new_adam_state(
                         local, _scalar_dtype(), m_dtype, v_dtype), main))
                 else:
                     state["step"] = torch.zeros((), dtype=_scalar_dtype(), device=local.device)
@@ -869,7 +863,7 @@ class MixedPrecisionOptimizer(OptimizerWrapper):
                     new = state_formats.convert_adam_state(
                         {k: local_tensor(v) for k, v in state.items()}, local, m_dtype, v_dtype)
                     state.clear()
-                    state.update(_moments_like_main(new, main))
+                    state.update(state_formats.moments_like(new, main))
             mains.append(local)
             exp_avgs.append(local_tensor(state["exp_avg"]))
             exp_avg_sqs.append(local_tensor(state["exp_avg_sq"]))
@@ -1057,7 +1051,7 @@ class MixedPrecisionOptimizer(OptimizerWrapper):
                 new = state_formats.convert_adam_state(
                     {k: local_tensor(v) for k, v in state.items()}, like, m_dtype, v_dtype)
                 state.clear()
-                state.update(_moments_like_main(new, main))
+                state.update(state_formats.moments_like(new, main))
 
     # -- checkpoint interface (tpamp.checkpoint calls these) --
     # (kept self-contained: sharded_state_dict / load_sharded_state_dict and their helpers,
@@ -1209,8 +1203,8 @@ class FP32Optimizer(MixedPrecisionOptimizer):
 def check_wrapper_args(optimizer, grad_scaler, clip_grad) -> None:
     """The arguments every tpamp optimizer wrapper shares, checked before anything changes:
     a torch.optim.Optimizer not wrapped yet whose params have supported dtypes (TypeError /
-    ValueError), a tpamp scaler or None (TypeError), clip_grad a finite number >= 0
-    (ValueError)."""
+    ValueError), a tpamp scaler or None (TypeError), clip_grad a finite number >= 0 (TypeError
+    for a non-number, ValueError for nan, inf or a negative value)."""
     if not isinstance(optimizer, torch.optim.Optimizer):
         raise TypeError(
             f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}"
@@ -1221,13 +1215,7 @@ def check_wrapper_args(optimizer, grad_scaler, clip_grad) -> None:
             f"{type(grad_scaler).__name__}"
         )
     _validation.check_wrappable(optimizer)
-    if (
-        isinstance(clip_grad, bool)
-        or not isinstance(clip_grad, numbers.Real)
-        or not math.isfinite(clip_grad)
-        or clip_grad < 0
-    ):
-        raise ValueError(f"clip_grad must be a finite number >= 0, got {clip_grad!r}")
+    _validation.check_real("clip_grad", clip_grad, low=0.0)
 
 
 def check_fp16_scaler(has_fp16: bool, grad_scaler) -> None:
@@ -1281,11 +1269,7 @@ def _remainder_placeholder(param: Tensor) -> Tensor:
     expanded 0-dim zero): the state is keyed by it, the kernel never touches it."""
     local = local_tensor(param.detach())
     data = torch.zeros((), dtype=torch.float32, device=local.device).expand(local.shape)
-    if local is not param.detach() and _is_dtensor(param):
-        from torch.distributed.tensor import DTensor
-
-        data = DTensor.from_local(data, param.device_mesh, param.placements, run_check=False,
-                                  shape=param.shape, stride=param.stride())
+    data = state_formats.dtensor_like(data, param)
     main = torch.nn.Parameter(data, requires_grad=True)
     for attr in _COPIED_ATTRS:
         if hasattr(param, attr):
@@ -1293,33 +1277,8 @@ def _remainder_placeholder(param: Tensor) -> Tensor:
     return main
 
 
-def _moments_like_main(state: dict, main: Tensor) -> dict:
-    """Adam state whose moments are DTensors like a DTensor main (as torch.optim keeps them);
-    the 8-bit scales stay local (their blocks are this rank's)."""
-    if local_tensor(main) is main:
-        return state
-    from torch.distributed.tensor import DTensor
-
-    out = dict(state)
-    for k in ("exp_avg", "exp_avg_sq"):
-        if k in out and local_tensor(out[k]) is out[k]:
-            out[k] = DTensor.from_local(out[k], main.device_mesh, main.placements,
-                                        run_check=False, shape=main.shape, stride=main.stride())
-    return out
-
-
-def state_formats_refuse_generic(wrapper) -> None:
-    """The generic path (inner optimizer.step()) cannot keep narrow state: raise instead."""
-    if (getattr(wrapper, "exp_avg_dtype", torch.float32) != torch.float32
-            or getattr(wrapper, "exp_avg_sq_dtype", torch.float32) != torch.float32
-            or getattr(wrapper, "store_param_remainders", False)):
-        raise RuntimeError(
-            f"this step would take the generic path (inner optimizer.step(): step hooks, an "
-            f"option the one-pass kernel lacks, param_grad_norms=True or a loss scaler that may "
-            f"drop below 1), which cannot keep exp_avg_dtype={wrapper.exp_avg_dtype}, "
-            f"exp_avg_sq_dtype={wrapper.exp_avg_sq_dtype}, "
-            f"store_param_remainders={wrapper.store_param_remainders}; nothing was changed"
-        )
+# the old name (tpamp.distributed_optimizer imports it from here)
+state_formats_refuse_generic = state_formats.refuse_generic_step
 
 
 def _state_to_fp32(state: dict) -> dict:

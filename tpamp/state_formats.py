@@ -234,7 +234,7 @@ def refuse_generic_step(wrapper) -> None:
             or getattr(wrapper, "store_param_remainders", False)):
         raise RuntimeError(
             f"this step would take the generic path (inner optimizer.step(): step hooks, an "
-            f"option the one-pass kernel lacks, param_grad_norms=True or a loss scaler that may "
+            f"option the one-pass kernel lacks, amsgrad or a loss scaler that may "
             f"drop below 1), which cannot keep exp_avg_dtype={wrapper.exp_avg_dtype}, "
             f"exp_avg_sq_dtype={wrapper.exp_avg_sq_dtype}, "
             f"store_param_remainders={wrapper.store_param_remainders}; nothing was changed"
