@@ -101,10 +101,10 @@ class _Bucket:
 
 class DistributedOptimizer(MixedPrecisionOptimizer):
     """fp32 main params and optimizer state sharded over the data-parallel group
-    (Megatron-LM's DistributedOptimizer; SPEC.md section 8).
+    (Megatron-LM's DistributedOptimizer; docs/spec.md section 8).
 
     The interface and step order are those of :class:`tpamp.MixedPrecisionOptimizer`
-    (SPEC.md section 2), with the data-parallel gradient reduction done by ``step()`` itself:
+    (docs/spec.md section 2), with the data-parallel gradient reduction done by ``step()`` itself:
 
     0. during backward, each param's grad is added into its ``main_grad`` (a view of a flat,
        bucketed buffer: fp32 with ``grad_reduce_in_fp32``, else the model dtype) and ``.grad``

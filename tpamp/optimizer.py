@@ -117,7 +117,7 @@ class MixedPrecisionOptimizer(OptimizerWrapper):
     (``_sync_grads``, ``_grad_scale``, ``_generic_grads`` / ``_fused_grads``,
     ``_nonfinite_grads``, ``_finish_params``), so a feature added to the step reaches all three.
 
-    ``step()`` (SPEC.md section 2), in this order:
+    ``step()`` (docs/spec.md section 2), in this order:
 
     1. main.grad = fp32(model.main_grad if present else model.grad); model grads are released;
     2. every main grad is multiplied by 1/loss_scale and checked for inf/nan (found_inf over
