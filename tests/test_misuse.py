@@ -218,7 +218,7 @@ CASES = [
     ("mpo-grad_scaler-torch", lambda: tpamp.MixedPrecisionOptimizer(torch.optim.SGD([torch.nn.Parameter(torch.ones(1))], lr=1), grad_scaler=torch.amp.GradScaler("cpu")), TypeError, ["grad_scaler", "GradScaler"]),
     ("mpo-grad_stats_group-int", lambda: tpamp.MixedPrecisionOptimizer(torch.optim.SGD([torch.nn.Parameter(torch.ones(1))], lr=1), grad_stats_group=5), TypeError, ["grad_stats_group", "int"]),
     ("mpo-tensor_parallel_group-str", lambda: tpamp.MixedPrecisionOptimizer(torch.optim.SGD([torch.nn.Parameter(torch.ones(1))], lr=1), tensor_parallel_group="tp"), TypeError, ["tensor_parallel_group", "str"]),
-    ("mpo-clip_grad-str", lambda: tpamp.MixedPrecisionOptimizer(torch.optim.SGD([torch.nn.Parameter(torch.ones(1))], lr=1), clip_grad="1"), ValueError, ["clip_grad", "'1'"]),
+    ("mpo-clip_grad-str", lambda: tpamp.MixedPrecisionOptimizer(torch.optim.SGD([torch.nn.Parameter(torch.ones(1))], lr=1), clip_grad="1"), TypeError, ["clip_grad", "'1'"]),
     ("mpo-norm_type-str", lambda: tpamp.MixedPrecisionOptimizer(torch.optim.SGD([torch.nn.Parameter(torch.ones(1))], lr=1), norm_type="2"), TypeError, ["norm_type", "'2'"]),
     ("mpo-sync_free-unfused", lambda: tpamp.MixedPrecisionOptimizer(torch.optim.SGD([torch.nn.Parameter(torch.ones(1))], lr=1), sync_free=True), ValueError, ["sync_free", "SGD"]),
     ("mpo-step-closure", lambda: _fp16_opt()[2].step(lambda: 0.0), ValueError, ["closure"]),
