@@ -13,6 +13,9 @@ state when one is passed. So a resumed run continues exactly where the saved one
 another TP x PP x DP layout too, as long as the global batch size is the same (pass
 ``--global-batch-size``).
 
+torch and tpamp are imported by the functions that use them: train_gpt.py checks its flags
+with :func:`resume_iteration` before torch is imported.
+
 The trainer draws no per-rank random numbers (no dropout; initialisation has its own seeded
 generators), so the torch RNG state is the same on every rank and is saved once.
 """
@@ -21,10 +24,10 @@ from __future__ import annotations
 
 import os
 
-import torch
-import torch.distributed as dist
-
-from tpamp import checkpoint as ckpt
+# Megatron-LM's layout, as tpamp.checkpoint names it (iteration_dir, TRACKER_FILENAME), here in
+# the standard library: train_gpt.validate_args reads it before torch is imported
+ITERATION_DIR = "iter_{:07d}"
+TRACKER_FILENAME = "latest_checkpointed_iteration.txt"
 
 # the logger's running counters (spike counts where the logger keeps them)
 _COUNTERS = ("skipped_iters", "nan_iters", "loss_scale_changes", "spike_skips", "spikes", "_last_scale")
@@ -43,13 +46,25 @@ def add_arguments(parser) -> None:
     a("--ckpt-step", type=int, default=None, help="resume from this iteration's checkpoint")
 
 
-def check_arguments(args) -> None:
-    if args.save_interval is not None and args.save_interval < 1:
-        raise ValueError(f"--save-interval must be >= 1, got {args.save_interval}")
-    if args.save_interval is not None and args.save is None:
-        raise ValueError("--save-interval needs --save DIR")
-    if args.ckpt_step is not None and args.load is None:
-        raise ValueError("--ckpt-step needs --load DIR")
+def resume_iteration(args):
+    """The iteration ``--load`` resumes from: ``--ckpt-step``, else the latest recorded in
+    ``--load``'s tracker file, else None (no checkpoint there yet: train from scratch, as
+    Megatron-LM does). Raises ValueError for a ``--ckpt-step`` that was not saved there or a
+    tracker file that does not hold an iteration number. Reads files only, with the standard
+    library: train_gpt.validate_args calls it before any process group (or torch) exists."""
+    if args.ckpt_step is not None:
+        path = os.path.join(args.load, ITERATION_DIR.format(args.ckpt_step))
+        if not os.path.isdir(path):
+            raise ValueError(f"there is no {path}")
+        return args.ckpt_step
+    tracker = os.path.join(args.load, TRACKER_FILENAME)
+    if not os.path.isfile(tracker):
+        return None
+    with open(tracker) as f:
+        text = f.read().strip()
+    if not (text.isascii() and text.isdigit()):
+        raise ValueError(f"{tracker} holds {text!r}, expected an iteration number >= 0")
+    return int(text)
 
 
 def should_save(args, it: int) -> bool:
@@ -68,6 +83,11 @@ def save_training_state(
     """Write iteration ``it``'s checkpoint (collective); returns its directory. ``scheduler``:
     an LR scheduler whose state_dict is saved too (one that advances on successful steps only
     is not a function of the iteration)."""
+    import torch
+    import torch.distributed as dist
+
+    from tpamp import checkpoint as ckpt
+
     counters = [None]
     if dist.get_rank() == _logging_rank(st):  # the logger counts on the logging rank only
         counters[0] = {k: getattr(logger, k) for k in _COUNTERS if hasattr(logger, k)}
@@ -95,6 +115,8 @@ def save_training_state(
 
 def _check_training_state(extra, path, it, global_batch, scheduler) -> None:
     """Raise ValueError naming the first of ``extra``'s values this run cannot take."""
+    import torch
+
     if extra["global_batch_size"] != global_batch:
         raise ValueError(
             f"{path} was written with global batch size {extra['global_batch_size']}, this run "
@@ -134,19 +156,17 @@ def load_training_state(
     (``check_extra``) together with the model and optimizer state before anything changes.
     Raises tpamp.checkpoint.CheckpointError (nothing changed) for a checkpoint that does not
     fit this model or run (another global batch size, iteration or scheduler), ValueError for
-    a missing --ckpt-step or a checkpoint at or beyond --train-iters."""
-    it = args.ckpt_step if args.ckpt_step is not None else ckpt.read_latest_iteration(args.load)
+    a missing --ckpt-step (train_gpt.validate_args refuses it, and a checkpoint at or beyond
+    --train-iters, before the process group exists)."""
+    import torch
+
+    from tpamp import checkpoint as ckpt
+
+    it = resume_iteration(args)  # checked before the process group by train_gpt.validate_args
     if it is None:
         say(f" no checkpoint in {args.load} (no {ckpt.TRACKER_FILENAME}): training from scratch", flush=True)
         return 0
     path = ckpt.iteration_dir(args.load, it)
-    if args.ckpt_step is not None and not os.path.isdir(path):
-        raise ValueError(f"--ckpt-step {it}: there is no {path}")
-    if it >= args.train_iters:
-        raise ValueError(
-            f"the checkpoint is at iteration {it}, not before --train-iters {args.train_iters}: "
-            "nothing to train"
-        )
 
     def check_extra(extra):  # the trainer's own values, checked before anything changes
         _check_training_state(extra, path, it, global_batch, scheduler)

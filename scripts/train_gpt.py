@@ -63,6 +63,10 @@ What happens:
   every stage for the iteration after such a skip (``always``: every iteration, slow) and logs
   the first module, phase and micro-batch whose activations or activation grads are non-finite
   or within 2x of fp16's max, agreed over all ranks (JSONL ``nonfinite_activation``).
+- Flags: every flag and the ``--data`` file are checked first, on every rank, before torch is
+  imported or any process group, model or optimizer exists (``validate_args``): a bad one ends
+  the run with exit status 2 on every rank and one line on stderr from rank 0 naming the flag,
+  its value and what is expected.
 - Logging on one rank (last PP stage, TP rank 0, DP rank 0): a tqdm bar when stderr is a
   terminal, Megatron's line every ``--log-interval`` iterations (``tpamp.TrainingLogger``), a
   JSONL record per iteration and TensorBoard scalars under ``--log-dir``, validation loss every
@@ -73,28 +77,25 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import datetime
 import glob
 import json
 import math
 import os
+import struct
 import sys
 import time
-
-import torch
-import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # gpt_model
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # tpamp
 
-import gpt_checkpoint  # noqa: E402
-from gpt_model import GPTConfig, GPTStage, count_params, parallelize_stage  # noqa: E402
-
-import tpamp  # noqa: E402
-from tpamp.grad_stats import local_tensor  # noqa: E402
-from tpamp.parallel import initialize_model_parallel  # noqa: E402
+import gpt_checkpoint  # noqa: E402 -- the standard library only at import
 
 # ----------------------------------------------------------------------------- configuration
+#
+# Standard library only, up to the check of the flags: run as a script, a bad flag is refused
+# before torch is imported (seconds on a busy machine; see the end of this section).
 
 # the fp16 numerics switches, as argparse dests (reported in the first line and summary.json)
 NUMERICS_FLAGS = (
@@ -103,10 +104,56 @@ NUMERICS_FLAGS = (
 )
 
 
-_STATE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp8": torch.float8_e4m3fn}
+# --exp-avg-dtype / --exp-avg-sq-dtype (torch dtypes in build_optimizer)
+STATE_DTYPE_CHOICES = ("bf16", "fp32", "fp8")
+PROG = "train_gpt.py"
+VOCAB_SIZE = 256  # byte-level tokens
+
+
+class FlagError(ValueError):
+    """A command-line flag (or the data file it names) this run cannot use: ``flag`` and
+    ``value`` as given, ``expected`` what would work. ``str()`` is the one-line message."""
+
+    def __init__(self, flag: str, value, expected: str):
+        self.flag, self.value, self.expected = flag, value, expected
+        super().__init__(f"{flag} {value}: {expected}")
+
+
+def launch_rank() -> int:
+    """This process's global rank as torchrun sets it (``RANK``; 0 for a lone process), read
+    from the environment: usable before any process group exists."""
+    try:
+        return int(os.environ.get("RANK", "0"))
+    except ValueError:
+        return 0
+
+
+def launch_world_size() -> int:
+    """The number of ranks torchrun started (``WORLD_SIZE``; 1 for a lone process)."""
+    try:
+        return max(1, int(os.environ.get("WORLD_SIZE", "1")))
+    except ValueError:
+        return 1
+
+
+def exit_with_flag_error(message: str) -> None:
+    """argparse's convention on every rank: exit status 2. Only rank 0 (or the lone process)
+    prints, one line on stderr, so a bad flag gives one message, not one traceback per rank.
+    No collective: the other ranks need not wait for anything."""
+    if launch_rank() == 0:
+        print(f"{PROG}: error: {message}", file=sys.stderr, flush=True)
+    sys.exit(2)
+
+
+class _ArgumentParser(argparse.ArgumentParser):
+    def error(self, message):  # argparse's own checks (types, choices, exclusive flags)
+        exit_with_flag_error(message)
+
 
 def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    """The flags, parsed and validated (:func:`validate_args`): a bad flag exits with status 2
+    on every rank and one line on rank 0 (:func:`exit_with_flag_error`)."""
+    p = _ArgumentParser(prog=PROG, description=__doc__.split("\n\n")[0])
     a = p.add_argument
     # parallel layout
     a("--tensor-model-parallel-size", type=int, default=2)
@@ -137,10 +184,10 @@ def parse_args(argv=None) -> argparse.Namespace:
            "and a MixedPrecisionPolicy from --fp16/--bf16 (pipeline size 1; tpamp.fsdp)")
     a("--seed", type=int, default=1234)
     # optimizer-state storage (Megatron-core's precision-aware optimizer flags; tpamp.state_formats)
-    a("--exp-avg-dtype", choices=sorted(_STATE_DTYPES), default="fp32",
+    a("--exp-avg-dtype", choices=STATE_DTYPE_CHOICES, default="fp32",
       help="storage of Adam's exp_avg: fp32, bf16, or fp8 (8-bit e4m3fn codes, a scale per "
            "256 elements)")
-    a("--exp-avg-sq-dtype", choices=sorted(_STATE_DTYPES), default="fp32",
+    a("--exp-avg-sq-dtype", choices=STATE_DTYPE_CHOICES, default="fp32",
       help="storage of Adam's exp_avg_sq (as --exp-avg-dtype)")
     a("--store-param-remainders", action="store_true",
       help="--bf16 only: keep bf16 params + int16 remainders instead of fp32 master params")
@@ -193,20 +240,231 @@ def parse_args(argv=None) -> argparse.Namespace:
     a("--dist-timeout", type=float, default=300.0, help="seconds before a collective fails")
     gpt_checkpoint.add_arguments(p)  # --save, --save-interval, --load, --ckpt-step
     args = p.parse_args(argv)
-    gpt_checkpoint.check_arguments(args)
-    if args.overlap_grad_reduce and not args.use_distributed_optimizer:
-        p.error("--overlap-grad-reduce needs --use-distributed-optimizer (the grads are "
-                "reduce-scattered by its backward hooks)")
+    try:
+        validate_args(args)
+    except FlagError as e:
+        exit_with_flag_error(str(e))
     return args
+
+
+def _flag(dest: str) -> str:
+    return "--" + dest.replace("_", "-")
+
+
+def _check(args, dest: str, ok: bool, expected: str) -> None:
+    if not ok:
+        raise FlagError(_flag(dest), getattr(args, dest), expected)
+
+
+def _float32(x: float) -> float:
+    """``x`` rounded to float32 (inf beyond its range), as a loss scale is stored."""
+    try:
+        return struct.unpack("f", struct.pack("f", x))[0]
+    except OverflowError:
+        return math.copysign(math.inf, x)
+
+
+def _check_scale(args, dest: str) -> None:
+    """A loss scale flag: finite and > 0 in float32, the dtype tpamp's scalers store it in."""
+    value = getattr(args, dest)
+    _check(args, dest, math.isfinite(value) and value > 0 and 0 < _float32(value) < math.inf,
+           "expected a loss scale > 0 that float32 holds (1.4e-45 to 3.4e+38)")
+
+
+def default_text_files() -> list:
+    """The sorted *.py files next to ``os.py``: the Python standard library's own source."""
+    return sorted(glob.glob(os.path.join(os.path.dirname(os.__file__), "*.py")))
+
+
+def split_sizes(num_bytes: int, valid_fraction: float):
+    """(train, validation) bytes of a text of ``num_bytes``: the last ``valid_fraction``
+    (rounded down) is the validation split (ByteData)."""
+    n_valid = int(num_bytes * valid_fraction)
+    return num_bytes - n_valid, n_valid
+
+
+def data_size(args) -> int:
+    """Bytes of the text the run trains on: the --data file, or the default text cut to
+    --data-max-bytes (from the file sizes; nothing is read)."""
+    if args.data:
+        return os.path.getsize(args.data)
+    files = default_text_files()
+    return min(sum(os.path.getsize(f) for f in files) + max(0, len(files) - 1), args.data_max_bytes)
+
+
+def validate_args(args) -> None:
+    """Every check of the flags and the data file, with nothing but the environment torchrun
+    sets (``WORLD_SIZE``, ``LOCAL_WORLD_SIZE``): run on every rank before any process group,
+    model or optimizer exists. Raises :class:`FlagError` (a ValueError) naming the first flag
+    this run cannot take, its value and what is expected; returns None when all fit."""
+    world = launch_world_size()
+    # parallel layout
+    for dest in ("tensor_model_parallel_size", "pipeline_model_parallel_size"):
+        _check(args, dest, getattr(args, dest) >= 1, "expected a size >= 1")
+    tp, pp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
+    _check(args, "tensor_model_parallel_size", world % (tp * pp) == 0,
+           f"expected tensor x pipeline size ({tp} x {pp} = {tp * pp}) to divide the {world} "
+           "ranks (WORLD_SIZE)")
+    dp = world // (tp * pp)
+    if args.use_torch_fsdp2:
+        _check(args, "use_distributed_optimizer", not args.use_distributed_optimizer,
+               "--use-torch-fsdp2 and --use-distributed-optimizer exclude each other")
+        _check(args, "pipeline_model_parallel_size", pp == 1,
+               "--use-torch-fsdp2 needs --pipeline-model-parallel-size 1 "
+               "(torch.distributed.pipelining hangs on gloo)")
+    _check(args, "overlap_grad_reduce",
+           not args.overlap_grad_reduce or args.use_distributed_optimizer,
+           "--overlap-grad-reduce needs --use-distributed-optimizer (the grads are "
+           "reduce-scattered by its backward hooks)")
+    # model
+    for dest in ("num_layers", "hidden_size", "num_attention_heads", "seq_length"):
+        _check(args, dest, getattr(args, dest) >= 1, "expected an int >= 1")
+    _check(args, "num_layers", args.num_layers % pp == 0,
+           f"expected a multiple of --pipeline-model-parallel-size {pp} (an even split)")
+    _check(args, "hidden_size", args.hidden_size % args.num_attention_heads == 0,
+           f"expected a multiple of --num-attention-heads {args.num_attention_heads}")
+    _check(args, "num_attention_heads", args.num_attention_heads % tp == 0,
+           f"expected a multiple of --tensor-model-parallel-size {tp}")
+    _check(args, "tensor_model_parallel_size", VOCAB_SIZE % tp == 0,
+           f"expected a divisor of the vocabulary size {VOCAB_SIZE} (vocab-parallel embedding)")
+    # batch
+    _check(args, "micro_batch_size", args.micro_batch_size >= 1, "expected an int >= 1")
+    if args.num_microbatches is not None:
+        _check(args, "num_microbatches", args.num_microbatches >= 1, "expected an int >= 1")
+    if args.global_batch_size is not None:
+        per_step = args.micro_batch_size * dp
+        _check(args, "global_batch_size",
+               args.num_microbatches is None and args.global_batch_size >= 1
+               and args.global_batch_size % per_step == 0,
+               f"expected a positive multiple of micro-batch-size * DP = "
+               f"{args.micro_batch_size} * {dp} (and no --num-microbatches)")
+    # training
+    _check(args, "train_iters", args.train_iters >= 1, "expected an int >= 1")
+    _check(args, "lr", math.isfinite(args.lr) and args.lr > 0, "expected a finite lr > 0")
+    _check(args, "min_lr", math.isfinite(args.min_lr) and args.min_lr >= 0,
+           "expected a finite lr >= 0")
+    _check(args, "lr_warmup_iters", args.lr_warmup_iters >= 0, "expected an int >= 0")
+    for dest in ("weight_decay", "clip_grad"):
+        _check(args, dest, math.isfinite(getattr(args, dest)) and getattr(args, dest) >= 0,
+               "expected a finite value >= 0")
+    # loss scaling (tpamp.ConstantGradScaler / DynamicGradScaler: float32 scales, ints >= 1)
+    if args.loss_scale is not None:
+        _check_scale(args, "loss_scale")
+    _check_scale(args, "initial_loss_scale")
+    _check_scale(args, "min_loss_scale")
+    _check(args, "min_loss_scale", args.min_loss_scale <= args.initial_loss_scale,
+           f"expected at most --initial-loss-scale {args.initial_loss_scale}")
+    for dest in ("loss_scale_window", "hysteresis"):
+        _check(args, dest, 1 <= getattr(args, dest) <= 2**31 - 1, "expected an int >= 1")
+    # spike detection (tpamp.SpikeDetector)
+    _check(args, "spike_threshold", math.isfinite(args.spike_threshold)
+           and args.spike_threshold > 0, "expected a finite number > 0")
+    for dest in ("spike_window", "spike_warmup"):
+        _check(args, dest, getattr(args, dest) >= 2, "expected an int >= 2")
+    _check(args, "spike_warmup", args.spike_warmup <= args.spike_window,
+           f"expected at most --spike-window {args.spike_window}")
+    # narrow optimizer state (tpamp.state_formats): the one-pass Adam step only
+    dtype_flag = "--bf16" if args.bf16 else "--fp32" if args.fp32 else "--fp16 (the default)"
+    if args.store_param_remainders:
+        _check(args, "store_param_remainders", args.bf16,
+               f"remainders apply only to bf16 params, this run has {dtype_flag} params: "
+               "expected --bf16 (or no --store-param-remainders)")
+        _check(args, "store_param_remainders", not args.use_torch_fsdp2,
+               "with --use-torch-fsdp2 the sharded fp32 params are the masters: expected "
+               "no --store-param-remainders")
+    narrow = (args.exp_avg_dtype != "fp32" or args.exp_avg_sq_dtype != "fp32"
+              or args.store_param_remainders)
+    if narrow:
+        state = (f"--exp-avg-dtype {args.exp_avg_dtype} --exp-avg-sq-dtype "
+                 f"{args.exp_avg_sq_dtype}{' --store-param-remainders' if args.store_param_remainders else ''}")
+        if args.loss_scale is not None:
+            _check(args, "loss_scale", args.loss_scale >= 1,
+                   f"narrow optimizer state ({state}) needs the one-pass step, which needs a "
+                   "loss scale >= 1: expected --loss-scale >= 1")
+        elif not (args.bf16 or args.fp32):
+            _check(args, "min_loss_scale", args.min_loss_scale >= 1,
+                   f"narrow optimizer state ({state}) needs the one-pass step, which needs a "
+                   "loss scale that never drops below 1: expected --min-loss-scale >= 1")
+    # data
+    _check(args, "valid_fraction", 0 < args.valid_fraction < 1, "expected 0 < fraction < 1")
+    _check(args, "data_max_bytes", args.data_max_bytes >= 1, "expected an int >= 1")
+    if args.data:
+        if not os.path.exists(args.data):
+            raise FlagError("--data", args.data, "no such file; expected a text file")
+        if os.path.isdir(args.data):
+            raise FlagError("--data", args.data, "is a directory; expected a text file")
+        if not os.access(args.data, os.R_OK):
+            raise FlagError("--data", args.data, "is not readable; expected a readable text file")
+    size = data_size(args)
+    n_train, n_valid = split_sizes(size, args.valid_fraction)
+    if min(n_train, n_valid) <= args.seq_length + 1:
+        flag, value = ("--data", args.data) if args.data else ("--data-max-bytes", args.data_max_bytes)
+        raise FlagError(
+            flag, value,
+            f"{'an empty file' if size == 0 else f'{size} bytes'} split into {n_train} train and "
+            f"{n_valid} validation bytes (--valid-fraction {args.valid_fraction}); expected more "
+            f"than --seq-length + 1 = {args.seq_length + 1} bytes in each split"
+        )
+    # logging and evaluation
+    _check(args, "log_interval", args.log_interval >= 1, "expected an int >= 1")
+    _check(args, "log_param_grad_norms", args.log_param_grad_norms >= 0, "expected an int >= 0")
+    _check(args, "eval_interval", args.eval_interval >= 0, "expected an int >= 0 (0: no evaluation)")
+    _check(args, "eval_iters", args.eval_iters >= 1, "expected an int >= 1")
+    _check(args, "dist_timeout", math.isfinite(args.dist_timeout) and args.dist_timeout > 0,
+           "expected a finite number of seconds > 0")
+    for dest in ("log_dir", "save"):
+        path = getattr(args, dest)
+        _check(args, dest, path is None or not os.path.exists(path) or os.path.isdir(path),
+               "exists and is not a directory; expected a directory")
+    # checkpoints (Megatron-LM's flags)
+    if args.save_interval is not None:
+        _check(args, "save_interval", args.save_interval >= 1, "expected an int >= 1")
+        _check(args, "save_interval", args.save is not None, "expected --save DIR with it")
+    if args.ckpt_step is not None:
+        _check(args, "ckpt_step", args.load is not None, "expected --load DIR with it")
+        _check(args, "ckpt_step", args.ckpt_step >= 0, "expected an iteration >= 0")
+    if args.load is not None:
+        _check(args, "load", not os.path.exists(args.load) or os.path.isdir(args.load),
+               "exists and is not a directory; expected a checkpoint directory")
+        flag, value = (("--ckpt-step", args.ckpt_step) if args.ckpt_step is not None
+                       else ("--load", args.load))
+        try:
+            it = gpt_checkpoint.resume_iteration(args)
+        except ValueError as e:
+            raise FlagError(flag, value, str(e)) from None
+        if it is not None and it >= args.train_iters:
+            raise FlagError(flag, value, f"the checkpoint is at iteration {it}, not before "
+                            f"--train-iters {args.train_iters}: nothing to train")
+    # the devices: the last check, as it imports torch (which the run imports next anyway)
+    import torch
+
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
+    if torch.cuda.is_available() and torch.cuda.device_count() < local_world:
+        raise FlagError("--nproc-per-node", local_world,
+                        f"NCCL needs one GPU per rank and this node has "
+                        f"{torch.cuda.device_count()} (run on CPU with CUDA_VISIBLE_DEVICES=\"\")")
+
+
+if __name__ == "__main__":  # a bad flag exits here, before the imports below
+    parse_args()
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+from gpt_model import GPTConfig, GPTStage, count_params, parallelize_stage  # noqa: E402
+
+import tpamp  # noqa: E402
+from tpamp.grad_stats import local_tensor  # noqa: E402
+from tpamp.parallel import initialize_model_parallel  # noqa: E402
+
+_STATE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp8": torch.float8_e4m3fn}
 
 
 # ----------------------------------------------------------------------------- data
 
 
 def default_text() -> bytes:
-    """The Python standard library's own source: the sorted *.py files next to ``os.py``."""
-    files = sorted(glob.glob(os.path.join(os.path.dirname(os.__file__), "*.py")))
-    return b"\n".join(open(f, "rb").read() for f in files)
+    """The default data: the files of :func:`default_text_files`, joined by newlines."""
+    return b"\n".join(open(f, "rb").read() for f in default_text_files())
 
 
 class ByteData:
@@ -216,9 +474,10 @@ class ByteData:
     """
 
     def __init__(self, text: bytes, seq_length: int, valid_fraction: float):
-        tokens = torch.frombuffer(bytearray(text), dtype=torch.uint8)
-        n_valid = int(len(tokens) * valid_fraction)
-        self.train, self.valid = tokens[: len(tokens) - n_valid], tokens[len(tokens) - n_valid:]
+        tokens = torch.frombuffer(bytearray(text), dtype=torch.uint8) if text else \
+            torch.zeros(0, dtype=torch.uint8)
+        n_train, _ = split_sizes(len(tokens), valid_fraction)
+        self.train, self.valid = tokens[:n_train], tokens[n_train:]
         self.seq_length = seq_length
         for name, split in (("train", self.train), ("validation", self.valid)):
             if len(split) <= seq_length + 1:
@@ -355,16 +614,11 @@ def all_reduce_embedding_grads(stage, st) -> None:
 
 
 def setup_distributed(args):
-    """init_process_group (NCCL with GPUs, else gloo) and the TP x PP x DP layout."""
+    """init_process_group (NCCL with GPUs, one per rank as validate_args checked, else gloo)
+    and the TP x PP x DP layout."""
     use_cuda = torch.cuda.is_available()
     if use_cuda:
         local_rank = int(os.environ.get("LOCAL_RANK", 0))
-        local_world = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
-        if torch.cuda.device_count() < local_world:
-            raise RuntimeError(
-                f"{local_world} ranks on this node but {torch.cuda.device_count()} GPUs: NCCL "
-                "needs one GPU per rank (run on CPU with CUDA_VISIBLE_DEVICES=\"\")"
-            )
         torch.cuda.set_device(local_rank)
         device = torch.device("cuda", local_rank)
     else:
@@ -496,38 +750,52 @@ def lr_at(it: int, args) -> float:
     return args.min_lr + 0.5 * (args.lr - args.min_lr) * (1 + math.cos(math.pi * min(frac, 1.0)))
 
 
-# ----------------------------------------------------------------------------- main
+# ----------------------------------------------------------------------------- the run
 
 
-def main(argv=None):
-    args = parse_args(argv)
-    dtype = torch.bfloat16 if args.bf16 else torch.float32 if args.fp32 else torch.float16
-    if args.use_torch_fsdp2 and args.use_distributed_optimizer:
-        raise ValueError("--use-torch-fsdp2 and --use-distributed-optimizer exclude each other")
-    if args.use_torch_fsdp2 and args.pipeline_model_parallel_size != 1:
-        raise ValueError(
-            f"--use-torch-fsdp2 needs --pipeline-model-parallel-size 1, got "
-            f"{args.pipeline_model_parallel_size} (torch.distributed.pipelining hangs on gloo)"
-        )
-    st, device = setup_distributed(args)
-    dp = st.dims.dp
+@dataclasses.dataclass
+class Run:
+    """What :func:`build` makes for one run, shared by the loop and the summary."""
+
+    args: argparse.Namespace
+    st: object  # tpamp.parallel.ParallelState
+    device: torch.device
+    dtype: torch.dtype
+    cfg: GPTConfig
+    data: ByteData
+    num_microbatches: int
+    global_batch: int
+    stage: GPTStage
+    optimizer: object  # tpamp's wrapper around AdamW
+    scheduler: torch.optim.lr_scheduler.LambdaLR
+    tracker: object  # per-parameter grad norms (--log-param-grad-norms), or None
+    act_shape: tuple  # what crosses a pipeline stage boundary: [mb, T, H] ...
+    act_dtype: torch.dtype  # ... in the residual stream's dtype
+    is_logging_rank: bool
+    logger: tpamp.TrainingLogger = None
+    bar: object = None  # tqdm bar on the logging rank, or None
+    stream: object = None  # where log lines go (above the bar), or None: stdout
+    train_gen: torch.Generator = None
+
+    def say(self, *a, **k) -> None:
+        """print on the logging rank only."""
+        if self.is_logging_rank:
+            print(*a, **k)
+
+
+def batch_layout(args, dp: int):
+    """(microbatches per DP rank, global batch size) from --global-batch-size or
+    --num-microbatches (checked by validate_args)."""
     if args.global_batch_size is not None:
-        per_step = args.micro_batch_size * dp
-        if args.num_microbatches is not None or args.global_batch_size % per_step:
-            raise ValueError(
-                f"--global-batch-size {args.global_batch_size} must be a multiple of "
-                f"micro-batch-size * DP = {args.micro_batch_size} * {dp} (and excludes "
-                "--num-microbatches)"
-            )
-        num_microbatches = args.global_batch_size // per_step
+        num_microbatches = args.global_batch_size // (args.micro_batch_size * dp)
     else:
         num_microbatches = args.num_microbatches or 4
-    global_batch = args.micro_batch_size * num_microbatches * dp
-    is_logging_rank = st.is_last_stage and st.tp_rank == 0 and st.dp_rank == 0
-    say = print if is_logging_rank else (lambda *a, **k: None)
+    return num_microbatches, args.micro_batch_size * num_microbatches * dp
 
-    cfg = GPTConfig(
-        vocab_size=256,
+
+def model_config(args) -> GPTConfig:
+    return GPTConfig(
+        vocab_size=VOCAB_SIZE,
         seq_length=args.seq_length,
         hidden_size=args.hidden_size,
         num_layers=args.num_layers,
@@ -537,93 +805,169 @@ def main(argv=None):
         attention_softmax_in_fp32=args.attention_softmax_in_fp32,
         fp32_final_layernorm=args.fp32_final_layernorm,
     )
-    if cfg.num_attention_heads % st.dims.tp:
-        raise ValueError(
-            f"--num-attention-heads {cfg.num_attention_heads} is not divisible by "
-            f"--tensor-model-parallel-size {st.dims.tp}"
-        )
+
+
+def build(args, st, device) -> Run:
+    """Data, model stage, optimizer, LR schedule and per-parameter norm tracker of this rank."""
+    dtype = torch.bfloat16 if args.bf16 else torch.float32 if args.fp32 else torch.float16
+    num_microbatches, global_batch = batch_layout(args, st.dims.dp)
+    cfg = model_config(args)
     text = open(args.data, "rb").read() if args.data else default_text()[: args.data_max_bytes]
     data = ByteData(text, args.seq_length, args.valid_fraction)
     torch.manual_seed(args.seed)
     stage = build_stage(cfg, st, dtype, device, args.seed, fsdp2=args.use_torch_fsdp2)
     optimizer = build_optimizer(stage, args, st, dtype)
-    # Megatron-LM: the schedule advances only on successful steps (scheduler.step() below)
+    # Megatron-LM: the schedule advances only on successful steps (scheduler.step() in the loop)
     scheduler = torch.optim.lr_scheduler.LambdaLR(
         optimizer.optimizer, lambda steps_done: lr_at(steps_done + 1, args) / args.lr
     )
-    if not args.lr > 0:
-        raise ValueError(f"--lr must be > 0, got {args.lr}")
-    if args.log_param_grad_norms < 0:
-        raise ValueError(f"--log-param-grad-norms must be >= 0, got {args.log_param_grad_norms}")
     tracker = None
     if args.log_param_grad_norms:  # names with the global layer index: unique across stages
         if args.use_torch_fsdp2:  # every rank of the TP x DP mesh holds a piece of each param
             tracker = tpamp.fsdp.track_param_grad_norms(optimizer, stage.global_named_parameters())
         else:
             tracker = optimizer.track_param_grad_norms(stage.global_named_parameters())
-    act_shape = (args.micro_batch_size, args.seq_length, args.hidden_size)
-    # what crosses a pipeline stage boundary: the residual stream
-    act_dtype = torch.float32 if args.fp32_residual_connection else dtype
-    numerics = [name for name in NUMERICS_FLAGS if getattr(args, name)]
-    say(
-        f"GPT {count_params(cfg) / 1e6:.2f}M params ({cfg.num_layers} layers, hidden "
-        f"{cfg.hidden_size}, {cfg.num_attention_heads} heads, seq {cfg.seq_length}, vocab 256) | "
-        f"{dist.get_world_size()} ranks: TP {st.dims.tp} x PP {st.dims.pp} x DP {dp}"
-        f"{' (FSDP2 fully_shard)' if args.use_torch_fsdp2 else ''} on "
-        f"{device.type} ({dist.get_backend()}) | {str(dtype).replace('torch.', '')}"
-        f"{''.join(' +' + n for n in numerics)} | "
-        f"global batch {global_batch} = micro {args.micro_batch_size} x {num_microbatches} "
-        f"microbatches x DP {dp} | data {args.data or 'python stdlib source'}: "
-        f"{len(data.train)} train / {len(data.valid)} validation bytes",
-        flush=True,
+    return Run(
+        args=args, st=st, device=device, dtype=dtype, cfg=cfg, data=data,
+        num_microbatches=num_microbatches, global_batch=global_batch, stage=stage,
+        optimizer=optimizer, scheduler=scheduler, tracker=tracker,
+        act_shape=(args.micro_batch_size, args.seq_length, args.hidden_size),
+        act_dtype=torch.float32 if args.fp32_residual_connection else dtype,
+        is_logging_rank=st.is_last_stage and st.tp_rank == 0 and st.dp_rank == 0,
     )
 
-    bar, stream = None, None
-    if is_logging_rank and not args.no_progress:
+
+def describe(run: Run) -> str:
+    """The first line: model, layout, precision and numerics flags, batch and data."""
+    args, cfg, st = run.args, run.cfg, run.st
+    numerics = [name for name in NUMERICS_FLAGS if getattr(args, name)]
+    return (
+        f"GPT {count_params(cfg) / 1e6:.2f}M params ({cfg.num_layers} layers, hidden "
+        f"{cfg.hidden_size}, {cfg.num_attention_heads} heads, seq {cfg.seq_length}, vocab 256) | "
+        f"{dist.get_world_size()} ranks: TP {st.dims.tp} x PP {st.dims.pp} x DP {st.dims.dp}"
+        f"{' (FSDP2 fully_shard)' if args.use_torch_fsdp2 else ''} on "
+        f"{run.device.type} ({dist.get_backend()}) | {str(run.dtype).replace('torch.', '')}"
+        f"{''.join(' +' + n for n in numerics)} | "
+        f"global batch {run.global_batch} = micro {args.micro_batch_size} x "
+        f"{run.num_microbatches} microbatches x DP {st.dims.dp} | data "
+        f"{args.data or 'python stdlib source'}: "
+        f"{len(run.data.train)} train / {len(run.data.valid)} validation bytes"
+    )
+
+
+def start_logging(run: Run) -> None:
+    """The tqdm bar (a terminal only) and tpamp.TrainingLogger (line, JSONL, TensorBoard)."""
+    args = run.args
+    if run.is_logging_rank and not args.no_progress:
         try:
             from tqdm import tqdm
             from tqdm.contrib import DummyTqdmFile
         except ImportError:
             pass
         else:  # disable=None: no bar when stderr is not a terminal (CI logs)
-            bar = tqdm(total=args.train_iters, disable=None, unit="it", dynamic_ncols=True)
-            stream = DummyTqdmFile(sys.stdout)  # log lines go above the bar, not through it
+            run.bar = tqdm(total=args.train_iters, disable=None, unit="it", dynamic_ncols=True)
+            run.stream = DummyTqdmFile(sys.stdout)  # log lines go above the bar, not through it
     log_dir = args.log_dir
-    logger = tpamp.TrainingLogger(
+    run.logger = tpamp.TrainingLogger(
         args.train_iters,
         log_interval=args.log_interval,
         jsonl_path=os.path.join(log_dir, "log.jsonl") if log_dir else None,
         tensorboard_dir=os.path.join(log_dir, "tensorboard") if log_dir else None,
-        enabled=is_logging_rank,
-        stream=stream,
+        enabled=run.is_logging_rank,
+        stream=run.stream,
         param_grad_norms_top_k=args.log_param_grad_norms or None,
     )
 
-    def evaluate() -> float:
-        """Validation loss over --eval-iters fixed global batches (last stage; nan elsewhere)."""
-        gen = torch.Generator().manual_seed(args.seed + 1)  # the same batches every time
-        losses = []
-        for _ in range(args.eval_iters):
-            mbs = microbatches(data, "valid", gen, st, args.micro_batch_size, num_microbatches, device)
-            losses += forward_backward(
-                stage, mbs, st, act_shape, act_dtype,
-                fp16_lm_cross_entropy=args.fp16_lm_cross_entropy,
-            )
-        if args.use_torch_fsdp2:  # FSDP2's root keeps its params unsharded after a forward
-            stage.reshard()           # with no backward: back to the sharded fp32 masters
-        return mean_over_dp(losses, st) if st.is_last_stage else float("nan")
 
-    train_gen = torch.Generator().manual_seed(args.seed)
-    start_iter = 0
-    if args.load:  # model, optimizer, scaler, data position, RNG and log counters
-        start_iter = gpt_checkpoint.load_training_state(
-            args, stage, optimizer, st, train_gen, logger, global_batch, say,
-            scheduler=scheduler,
+def resume(run: Run) -> int:
+    """The training generator, and with --load the checkpoint's state (model, optimizer,
+    scaler, data position, RNG, log counters); returns the iteration to continue after."""
+    args = run.args
+    run.train_gen = torch.Generator().manual_seed(args.seed)
+    if not args.load:
+        return 0
+    start_iter = gpt_checkpoint.load_training_state(
+        args, run.stage, run.optimizer, run.st, run.train_gen, run.logger, run.global_batch,
+        run.say, scheduler=run.scheduler,
+    )
+    if run.bar is not None:
+        run.bar.update(start_iter)
+    return start_iter
+
+
+def evaluate(run: Run) -> float:
+    """Validation loss over --eval-iters fixed global batches (last stage; nan elsewhere)."""
+    args, st = run.args, run.st
+    gen = torch.Generator().manual_seed(args.seed + 1)  # the same batches every time
+    losses = []
+    for _ in range(args.eval_iters):
+        mbs = microbatches(run.data, "valid", gen, st, args.micro_batch_size,
+                           run.num_microbatches, run.device)
+        losses += forward_backward(
+            run.stage, mbs, st, run.act_shape, run.act_dtype,
+            fp16_lm_cross_entropy=args.fp16_lm_cross_entropy,
         )
-        if bar is not None:
-            bar.update(start_iter)
-    history, val_loss, first_loss = [], float("nan"), None
-    tracer = module_tracer(stage, st) if args.trace_nonfinite != "off" else None
+    if args.use_torch_fsdp2:  # FSDP2's root keeps its params unsharded after a forward
+        run.stage.reshard()       # with no backward: back to the sharded fp32 masters
+    return mean_over_dp(losses, st) if st.is_last_stage else float("nan")
+
+
+def train_step(run: Run, tracer, log_now: bool):
+    """One iteration: a global batch forward and backward (traced under ``tracer``, if any),
+    the grad reductions, the optimizer step and the LR schedule. Returns (the DP-mean loss on
+    the last stage, else None; the StepResult)."""
+    args, st, optimizer = run.args, run.st, run.optimizer
+    mbs = microbatches(run.data, "train", run.train_gen, st, args.micro_batch_size,
+                       run.num_microbatches, run.device)
+    with tracer if tracer is not None else contextlib.nullcontext():
+        losses = forward_backward(
+            run.stage, mbs, st, run.act_shape, run.act_dtype, optimizer,
+            fp16_lm_cross_entropy=args.fp16_lm_cross_entropy,
+            overlap_grad_reduce=args.overlap_grad_reduce,
+        )
+    # DistributedOptimizer.step and FSDP2's backward reduce-scatter the grads themselves
+    if not (args.use_distributed_optimizer or args.use_torch_fsdp2):
+        all_reduce_data_parallel_grads(run.stage, st)
+    all_reduce_embedding_grads(run.stage, st)
+    loss = None
+    if st.is_last_stage:  # the DP mean, so that every DP replica judges the same loss
+        loss = mean_over_dp(losses, st)
+        if optimizer.spike_detector is not None:
+            optimizer.spike_detector.observe_loss(loss)
+    result = optimizer.step(param_grad_norms=True) if log_now else optimizer.step()
+    optimizer.zero_grad()
+    if result.update_successful:
+        run.scheduler.step()
+    return loss, result
+
+
+def log_iteration(run: Run, it, loss, lr, loss_scale, result, log_now, extra) -> None:
+    """The logger's record and line, and the validation line (on the logging rank)."""
+    optimizer = run.optimizer
+    if run.is_logging_rank:
+        run.logger.record(
+            it, loss, lr, loss_scale, result,
+            param_grad_norms=run.tracker.norms if log_now else None,
+            spike=optimizer.spike_detector.last if optimizer.spike_detector else None,
+            nonfinite=optimizer.last_nonfinite,
+            **extra,
+        )
+        if "val_loss" in extra:
+            val_loss = extra["val_loss"]
+            run.say(
+                f" validation loss at iteration {it} | lm loss value: {val_loss:.6E} | "
+                f"lm loss PPL: {math.exp(min(val_loss, 700.0)):.6E} |",
+                file=run.stream,
+                flush=True,
+            )
+
+
+def train(run: Run, start_iter: int):
+    """The loop from ``start_iter + 1`` to --train-iters: step, trace, evaluate, log, save.
+    Returns (last-stage losses, last validation loss, seconds)."""
+    args, st, optimizer = run.args, run.st, run.optimizer
+    history, val_loss = [], float("nan")
+    tracer = module_tracer(run.stage, st) if args.trace_nonfinite != "off" else None
     trace_next = args.trace_nonfinite == "always"  # the same decision on every rank
     start = time.time()
     for it in range(start_iter + 1, args.train_iters + 1):
@@ -631,108 +975,95 @@ def main(argv=None):
         lr = optimizer.param_groups[0]["lr"]  # set by the scheduler
         # logged: the scale this iteration's loss is multiplied by (the step may change it)
         loss_scale = optimizer.get_loss_scale().item()
-        mbs = microbatches(data, "train", train_gen, st, args.micro_batch_size, num_microbatches, device)
         traced = tracer is not None and trace_next
-        with tracer if traced else contextlib.nullcontext():
-            losses = forward_backward(
-                stage, mbs, st, act_shape, act_dtype, optimizer,
-                fp16_lm_cross_entropy=args.fp16_lm_cross_entropy,
-                overlap_grad_reduce=args.overlap_grad_reduce,
-            )
-        # DistributedOptimizer.step and FSDP2's backward reduce-scatter the grads themselves
-        if not (args.use_distributed_optimizer or args.use_torch_fsdp2):
-            all_reduce_data_parallel_grads(stage, st)
-        all_reduce_embedding_grads(stage, st)
-        if st.is_last_stage:  # the DP mean, so that every DP replica judges the same loss
-            loss = mean_over_dp(losses, st)
-            if optimizer.spike_detector is not None:
-                optimizer.spike_detector.observe_loss(loss)
-        log_now = tracker is not None and it % args.log_interval == 0
-        result = optimizer.step(param_grad_norms=True) if log_now else optimizer.step()
-        optimizer.zero_grad()
-        if result.update_successful:
-            scheduler.step()
+        log_now = run.tracker is not None and it % args.log_interval == 0
+        loss, result = train_step(run, tracer if traced else None, log_now)
 
         extra = {"elapsed_ms": round(1000 * (time.time() - t0), 1)}
         if traced:  # every rank took part: agree on the earliest finding along the pipeline
             finding = tracer.result(group=dist.group.WORLD)
             extra["nonfinite_activation"] = finding.as_record() if finding else None
-            say(f" iteration {it:8d}/{args.train_iters:8d} | activation trace: "
-                f"{finding if finding else 'nothing non-finite or near fp16 overflow'} |",
-                file=stream, flush=True)
+            run.say(f" iteration {it:8d}/{args.train_iters:8d} | activation trace: "
+                    f"{finding if finding else 'nothing non-finite or near fp16 overflow'} |",
+                    file=run.stream, flush=True)
         if tracer is not None and args.trace_nonfinite == "after-skip":
             # last_nonfinite is agreed over the grad-stats group, and DP replicas hold the same
             # reduced grads (or share the group): every rank arms the tracer alike
             trace_next = not result.update_successful and bool(optimizer.last_nonfinite)
         if args.eval_interval > 0 and (it % args.eval_interval == 0 or it == args.train_iters):
-            val_loss = evaluate()
+            val_loss = evaluate(run)
             extra["val_loss"] = val_loss
         if st.is_last_stage:
             history.append(loss)
-            first_loss = loss if first_loss is None else first_loss
-            if is_logging_rank:
-                logger.record(
-                    it, loss, lr, loss_scale, result,
-                    param_grad_norms=tracker.norms if log_now else None,
-                    spike=optimizer.spike_detector.last if optimizer.spike_detector else None,
-                    nonfinite=optimizer.last_nonfinite,
-                    **extra,
-                )
-                if "val_loss" in extra:
-                    say(
-                        f" validation loss at iteration {it} | lm loss value: {val_loss:.6E} | "
-                        f"lm loss PPL: {math.exp(min(val_loss, 700.0)):.6E} |",
-                        file=stream,
-                        flush=True,
-                    )
-        if bar is not None:
-            bar.update(1)
+            log_iteration(run, it, loss, lr, loss_scale, result, log_now, extra)
+        if run.bar is not None:
+            run.bar.update(1)
             if st.is_last_stage:
-                bar.set_postfix(loss=f"{history[-1]:.3f}", scale=f"{loss_scale:g}", refresh=False)
+                run.bar.set_postfix(loss=f"{history[-1]:.3f}", scale=f"{loss_scale:g}",
+                                    refresh=False)
         if gpt_checkpoint.should_save(args, it):
             gpt_checkpoint.save_training_state(
-                args, it, stage, optimizer, st, train_gen, logger, global_batch, say,
-                scheduler=scheduler,
+                args, it, run.stage, optimizer, st, run.train_gen, run.logger,
+                run.global_batch, run.say, scheduler=run.scheduler,
             )
     elapsed = time.time() - start
-    if bar is not None:
-        bar.close()
+    if run.bar is not None:
+        run.bar.close()
+    return history, val_loss, elapsed
 
-    if is_logging_rank:
-        tail = history[-10:]
-        summary = {
-            "iterations": args.train_iters,
-            # skipped (all), overflow skips, spike skips, spikes, nan iterations, scale changes
-            # and the params that most often led the per-parameter norms
-            **logger.summary(),
-            "spike_policy": args.spike_policy,
-            "final_loss_scale": optimizer.get_loss_scale().item(),
-            "first_train_loss": first_loss,
-            "final_train_loss": sum(tail) / len(tail) if tail else float("nan"),
-            "final_validation_loss": val_loss,
-            "wall_time_s": round(elapsed, 1),
-            "dtype": str(dtype).replace("torch.", ""),
-            **{name: bool(getattr(args, name)) for name in NUMERICS_FLAGS},
-            "tp": st.dims.tp,
-            "pp": st.dims.pp,
-            "dp": dp,
-            "distributed_optimizer": args.use_distributed_optimizer,
-            "torch_fsdp2": args.use_torch_fsdp2,
-        }
-        say(
-            f"done: {summary['iterations']} iterations in {elapsed:.1f} s "
-            f"({elapsed / max(1, args.train_iters):.2f} s/it) | skipped {summary['skipped_iterations']} "
-            f"(overflow {summary['overflow_skips']}, spike {summary['spike_skips']}; spikes "
-            f"{summary['spikes']}) | nan iterations {summary['nan_iterations']} | loss scale changed {summary['loss_scale_changes']} "
-            f"times, final {summary['final_loss_scale']:g} | train loss {first_loss:.4f} -> "
-            f"{summary['final_train_loss']:.4f} (mean of last {len(tail)}) | validation loss "
-            f"{val_loss:.4f}",
-            flush=True,
-        )
-        if log_dir:
-            with open(os.path.join(log_dir, "summary.json"), "w") as f:
-                json.dump(summary, f, indent=1)
-    logger.close()
+
+def summarize(run: Run, history, val_loss: float, elapsed: float) -> None:
+    """The closing line and summary.json (logging rank)."""
+    if not run.is_logging_rank:
+        return
+    args, st = run.args, run.st
+    tail = history[-10:]
+    first_loss = history[0] if history else None
+    summary = {
+        "iterations": args.train_iters,
+        # skipped (all), overflow skips, spike skips, spikes, nan iterations, scale changes
+        # and the params that most often led the per-parameter norms
+        **run.logger.summary(),
+        "spike_policy": args.spike_policy,
+        "final_loss_scale": run.optimizer.get_loss_scale().item(),
+        "first_train_loss": first_loss,
+        "final_train_loss": sum(tail) / len(tail) if tail else float("nan"),
+        "final_validation_loss": val_loss,
+        "wall_time_s": round(elapsed, 1),
+        "dtype": str(run.dtype).replace("torch.", ""),
+        **{name: bool(getattr(args, name)) for name in NUMERICS_FLAGS},
+        "tp": st.dims.tp,
+        "pp": st.dims.pp,
+        "dp": st.dims.dp,
+        "distributed_optimizer": args.use_distributed_optimizer,
+        "torch_fsdp2": args.use_torch_fsdp2,
+    }
+    run.say(
+        f"done: {summary['iterations']} iterations in {elapsed:.1f} s "
+        f"({elapsed / max(1, args.train_iters):.2f} s/it) | skipped {summary['skipped_iterations']} "
+        f"(overflow {summary['overflow_skips']}, spike {summary['spike_skips']}; spikes "
+        f"{summary['spikes']}) | nan iterations {summary['nan_iterations']} | loss scale changed {summary['loss_scale_changes']} "
+        f"times, final {summary['final_loss_scale']:g} | train loss {first_loss:.4f} -> "
+        f"{summary['final_train_loss']:.4f} (mean of last {len(tail)}) | validation loss "
+        f"{val_loss:.4f}",
+        flush=True,
+    )
+    if args.log_dir:
+        with open(os.path.join(args.log_dir, "summary.json"), "w") as f:
+            json.dump(summary, f, indent=1)
+
+
+def main(argv=None):
+    """Configuration, build, one loop, summary. ``argv``: the flags (default sys.argv[1:])."""
+    args = parse_args(argv)  # every flag and the data file checked: a bad one exits 2 here
+    st, device = setup_distributed(args)
+    run = build(args, st, device)
+    run.say(describe(run), flush=True)
+    start_logging(run)
+    start_iter = resume(run)
+    history, val_loss, elapsed = train(run, start_iter)
+    summarize(run, history, val_loss, elapsed)
+    run.logger.close()
     dist.barrier()
     dist.destroy_process_group()
 

@@ -15,11 +15,6 @@ import pytest
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SPEC = os.path.join(ROOT, "docs", "spec.md")
 
-# Written by another part of the project; a link to it may come before the file does.
-MAY_BE_ABSENT = {os.path.join("docs", "guide", "torch_amp.md")}
-
-# Paths whose citations are rewritten by a separate step after a merge; empty when none are left.
-NOT_YET_REWRITTEN = ("tpamp/",)
 
 SKIP_DIRS = {".git", ".venv", "build", "dist", "__pycache__", ".ci-venv-cuda", ".pytest_cache",
              "node_modules"}
@@ -133,8 +128,7 @@ def test_relative_links_resolve(md):
         dest = os.path.normpath(os.path.join(os.path.dirname(md), path)) if path else md
         rel = os.path.relpath(dest, ROOT)
         if not os.path.exists(dest):
-            if rel not in MAY_BE_ABSENT:
-                missing.append(f"{target} (no file {rel})")
+            missing.append(f"{target} (no file {rel})")
             continue
         if fragment and dest.endswith(".md") and fragment not in _anchors(dest):
             missing.append(f"{target} (no heading #{fragment} in {rel})")
@@ -152,8 +146,6 @@ def test_every_cited_spec_section_exists():
     bad = []
     for path in _files(TEXT_EXTS):
         rel = os.path.relpath(path, ROOT).replace(os.sep, "/")
-        if rel.startswith(NOT_YET_REWRITTEN):
-            continue
         with open(path, encoding="utf-8", errors="replace") as f:
             text = f.read()
         pattern = SPEC_SELF_CITATION if rel == "docs/spec.md" else CITATION
@@ -172,7 +164,7 @@ def test_no_citation_of_the_old_spec_or_of_tracker_issues():
     bad = []
     for path in _files(TEXT_EXTS):
         rel = os.path.relpath(path, ROOT).replace(os.sep, "/")
-        if rel.startswith(NOT_YET_REWRITTEN) or rel == "tests/test_docs_links.py":
+        if rel == "tests/test_docs_links.py":
             continue
         with open(path, encoding="utf-8", errors="replace") as f:
             for lineno, line in enumerate(f, 1):

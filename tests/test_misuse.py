@@ -6,7 +6,9 @@ from __future__ import annotations
 
 import copy
 import math
+import os
 import re
+import traceback
 
 import pytest
 import torch
@@ -216,7 +218,7 @@ CASES = [
     ("mpo-grad_scaler-torch", lambda: tpamp.MixedPrecisionOptimizer(torch.optim.SGD([torch.nn.Parameter(torch.ones(1))], lr=1), grad_scaler=torch.amp.GradScaler("cpu")), TypeError, ["grad_scaler", "GradScaler"]),
     ("mpo-grad_stats_group-int", lambda: tpamp.MixedPrecisionOptimizer(torch.optim.SGD([torch.nn.Parameter(torch.ones(1))], lr=1), grad_stats_group=5), TypeError, ["grad_stats_group", "int"]),
     ("mpo-tensor_parallel_group-str", lambda: tpamp.MixedPrecisionOptimizer(torch.optim.SGD([torch.nn.Parameter(torch.ones(1))], lr=1), tensor_parallel_group="tp"), TypeError, ["tensor_parallel_group", "str"]),
-    ("mpo-clip_grad-str", lambda: tpamp.MixedPrecisionOptimizer(torch.optim.SGD([torch.nn.Parameter(torch.ones(1))], lr=1), clip_grad="1"), ValueError, ["clip_grad", "'1'"]),
+    ("mpo-clip_grad-str", lambda: tpamp.MixedPrecisionOptimizer(torch.optim.SGD([torch.nn.Parameter(torch.ones(1))], lr=1), clip_grad="1"), TypeError, ["clip_grad", "'1'"]),
     ("mpo-norm_type-str", lambda: tpamp.MixedPrecisionOptimizer(torch.optim.SGD([torch.nn.Parameter(torch.ones(1))], lr=1), norm_type="2"), TypeError, ["norm_type", "'2'"]),
     ("mpo-sync_free-unfused", lambda: tpamp.MixedPrecisionOptimizer(torch.optim.SGD([torch.nn.Parameter(torch.ones(1))], lr=1), sync_free=True), ValueError, ["sync_free", "SGD"]),
     ("mpo-step-closure", lambda: _fp16_opt()[2].step(lambda: 0.0), ValueError, ["closure"]),
@@ -322,10 +324,24 @@ def _words(words):
     return "(?s)" + "".join(rf"(?=.*(?<![\w]){re.escape(w)}(?![\w]))" for w in words)
 
 
-def test_the_suite_has_at_least_100_distinct_cases():
+def test_every_case_is_refused_by_tpamp_itself():
+    """The innermost frame of each case's exception is in the tpamp package: tpamp refuses the
+    input itself, rather than the case's own builder (a broken lambda raising the expected type
+    would otherwise pass) or torch further down. Ids are distinct, so ``-k`` selects one case."""
     ids = [c[0] for c in CASES]
-    assert len(ids) == len(set(ids))
-    assert len(ids) >= 100, len(ids)
+    assert len(ids) == len(set(ids)), sorted(i for i in ids if ids.count(i) > 1)
+    package = os.path.dirname(os.path.abspath(tpamp.__file__)) + os.sep
+    elsewhere = {}
+    for case_id, call, exc, _ in CASES:
+        try:
+            call()
+        except exc as e:
+            frame = traceback.extract_tb(e.__traceback__)[-1]
+            if not os.path.abspath(frame.filename).startswith(package):
+                elsewhere[case_id] = f"{frame.filename}:{frame.lineno}"
+        else:
+            elsewhere[case_id] = "nothing raised"
+    assert not elsewhere, elsewhere
 
 
 @pytest.mark.parametrize("case_id,call,exc,words", CASES, ids=[c[0] for c in CASES])

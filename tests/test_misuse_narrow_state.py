@@ -410,8 +410,6 @@ def _dist_names_worker(rank, world_size):
     return out, wrapped_by(inner) is None
 
 
-@pytest.mark.xfail(reason="DistributedOptimizer calls tpamp.nonfinite.param_name_map once the "
-                          "optimizer restructuring merges (then remove this mark)", strict=False)
 def test_distributed_optimizer_param_names_are_checked_too():
     """The same rules in DistributedOptimizer (DP 2, forked gloo ranks), nothing wrapped."""
     from dist_utils import run_workers

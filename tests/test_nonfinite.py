@@ -262,9 +262,14 @@ def test_tracer_finds_a_backward_overflow_and_a_clean_run_reports_nothing():
     assert f.problem in ("inf", "near overflow")
 
 
-@pytest.mark.parametrize("margin", [0.5, 1, float("inf"), "2"])
-def test_tracer_refuses_a_bad_margin(margin):
-    with pytest.raises(ValueError, match="margin must be a finite number > 1"):
+@pytest.mark.parametrize("margin,error,match", [
+    (0.5, ValueError, "margin must be > 1.0, got 0.5"),
+    (1, ValueError, "margin must be > 1.0, got 1.0"),
+    (float("inf"), ValueError, "margin must be finite, got inf"),
+    ("2", TypeError, "margin must be a real number or None, got '2'"),
+])
+def test_tracer_refuses_a_bad_margin(margin, error, match):
+    with pytest.raises(error, match=match):
         NonFiniteTracer(_mlp(), margin=margin)
 
 

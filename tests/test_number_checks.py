@@ -27,7 +27,6 @@ class Arg(NamedTuple):
     build: Callable  # value -> constructs the object (or calls the function) with it
     kind: str  # "real" or "int"
     inf_ok: bool = False  # inf is a legal value of this argument
-    pending: str = ""  # a file outside this change that still raises another type (xfail)
 
 
 def _half_param():
@@ -56,8 +55,6 @@ def _torch_config(**kw):
     return tpamp.parse_amp_config(dict(mode="torch", **kw))
 
 
-_OPTIMIZER_PY = "tpamp/optimizer.py check_wrapper_args still raises ValueError for a wrong type"
-_NONFINITE_PY = "tpamp/nonfinite.py's margin check still raises ValueError for a wrong type"
 
 ARGS = [
     Arg("ConstantGradScaler", "scale", lambda v: tpamp.ConstantGradScaler(v), "real"),
@@ -76,9 +73,9 @@ ARGS = [
         lambda v: tpamp.ModelParallelGradScaler("cpu", backoff_factor=v), "real"),
     Arg("ModelParallelGradScaler", "growth_interval",
         lambda v: tpamp.ModelParallelGradScaler("cpu", growth_interval=v), "int"),
-    Arg("MixedPrecisionOptimizer", "clip_grad", lambda v: _mpo(clip_grad=v), "real", pending=_OPTIMIZER_PY),
+    Arg("MixedPrecisionOptimizer", "clip_grad", lambda v: _mpo(clip_grad=v), "real"),
     Arg("MixedPrecisionOptimizer", "norm_type", lambda v: _mpo(norm_type=v), "real", inf_ok=True),
-    Arg("FP32Optimizer", "clip_grad", lambda v: _fp32(clip_grad=v), "real", pending=_OPTIMIZER_PY),
+    Arg("FP32Optimizer", "clip_grad", lambda v: _fp32(clip_grad=v), "real"),
     Arg("FP32Optimizer", "norm_type", lambda v: _fp32(norm_type=v), "real", inf_ok=True),
     Arg("TorchAMPOptimizer", "clip_grad", lambda v: _torch_amp(clip_grad=v), "real"),
     Arg("TorchAMPOptimizer", "norm_type", lambda v: _torch_amp(norm_type=v), "real", inf_ok=True),
@@ -102,7 +99,7 @@ ARGS = [
     Arg("TrainingLogger", "param_grad_norms_top_k",
         lambda v: tpamp.TrainingLogger(10, param_grad_norms_top_k=v), "int"),
     Arg("NonFiniteTracer", "margin",
-        lambda v: tpamp.NonFiniteTracer(torch.nn.Linear(2, 2), margin=v), "real", pending=_NONFINITE_PY),
+        lambda v: tpamp.NonFiniteTracer(torch.nn.Linear(2, 2), margin=v), "real"),
     Arg("ParallelAMPConfig", "initial_scale", lambda v: _config(initial_scale=v), "real"),
     Arg("ParallelAMPConfig", "min_scale", lambda v: _config(min_scale=v), "real"),
     Arg("ParallelAMPConfig", "growth_factor", lambda v: _config(growth_factor=v), "real"),
@@ -142,10 +139,7 @@ def _cases():
             if label == "none" and (arg.owner, arg.name) in _NONE_OK:
                 continue
             exc = real_exc if arg.kind == "real" else int_exc
-            marks = ()
-            if arg.pending and exc is TypeError:
-                marks = pytest.mark.xfail(strict=False, raises=AssertionError, reason=arg.pending)
-            out.append(pytest.param(arg, value, exc, words, marks=marks,
+            out.append(pytest.param(arg, value, exc, words,
                                     id=f"{arg.owner}-{arg.name}-{label}"))
     return out
 

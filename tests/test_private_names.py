@@ -78,9 +78,6 @@ ALLOWED = {
     "_fields": ("NamedTuple._fields, public API of collections.namedtuple", ANY),
 }
 
-# files being reworked in parallel, with violations that the rework removes
-PENDING = ("tpamp/optimizer.py", "tpamp/distributed_optimizer.py", "tpamp/checkpoint",
-           "tpamp/ops.py")
 
 _ATTR_FUNCS = {"getattr", "setattr", "hasattr", "delattr"}
 
@@ -133,17 +130,12 @@ def _files():
 
 def test_no_module_touches_another_modules_private_names():
     found = [v for f in _files() for v in violations(f)]
-    mine = [v for v in found if not v[0].startswith(PENDING)]
-    assert mine == [], "\n".join(f"{f}:{line}: {what}" for f, line, what in mine)
-    if found:
-        pytest.xfail("private names still used in files being reworked in parallel:\n"
-                     + "\n".join(f"{f}:{line}: {what}" for f, line, what in sorted(found)))
+    assert found == [], "\n".join(f"{f}:{line}: {what}" for f, line, what in found)
 
 
 def test_no_tpamp_attribute_is_put_on_other_objects():
     """The guards once wrote ``_tpamp_*`` attributes onto the wrappers and the torch optimizer;
-    their state now lives in tpamp._guards. The one name left is read by a transitional shim
-    in tpamp/_guards.py until DistributedOptimizer stops setting ``_tpamp_settings_agreed``."""
+    their state now lives in tpamp._guards."""
     found = [(f.relative_to(ROOT.parent).as_posix(), node.lineno, node.value)
              for f in _files() for node in ast.walk(ast.parse(f.read_text()))
              if isinstance(node, ast.Constant) and isinstance(node.value, str)
@@ -151,8 +143,6 @@ def test_no_tpamp_attribute_is_put_on_other_objects():
     found += [(f.relative_to(ROOT.parent).as_posix(), node.lineno, node.attr)
               for f in _files() for node in ast.walk(ast.parse(f.read_text()))
               if isinstance(node, ast.Attribute) and node.attr.startswith("_tpamp_")]
-    if any(f.startswith(PENDING) for f, _, _ in found):
-        pytest.xfail(f"still set by a file being reworked in parallel: {sorted(found)}")
     assert found == []
 
 

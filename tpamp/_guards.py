@@ -319,15 +319,6 @@ def mark_settings_agreed(wrapper) -> None:
     guard_state(wrapper).settings_agreed = True
 
 
-def _legacy_settings_flag(wrapper) -> None:
-    # TRANSITIONAL, until DistributedOptimizer calls reset_step_guard(self, settings=True)
-    # after load_sharded_state_dict: it still sets its own _tpamp_settings_agreed attribute
-    # (True after the constructor's check, False after that load). Take the value over once.
-    flag = getattr(wrapper, "__dict__", {}).pop("_tpamp_settings_agreed", None)
-    if flag is not None:
-        guard_state(wrapper).settings_agreed = bool(flag)
-
-
 def guard_step(step):
     """Decorator for a wrapper's ``step`` (the one step guard; comment block above): param
     groups, the gradients' shape, dtype and device, a new backward since the last step, and on
@@ -342,7 +333,6 @@ def guard_step(step):
         sources = step_grad_sources(self)
         check_step_grads(sources)
         check_new_backward(self, sources)
-        _legacy_settings_flag(self)
         state = guard_state(self)
         if not state.settings_agreed:
             agree_on_settings(self)

@@ -34,86 +34,23 @@ import torch
 import torch.distributed as dist
 
 from tpamp import _validation, ops, state_formats
-from tpamp.common import FUSED_KINDS, local_tensor, placed_like
+from tpamp.common import local_tensor, placed_like
+from tpamp.dp_collectives import all_gather_tensor, start_all_gather, start_reduce_scatter, uses_ring
 from tpamp.grad_scaler import MegatronGradScaler
-from tpamp.grad_stats import clip_coefficient, counts_toward_norm
-from tpamp.nonfinite import rank_coords
+from tpamp.grad_stats import counts_toward_norm
+from tpamp.nonfinite import param_name_map, rank_coords
 from tpamp.optimizer import (
     MixedPrecisionOptimizer,
-    OptimizerWrapper,
-    StepResult,
-    check_wrapper_args,
-    state_formats_refuse_generic,
+    StepGrads,
+    check_fp16_scaler,
+    clear_grad,
+    param_dtype_error,
 )
 
 __all__ = ["DistributedOptimizer"]
 
 Tensor = torch.Tensor
 _FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
-
-# torch 2.13 renamed reduce_scatter_tensor / all_gather_into_tensor (the old names warn)
-_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-
-
-class _Ring:
-    """A reduce-scatter (SUM) or an all-gather over a gloo group by isend/irecv around the
-    ring (the bandwidth-optimal ring algorithm: d - 1 steps of n / d elements each way).
-
-    Used for gloo groups only: gloo's own reduce_scatter_tensor and all_gather_into_tensor
-    copy their whole input and output through temporaries (on this project's 2-core machine,
-    DP 2, 20M fp32 elements: reduce_scatter_tensor ~5x and all_gather_into_tensor ~7x the
-    time of the same bytes moved by isend/irecv; docs/benchmarks.md). Other backends (NCCL)
-    keep torch.distributed's collectives.
-
-    ``chunks``: [d, n / d] view of the flat buffer (reduce-scatter: the input, left unchanged;
-    all-gather: the output, whose chunk r is this rank's input). Reduce-scatter: ``out``
-    [n / d] receives the sum of chunk r over the ranks; the partial sums of the other chunks
-    pass through ``out`` and ``scratch`` [n / d] (d > 2 only) in turn. The first step is posted
-    at construction (async); ``wait()`` runs the rest. With d = 2 the sum is theirs + mine: the
-    same bits as any SUM of two."""
-
-    def __init__(self, group, chunks: Tensor, tag: int, out: Optional[Tensor] = None,
-                 scratch: Optional[Tensor] = None):
-        self.group, self.chunks, self.tag, self.out, self.scratch = group, chunks, tag, out, scratch
-        self.d = chunks.shape[0]
-        self.r = dist.get_rank(group)
-        self.step, self.works = 0, []
-        self.sent = None
-        self._post()
-
-    def _post(self) -> None:
-        d, r, s, chunks = self.d, self.r, self.step, self.chunks
-        nxt, prv = (r + 1) % d, (r - 1) % d
-        if self.out is None:  # all-gather: pass chunk r - s on, receive chunk r - s - 1
-            send, recv = chunks[(r - s) % d], chunks[(r - s - 1) % d]
-        else:  # reduce-scatter: pass the partial sum of chunk r - s - 1 on
-            send = chunks[(r - 1) % d] if s == 0 else self.sent
-            recv = self.out if (d - 2 - s) % 2 == 0 else self.scratch  # ends in out
-        self.recv = recv
-        self.works = [dist.irecv(recv, group=self.group, group_src=prv, tag=self.tag),
-                      dist.isend(send, group=self.group, group_dst=nxt, tag=self.tag)]
-
-    def wait(self) -> None:
-        while True:
-            for w in self.works:
-                w.wait()
-            self.works = []
-            if self.out is not None:  # add this rank's own part of the received chunk
-                self.recv.add_(self.chunks[(self.r - self.step - 2) % self.d])
-                self.sent = self.recv
-            self.step += 1
-            if self.step == self.d - 1:
-                return
-            self._post()
-
-
-class _Done:
-    """The handle of a collective that finished at once (a one-rank group)."""
-
-    def wait(self) -> None:
-        pass
-
 
 # grads of another dtype are added into main_grad in chunks of this many elements, so the
 # cast goes through a small temporary (not one the size of the grad: page faults on CPU)
@@ -162,12 +99,12 @@ class _Bucket:
     scratch: Optional[Tensor] = None  # [shard_size] partial sums (gloo ring, d > 2)
 
 
-class DistributedOptimizer(OptimizerWrapper):
+class DistributedOptimizer(MixedPrecisionOptimizer):
     """fp32 main params and optimizer state sharded over the data-parallel group
-    (Megatron-LM's DistributedOptimizer; SPEC.md section 8).
+    (Megatron-LM's DistributedOptimizer; docs/spec.md section 8).
 
     The interface and step order are those of :class:`tpamp.MixedPrecisionOptimizer`
-    (SPEC.md section 2), with the data-parallel gradient reduction done by ``step()`` itself:
+    (docs/spec.md section 2), with the data-parallel gradient reduction done by ``step()`` itself:
 
     0. during backward, each param's grad is added into its ``main_grad`` (a view of a flat,
        bucketed buffer: fp32 with ``grad_reduce_in_fp32``, else the model dtype) and ``.grad``
@@ -188,6 +125,20 @@ class DistributedOptimizer(OptimizerWrapper):
        equal MixedPrecisionOptimizer's to fp32 rounding. Clip on the shard.
     8. the inner optimizer steps the shard's main params; they are cast to the model dtype and
        all-gathered over DP into the model params.
+
+    A :class:`tpamp.MixedPrecisionOptimizer` (``isinstance`` holds, as Megatron-core's
+    DistributedOptimizer is a MixedPrecisionOptimizer): it inherits the loss scale, the one
+    ``step()`` and its guards, the skip decision, the spike detector, ``last_nonfinite`` and the
+    one-pass path, and supplies only what differs through the step's hooks: the gradient
+    buckets and their reduce-scatter (``_sync_grads``), the 1/d of the DP mean
+    (``_grad_scale``), the shard views the step reads (``_generic_grads`` /
+    ``_fused_grads``), the pre-reduce grads for ``last_nonfinite`` and the all-gather of the
+    new params (``_finish_params``); the reduce-scatter and all-gather themselves live in
+    :mod:`tpamp.dp_collectives`. Construction sets the shared settings through the same core
+    but makes no whole-param fp32 copy (MixedPrecisionOptimizer's ``__init__`` is not run):
+    the main params are this rank's shard pieces, and the methods tied to whole-param copies
+    (state dicts, ``reload_model_params``, ``zero_grad``, ``main_params_by_group``,
+    ``named_model_params``, ``track_param_grad_norms``) are this class's own.
 
     Differences from MixedPrecisionOptimizer: a param whose grad never arrived has a zero
     gradient (its main_grad), not none, so it is stepped (e.g. weight decay) and its zeros are
@@ -283,41 +234,30 @@ class DistributedOptimizer(OptimizerWrapper):
         self,
         optimizer: torch.optim.Optimizer,
         *,
+        data_parallel_group,
+        grad_stats_group=None,
+        tensor_parallel_group=None,
         grad_scaler: Optional[MegatronGradScaler] = None,
         clip_grad: float = 0.0,
         norm_type: float = 2.0,
         log_num_zeros_in_grad: bool = False,
-        data_parallel_group,
-        grad_stats_group=None,
-        tensor_parallel_group=None,
         grad_reduce_in_fp32: bool = True,
         overlap_grad_reduce: bool = False,
         deferred_reduce_params=None,
         bucket_size: Optional[int] = None,
-        param_names=None,
         skip_nonfinite: bool = True,
-        check_params_across_dp: bool = True,
-        spike_detector=None,
-        fused_step: bool = True,
-        parallel_state=None,
         exp_avg_dtype: torch.dtype = torch.float32,
         exp_avg_sq_dtype: torch.dtype = torch.float32,
         store_param_remainders: bool = False,
+        spike_detector=None,
+        check_params_across_dp: bool = True,
+        fused_step: bool = True,
+        param_names=None,
+        parallel_state=None,
     ):
-        check_wrapper_args(optimizer, grad_scaler, clip_grad)
-        self.exp_avg_dtype, self.exp_avg_sq_dtype, self.store_param_remainders = (
-            state_formats.check_state_options(
-                optimizer, FUSED_KINDS.get(type(optimizer)), bool(fused_step), exp_avg_dtype,
-                exp_avg_sq_dtype, store_param_remainders,
-                {p.dtype for g in optimizer.param_groups for p in g["params"]
-                 if p.dtype in (torch.float16, torch.bfloat16) and p.requires_grad},
-            )
-        )
-        self._remainders: Dict[int, Tensor] = {}  # id(piece main placeholder) -> int16 view
-        if bucket_size is not None and (
-            isinstance(bucket_size, bool) or not isinstance(bucket_size, int) or bucket_size < 1
-        ):
-            raise ValueError(f"bucket_size must be None or an int >= 1, got {bucket_size!r}")
+        options = (exp_avg_dtype, exp_avg_sq_dtype, store_param_remainders)
+        state_options = self._check_core_args(optimizer, grad_scaler, clip_grad, fused_step, *options)
+        _validation.check_int("bucket_size", bucket_size, low=1, allow_none=True)
         if data_parallel_group is None:
             raise ValueError(
                 "data_parallel_group must be this rank's data-parallel process group (a group "
@@ -328,25 +268,19 @@ class DistributedOptimizer(OptimizerWrapper):
             grad_stats_group = data_parallel_group
         _validation.check_group_member(grad_stats_group, "grad_stats_group")
         _validation.check_group_member(tensor_parallel_group, "tensor_parallel_group")
-        self.norm_type = _validation.check_norm_type(norm_type)
-        self.optimizer = optimizer
-        self.grad_scaler = grad_scaler
-        self.clip_grad = float(clip_grad)
-        self.log_num_zeros_in_grad = bool(log_num_zeros_in_grad)
+        self._init_core(  # sync_free: the step reads the host once (class docstring)
+            optimizer, grad_scaler=grad_scaler, clip_grad=clip_grad, norm_type=norm_type,
+            log_num_zeros_in_grad=log_num_zeros_in_grad, grad_stats_group=grad_stats_group,
+            tensor_parallel_group=tensor_parallel_group, skip_nonfinite=skip_nonfinite,
+            sync_free=False, spike_detector=spike_detector, fused_step=fused_step,
+            state_options=state_options,
+        )
         self.data_parallel_group = data_parallel_group
-        self.grad_stats_group = grad_stats_group
-        self.tensor_parallel_group = tensor_parallel_group
         self.grad_reduce_in_fp32 = bool(grad_reduce_in_fp32)
         self.overlap_grad_reduce = bool(overlap_grad_reduce)
-        self.spike_detector = _validation.check_spike_detector(spike_detector, False)
         self.bucket_size = bucket_size
-        self.skip_nonfinite = bool(skip_nonfinite)
-        self.sync_free = False
-        self.fused_step = bool(fused_step)
-        self._fused_kind = FUSED_KINDS.get(type(optimizer)) if self.fused_step else None
         self._dp_size = dist.get_world_size(data_parallel_group)
         self._dp_rank = dist.get_rank(data_parallel_group)
-        self._tp_rank = _validation.tp_rank(tensor_parallel_group)
         tp_size = dist.get_world_size(tensor_parallel_group) if tensor_parallel_group else 1
         stats_size = dist.get_world_size(grad_stats_group)
         if stats_size % (self._dp_size * tp_size):
@@ -359,9 +293,8 @@ class DistributedOptimizer(OptimizerWrapper):
         self._hooks = []
         self._coords = rank_coords(parallel_state, tensor_parallel_group=tensor_parallel_group,
                                    data_parallel_group=data_parallel_group)
-        self.last_nonfinite: Optional[list] = []
 
-        names = _name_map(param_names)
+        names = param_name_map(param_names)
         entries, frozen, has_fp16 = [], [], False  # entries: (param, name, group index)
         seen = set()
         for gi, group in enumerate(optimizer.param_groups):
@@ -370,31 +303,20 @@ class DistributedOptimizer(OptimizerWrapper):
                     raise ValueError(f"param {pi} of param group {gi} appears twice")
                 seen.add(id(p))
                 if p.dtype not in _FLOAT_DTYPES:
-                    raise TypeError(
-                        f"param {pi} of param group {gi} has dtype {p.dtype}; "
-                        "expected float32, float16 or bfloat16"
-                    )
+                    raise TypeError(param_dtype_error(gi, pi, p))
                 if not p.requires_grad:
                     frozen.append(p)  # never has a grad: left out, as MixedPrecisionOptimizer does
                     continue
                 has_fp16 |= p.dtype == torch.float16
                 entries.append((p, names.get(id(p), f"param_groups.{gi}.{pi}"), gi))
         self._deferred = self._check_deferred(deferred_reduce_params, entries)
-        if has_fp16 and grad_scaler is None:
-            raise ValueError(
-                "fp16 params need a loss scaler (grad_scaler=DynamicGradScaler() or "
-                "ConstantGradScaler(scale)); got grad_scaler=None"
-            )
+        check_fp16_scaler(has_fp16, grad_scaler)
         self._names = {id(p): n for p, n, _ in entries}
         self._name_position = {n: i for i, n in enumerate(names.values())}  # param_names' order
         self._model_params = [p for p, _, _ in entries]
-        self._device = local_tensor(entries[0][0]).device if entries else torch.device("cpu")
-        if grad_scaler is not None and grad_scaler.device != self._device:
-            grad_scaler.to(self._device)
-        self._one = torch.ones(1, dtype=torch.float32, device=self._device)
-        # gloo on CPU: reduce-scatter and all-gather by isend/irecv rings (see _Ring)
-        self._ring_p2p = (self._dp_size > 1 and self._device.type == "cpu"
-                          and "gloo" in str(dist.get_backend(data_parallel_group)))
+        self._set_device(local_tensor(entries[0][0]).device if entries else torch.device("cpu"))
+        # gloo on CPU: reduce-scatter and all-gather by isend/irecv rings (tpamp.dp_collectives)
+        self._ring_p2p = uses_ring(data_parallel_group, self._device)
         if check_params_across_dp and self._dp_size > 1:
             self._check_params_match_across_dp(entries)
         old_main_grads = {id(p): getattr(p, "main_grad", None) for p, _, _ in entries}
@@ -411,12 +333,10 @@ class DistributedOptimizer(OptimizerWrapper):
                 else:
                     p.main_grad = old_main_grads[id(p)]
             raise
-        self._tpamp_settings_agreed = True
         self._shard_optimizer(entries)
         self._bucket_of = {id(p): b for b in self._buckets for p in b.params}
         for p, _, _ in entries:
             self._hooks.append(p.register_post_accumulate_grad_hook(self._on_grad_ready))
-        self.param_norm_tracker = None  # set by track_param_grad_norms
         # the shared guards: wrapping again refused, late param groups refused, detector bound
         _validation.register_wrapper(self)
 
@@ -445,7 +365,7 @@ class DistributedOptimizer(OptimizerWrapper):
         local = torch.stack(sums) if sums else torch.zeros(0, 2, dtype=torch.float64)
         gathered = torch.empty((self._dp_size,) + tuple(local.shape), dtype=torch.float64,
                                device=local.device)
-        _all_gather(gathered.view(-1), local.reshape(-1).contiguous(), group=group)
+        all_gather_tensor(gathered.view(-1), local.reshape(-1).contiguous(), group=group)
         bits = gathered.view(torch.int64)
         differs = (bits != bits[0:1]).any(dim=2).any(dim=0)
         if bool(differs.any()):
@@ -577,23 +497,6 @@ class DistributedOptimizer(OptimizerWrapper):
 
     # -- public interface -----------------------------------------------------------------
 
-    get_loss_scale = MixedPrecisionOptimizer.get_loss_scale
-    scale_loss = MixedPrecisionOptimizer.scale_loss
-    backward = MixedPrecisionOptimizer.backward
-    _reduce = MixedPrecisionOptimizer._reduce
-    _root = MixedPrecisionOptimizer._root
-    _read_and_decide = MixedPrecisionOptimizer._read_and_decide
-    _note_nonfinite = MixedPrecisionOptimizer._note_nonfinite
-    _raw_zeros = MixedPrecisionOptimizer._raw_zeros
-    # the one-pass step: the same eligibility rule and kernel calls (on the shard pieces)
-    _fused_step_usable = MixedPrecisionOptimizer._fused_step_usable
-    _unscaled_stats = MixedPrecisionOptimizer._unscaled_stats
-    _grad_multiplier = MixedPrecisionOptimizer._grad_multiplier
-    _fused_update = MixedPrecisionOptimizer._fused_update
-    _fused_adam = MixedPrecisionOptimizer._fused_adam
-    _fused_sgd = MixedPrecisionOptimizer._fused_sgd
-    _convert_state = MixedPrecisionOptimizer._convert_state
-
     @contextlib.contextmanager
     def no_sync(self):
         """Within this context the backward hooks only accumulate grads and start no
@@ -616,12 +519,7 @@ class DistributedOptimizer(OptimizerWrapper):
             b.grad_data.zero_()
             b.written.clear()
             for p in b.params:
-                if p.grad is not None:
-                    if set_to_none:
-                        p.grad = None
-                    else:
-                        p.grad.detach_()
-                        p.grad.zero_()
+                clear_grad(p, set_to_none)
 
     def reload_model_params(self) -> None:
         """Copy model params -> this rank's main-param shard (after the model's weights were
@@ -679,36 +577,11 @@ class DistributedOptimizer(OptimizerWrapper):
             # a half-precision sum could overflow: scale by 1/d before it, as Megatron-LM does
             # (an fp32 sum cannot: there 1/d joins the unscale pass of step(), no extra pass)
             bucket.grad_data.mul_(1.0 / self._dp_size)
-        if self._ring_p2p:
-            d = self._dp_size
-            if d > 2 and bucket.scratch is None:
-                bucket.scratch = torch.empty_like(bucket.reduce_out)
-            bucket.handle = _Ring(self.data_parallel_group, bucket.grad_data.view(d, -1),
-                                  2 * bucket.index, out=bucket.reduce_out, scratch=bucket.scratch)
-        elif self._dp_size == 1:
-            bucket.reduce_out.copy_(bucket.grad_data)
-            bucket.handle = _Done()
-        else:
-            bucket.handle = _reduce_scatter(
-                bucket.reduce_out, bucket.grad_data, group=self.data_parallel_group,
-                async_op=True
-            )
-
-    def _finish_grad_sync(self) -> None:
-        """Step 1: grads set by hand go into main_grad, every bucket not yet reduced is
-        reduce-scattered, and all are waited for."""
-        for b in self._buckets:
-            if b.handle is None:
-                for p in b.params:
-                    self._accumulate(p, b)
-                self._start_reduce(b)
-            elif any(p.grad is not None for p in b.params):
-                p = next(p for p in b.params if p.grad is not None)
-                self._accumulate(p, b)  # raises: the bucket was already sent
-        for b in self._buckets:
-            b.handle.wait()
-            b.handle = None
-            b.ready.clear()
+        if self._ring_p2p and self._dp_size > 2 and bucket.scratch is None:
+            bucket.scratch = torch.empty_like(bucket.reduce_out)
+        bucket.handle = start_reduce_scatter(
+            self.data_parallel_group, bucket.grad_data, bucket.reduce_out, 2 * bucket.index,
+            ring=self._ring_p2p, scratch=bucket.scratch)
 
     def grad_sources(self):
         """(name, model param, grad) for every gradient the next step() reads: each param's
@@ -728,6 +601,16 @@ class DistributedOptimizer(OptimizerWrapper):
         """id(model param) -> index of the inner optimizer's param group that steps its pieces
         on this rank (params with no piece here are absent)."""
         return {id(q.param): q.group_index for q in self._pieces}
+
+    def main_params_by_group(self) -> List[List[Tensor]]:
+        """Per inner param group, this rank's fp32 main-param pieces (1-D views of the main
+        shards; storage-free placeholders for remainder buckets), in the group's order."""
+        return [list(g["params"]) for g in self.optimizer.param_groups]
+
+    def named_model_params(self) -> List[tuple]:
+        """(name, model param) of every trained param (requires_grad) in param-group order:
+        the ``param_names`` given at construction, ``param_groups.<g>.<i>`` for the others."""
+        return [(self._names[id(p)], p) for p in self._model_params]
 
     def bucket_layout(self) -> List[Tuple[str, int]]:
         """(model dtype, padded number of elements) of each bucket, in reduce order; every DP
@@ -753,89 +636,37 @@ class DistributedOptimizer(OptimizerWrapper):
         )
         return self.param_norm_tracker
 
-    @_validation.guard_step
-    @torch.no_grad()
-    def step(self, closure=None, *, param_grad_norms: bool = False) -> StepResult:
-        """One optimizer step (class docstring); returns :class:`tpamp.StepResult`.
+    # -- the step: MixedPrecisionOptimizer.step with the hooks of a sharded optimizer --------
 
-        param_grad_norms: also compute the per-parameter grad norms (needs
-        :meth:`track_param_grad_norms`; from the same statistics pass, on the one-pass path
-        too; one extra all-reduce)."""
-        if closure is not None:
-            raise ValueError("closure is not supported: compute the loss before step()")
-        if param_grad_norms and self.param_norm_tracker is None:
-            raise ValueError("step(param_grad_norms=True) needs track_param_grad_norms() first")
-        if not self._fused_step_usable():
-            state_formats_refuse_generic(self)  # narrow state needs the fused path
-        self._finish_grad_sync()
-        fused = self._fused_step_usable()
-        scale = self.grad_scaler.inv_scale if self.grad_scaler is not None else None
+    def _sync_grads(self) -> None:
+        """Step 1: grads set by hand go into main_grad, every bucket not yet reduced is
+        reduce-scattered, and all are waited for."""
+        for b in self._buckets:
+            if b.handle is None:
+                for p in b.params:
+                    self._accumulate(p, b)
+                self._start_reduce(b)
+            elif any(p.grad is not None for p in b.params):
+                p = next(p for p in b.params if p.grad is not None)
+                self._accumulate(p, b)  # raises: the bucket was already sent
+        for b in self._buckets:
+            b.handle.wait()
+            b.handle = None
+            b.ready.clear()
+
+    def _grad_scale(self) -> Optional[Tensor]:
+        """1/loss scale, times 1/d for an fp32 reduce over d > 1 DP ranks (the mean over DP;
+        a model-dtype reduce was scaled by 1/d before the sum), float32 [1]; None for 1."""
+        scale = super()._grad_scale()
         if self.grad_reduce_in_fp32 and self._dp_size > 1:  # the mean over DP: 1/d (<= 1)
             scale = (scale if scale is not None else self._one) * (1.0 / self._dp_size)
-        finite_p = self.norm_type != math.inf
-        if fused:
-            entries, stats = self._fused_shard_stats(scale, finite_p, param_grad_norms)
-        else:
-            stats = self._unscale_shards(scale, param_grad_norms)
-        found_inf, norm_stat, num_zeros = self._reduce(stats, finite_p)
-        if param_grad_norms and fused:  # the same pass's norms: pieces in bucket order
-            per_tensor = stats.per_tensor_norms
-            if scale is not None:  # ||g x s|| = s ||g||: the unscaled DP-mean grads' norms
-                per_tensor = per_tensor * scale.reshape(1)
-            pieces = [q for b in self._buckets for q in b.pieces]
-            self.param_norm_tracker.reduce_params(
-                per_tensor, [q.main for q in pieces], [q.counts for q in pieces])
-        elif param_grad_norms:  # the grads in _unscale_shards' order: each piece's main.grad
-            outs = [q.main.grad for b in self._buckets for q in b.pieces]
-            self.param_norm_tracker.reduce(stats.per_tensor_norms, outs,
-                                           [q.counts for b in self._buckets for q in b.pieces])
-        spikes = self.spike_detector
-        scaler_before = spikes.snapshot_scaler(self.grad_scaler) if spikes is not None else None
-        at_min = None
-        if self.grad_scaler is not None:
-            self.grad_scaler.update(found_inf)
-            at_min = self.grad_scaler._overflow_at_min_scale()
-        norm = self._root(norm_stat, finite_p)
-        skip, grad_norm, zeros = self._read_and_decide(found_inf, norm, num_zeros, at_min, scaler_before)
-        self._note_nonfinite(found_inf, skip, self._local_grads_by_param)
-        if skip:  # overflow or spike: no shard, state or model param changes
-            return StepResult(False, None, None)
+        return scale
 
-        clip = (
-            self.clip_grad > 0.0
-            and math.isfinite(grad_norm)
-            and self.clip_grad / (grad_norm + 1.0e-6) < 1.0  # Megatron: clip only when < 1
-        )
-        if fused:  # one pass: unscale x clip, update main shard + state, write model dtype
-            scale = scale.reshape(1) if scale is not None else None
-            self._fused_update(entries, self._grad_multiplier(scale, norm, clip), None)
-            self._gather_model_params(cast=False)
-        else:
-            shards = [b.grad_shard for b in self._buckets]
-            if clip and shards:
-                ops.scale_and_copy(shards, shards, clip_coefficient(self.clip_grad, norm))
-            self.optimizer.step()
-            self._gather_model_params()
-        return StepResult(True, float(grad_norm), zeros)
-
-    def _local_grads_by_param(self):
-        """(names, tensors) in model order: each param's local gradient as this rank accumulated it, before the
-        DP reduce-scatter (its slot of the grad buffer, which the reduce-scatter only reads), so
-        a non-finite value is attributed to the DP rank where it arose (``last_nonfinite``)."""
-        slot = {id(p): (b, a, e) for b in self._buckets for p, (a, e) in zip(b.params, b.offsets)}
-        names, tensors = [], []
-        for pid, name in self._names.items():  # model (param group) order
-            b, a, e = slot[pid]
-            names.append(name)
-            tensors.append(b.grad_data[a:e])
-        return names, tensors
-
-    def _unscale_shards(self, scale: Optional[Tensor], per_tensor_norms: bool = False) -> ops.GradStats:
-        """Generic path, step 2: reduced grad shards x ``scale`` (1/d x 1/loss scale) into the
-        fp32 main grads (in place for fp32 reduces), with found_inf, norm and zero statistics
-        (zeros of the raw reduced grads, as the one-pass path counts them) and, if asked, each
-        piece's norm."""
-        srcs, outs, mask = [], [], []
+    def _generic_grads(self, scale: Optional[Tensor]) -> StepGrads:
+        """Generic path: the reduced grad shards (fp32, or the model dtype) are read by the
+        unscale pass, which writes each piece's fp32 main grad (a view of the bucket's fp32
+        grad shard: in place for fp32 reduces)."""
+        srcs, outs, mask, mains = [], [], [], []
         for b in self._buckets:
             for q in b.pieces:
                 s, t = q.shard_range
@@ -844,27 +675,15 @@ class DistributedOptimizer(OptimizerWrapper):
                 srcs.append(out if b.reduce_out is b.grad_shard else b.reduce_out[s:t])
                 outs.append(out)
                 mask.append(q.counts)
-        raw_zeros = self._raw_zeros(srcs, mask, scale)  # before the in-place unscale
-        stats = ops.grad_stats(
-            srcs, out=outs, scale=scale, norm_mask=mask, norm_type=self.norm_type,
-            count_zeros=self.log_num_zeros_in_grad and raw_zeros is None,
-            per_tensor_norms=per_tensor_norms,
-            scale_at_most_one=(self.grad_scaler is None or self.grad_scaler.never_below_one)
-            and scale is not None,
-            device=self._device,
-        )
-        return stats if raw_zeros is None else stats._replace(num_zeros=raw_zeros)
+                mains.append(q.main)
+        return StepGrads(False, scale, srcs, mask, mains, outs=outs)
 
-    def _fused_shard_stats(self, scale: Optional[Tensor], finite_p: bool, per_tensor_norms: bool = False):
-        """Fused path, step 2: the read-only statistics pass over the reduced grad shards
-        (fp32 or model dtype), rescaled by ``scale`` (<= 1: found_inf and zeros unchanged).
-        Returns the one-pass step's entries per inner param group, (main piece, its slice of
-        the model-dtype all-gather input or None for fp32 buckets, reduced grad slice, counts
-        toward the norm), and the statistics; with per_tensor_norms, each piece's norm from the
-        same pass (of the raw reduced slice: the caller multiplies by ``scale``), in bucket and
-        piece order."""
+    def _fused_grads(self, scale: Optional[Tensor]) -> StepGrads:
+        """One-pass path: per inner param group, (main piece, its slice of the model-dtype
+        all-gather input or None for fp32 buckets, reduced grad slice, counts toward the norm);
+        the grads, mask and pieces in bucket and piece order. No fp32 main grads are filled."""
         entries: List[list] = [[] for _ in self.optimizer.param_groups]
-        grads, mask = [], []
+        grads, mask, mains = [], [], []
         for b in self._buckets:
             half = self._gather_buffers(b) is not b.main_shard
             for q in b.pieces:
@@ -875,13 +694,27 @@ class DistributedOptimizer(OptimizerWrapper):
                     (q.main, b.param_shard[s:t] if half else None, g, q.counts))
                 grads.append(g)
                 mask.append(q.counts)
-        stats = ops.grad_stats(
-            grads, norm_mask=mask, norm_type=self.norm_type,
-            count_zeros=self.log_num_zeros_in_grad, per_tensor_norms=per_tensor_norms,
-            device=self._device,
-        )
-        inv = scale.reshape(1) if scale is not None else None
-        return entries, self._unscaled_stats(stats, inv, finite_p)
+                mains.append(q.main)
+        return StepGrads(True, scale, grads, mask, mains, entries=entries)
+
+    def _nonfinite_grads(self, grads: StepGrads):
+        """(names, tensors) in model order: each param's local gradient as this rank
+        accumulated it, before the DP reduce-scatter (its slot of the grad buffer, which the
+        reduce-scatter only reads), so a non-finite value is attributed to the DP rank where it
+        arose (``last_nonfinite``)."""
+        slot = {id(p): (b, a, e) for b in self._buckets for p, (a, e) in zip(b.params, b.offsets)}
+        names, tensors = [], []
+        for pid, name in self._names.items():  # model (param group) order
+            b, a, e = slot[pid]
+            names.append(name)
+            tensors.append(b.grad_data[a:e])
+        return names, tensors
+
+    def _finish_params(self, grads: StepGrads, updated: bool) -> None:
+        """Step 8's second half: the main shards (cast to the model dtype, unless the one-pass
+        kernel wrote it) all-gathered over DP into the model params; nothing after a skip."""
+        if updated:
+            self._gather_model_params(cast=not grads.fused)
 
     def _gather_buffers(self, b: _Bucket) -> Tensor:
         """The bucket's all-gather output and input (kept between steps: no allocation, no
@@ -913,14 +746,8 @@ class DistributedOptimizer(OptimizerWrapper):
                 # fp32 params (the main shard is the input), remainder buckets (their own
                 # bf16 shard of high halves): into this rank's chunk of the in-place gather
                 own.copy_(b.param_shard)
-            if self._ring_p2p:
-                handles.append(_Ring(self.data_parallel_group, b.param_data.view(d, -1),
-                                     2 * b.index + 1))
-            elif d == 1:
-                handles.append(_Done())
-            else:
-                handles.append(_all_gather(b.param_data, b.param_shard,
-                                           group=self.data_parallel_group, async_op=True))
+            handles.append(start_all_gather(self.data_parallel_group, b.param_data,
+                                            b.param_shard, 2 * b.index + 1, ring=self._ring_p2p))
         srcs, dsts = [], []
         for b, h in zip(self._buckets, handles):
             h.wait()
@@ -940,26 +767,13 @@ class DistributedOptimizer(OptimizerWrapper):
             out.setdefault(q.name, []).append(q.param_range)
         return out
 
-    def fp32_state_bytes(self) -> int:
-        """Bytes of main params and optimizer state this rank holds (for the memory checks
-        and benchmarks): the main shards plus every tensor in the inner state (0-dim ones
-        excepted)."""
-        total = sum(b.main_shard.numel() * b.main_shard.element_size() for b in self._buckets)
-        for st in self.optimizer.state.values():
-            for v in st.values():
-                if isinstance(v, Tensor) and v.dim() > 0:
-                    total += v.numel() * v.element_size()
-        return total
+    def _main_param_bytes(self) -> int:
+        return sum(b.main_shard.numel() * b.main_shard.element_size() for b in self._buckets)
 
-    def optimizer_state_bytes(self) -> int:
-        """Bytes this rank holds of main params (the fp32 main shards, or the int16 remainder
-        shards of bf16 buckets with store_param_remainders) and inner optimizer state (every
-        tensor, every dtype: moments, 8-bit scales, step counts)."""
-        total = sum(b.main_shard.numel() * b.main_shard.element_size() for b in self._buckets)
-        for st in self.optimizer.state.values():
-            total += sum(v.numel() * v.element_size() for v in st.values()
-                         if isinstance(v, Tensor))
-        return total
+    def fp32_state_bytes(self) -> int:
+        """The old name of :meth:`optimizer_state_bytes` (one implementation; this name now
+        also counts the 0-dim state tensors, such as Adam's step counts, that it left out)."""
+        return self.optimizer_state_bytes()
 
     def _piece_master(self, q: _Piece) -> Tensor:
         """The fp32 master of a piece (a view; rebuilt from param + remainder: a new tensor)."""
@@ -1051,8 +865,7 @@ class DistributedOptimizer(OptimizerWrapper):
             self._convert_state()  # moments into this optimizer's configured dtypes
             self._gather_model_params()
         # as after load_state_dict: a fresh step guard, settings compared again at the next step
-        _validation.reset_step_guard(self)
-        self._tpamp_settings_agreed = False
+        _validation.reset_step_guard(self, settings=True)
 
     def _sharded_view(self, q: _Piece, flat: Tensor):
         """``flat`` (1-D, the piece's elements) as a ShardedTensor of the param's global shape."""
@@ -1099,14 +912,14 @@ class DistributedOptimizer(OptimizerWrapper):
     def state_dict(self) -> Dict:
         """This rank's shard: {'optimizer': inner state dict, 'grad_scaler': scaler state,
         'shard_main_params': per bucket its fp32 main shard, 'layout': DP size and rank and
-        each bucket's padded size}. For another layout use the sharded checkpoint path."""
+        each bucket's padded size} ('spike_detector' with a detector). For another layout use
+        the sharded checkpoint path."""
+        return super().state_dict()
+
+    def _main_param_state(self) -> Dict:
         return {
-            "optimizer": self.optimizer.state_dict(),
-            "grad_scaler": self.grad_scaler.state_dict() if self.grad_scaler is not None else None,
             "shard_main_params": [self._bucket_master(b) for b in self._buckets],
             "layout": self._layout(),
-            **({"spike_detector": self.spike_detector.state_dict()}
-               if self.spike_detector is not None else {}),
         }
 
     def _bucket_master(self, b: _Bucket) -> Tensor:
@@ -1230,24 +1043,6 @@ def _tp_layout(param: Tensor, tp_group):
         (r, tuple(j * local[dim] if d == dim else 0 for d in range(len(local))))
         for j, r in enumerate(peers)
     ]
-
-
-def _name_map(param_names) -> Dict[int, str]:
-    if param_names is None:
-        return {}
-    if isinstance(param_names, dict):
-        items = [(n, p) for p, n in param_names.items()]
-    else:
-        items = list(param_names)
-    out = {}
-    for n, p in items:
-        if not isinstance(n, str) or not isinstance(p, Tensor):
-            raise TypeError(
-                "param_names must be model.named_parameters() ((name, param) pairs) or a dict "
-                f"param -> name; got an entry ({type(n).__name__}, {type(p).__name__})"
-            )
-        out.setdefault(id(p), n)
-    return out
 
 
 def _slice_state(old: dict, param: Tensor, param_range: Tuple[int, int]) -> dict:

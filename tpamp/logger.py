@@ -1,4 +1,4 @@
-"""Grad-norm logs a user reads (SPEC.md section 5), in Megatron-LM's format.
+"""Grad-norm logs a user reads (docs/spec.md section 5), in Megatron-LM's format.
 
 Per logged iteration, a line such as::
 

@@ -41,7 +41,7 @@ from typing import Callable, Dict, Iterable, List, NamedTuple, Optional, Sequenc
 import torch
 import torch.distributed as dist
 
-from tpamp._checks import check_param_names
+from tpamp._checks import check_param_names, check_real
 
 __all__ = [
     "NonFiniteGrad",
@@ -302,7 +302,7 @@ class NonFiniteTracer:
         backward: also trace the backward pass (default True).
 
     Raises TypeError when model is not a Module or names is neither a dict nor callable,
-    ValueError when margin is not a number > 1.
+    TypeError when margin is not a number (or None), ValueError when it is not finite and > 1.
     """
 
     def __init__(
@@ -318,11 +318,7 @@ class NonFiniteTracer:
     ):
         if not isinstance(model, torch.nn.Module):
             raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
-        if margin is not None and (
-            isinstance(margin, bool) or not isinstance(margin, (int, float))
-            or not math.isfinite(margin) or margin <= 1
-        ):
-            raise ValueError(f"margin must be a finite number > 1 or None, got {margin!r}")
+        check_real("margin", margin, low=1.0, low_inclusive=False, allow_none=True)
         if names is None:
             rename: Callable[[str], str] = lambda n: n
         elif isinstance(names, dict):

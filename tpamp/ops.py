@@ -4,7 +4,7 @@ Each op here has a pure-PyTorch implementation (``torch._foreach_*`` and the amp
 on any device; on CPU and CUDA tensors the fused one-pass kernels of ``tpamp._C*`` (csrc/,
 registered as ``torch.ops.tpamp.*``, loaded by tpamp/_ext.py) are used instead when they are
 built. Both paths give the same results: norms to fp32 rounding, flags and counts exactly.
-Contracts: SPEC.md section 4.
+Contracts: docs/spec.md section 4.
 
 Dispatch: every tensor's device is checked (one device for the whole call, the scale included,
 else a ValueError). Tensors the kernels take -- float32/float16/bfloat16, non-overlapping and dense
@@ -490,7 +490,7 @@ def dynamic_scaler_update_(
     max_scale: Optional[float],
     consecutive_hysteresis: bool,
 ) -> None:
-    """Megatron-LM's DynamicGradScaler.update on the device, in place (SPEC.md section 1).
+    """Megatron-LM's DynamicGradScaler.update on the device, in place (docs/spec.md section 1).
 
     scale: float32 [1]; growth_tracker, hysteresis_tracker: int32 [1]; found_inf: any float or
     bool tensor with one element (nonzero means overflow). All on one device; no host read.

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import math
 import numbers
+from dataclasses import dataclass
 from typing import Dict, List, NamedTuple, Optional
 
 import torch
@@ -58,6 +59,31 @@ class StepResult(NamedTuple):
     num_zeros_in_grad: Optional[int]
 
 
+@dataclass
+class StepGrads:
+    """The gradients of one step as a wrapper's hooks hand them to the shared step
+    (:meth:`MixedPrecisionOptimizer.step`); an internal record, not part of the public API.
+
+    fused: the one-pass path (``entries`` set) or the generic one (``outs`` set).
+    scale: float32 [1] on the device: what the grads are multiplied by (1/loss scale, times
+        1/d for a DistributedOptimizer's fp32 reduce), or None for 1.
+    grads: the local tensors the statistics pass reads (any float dtype).
+    mask: for each grad, whether it counts toward the norm and the zero count.
+    mains: for each grad, the main param (or main-param piece) it updates.
+    outs: generic path: the fp32 main grads the unscale pass writes (the clip's targets).
+    entries: one-pass path: per inner param group, (main, model-dtype output or None, grad,
+        mask) as the kernels take them.
+    """
+
+    fused: bool
+    scale: Optional[Tensor]
+    grads: List[Tensor]
+    mask: List[bool]
+    mains: List[Tensor]
+    outs: Optional[List[Tensor]] = None
+    entries: Optional[list] = None
+
+
 class OptimizerWrapper:
     """Gives a wrapper the inner optimizer's ``param_groups`` and ``state`` (``self.optimizer``)."""
 
@@ -81,7 +107,17 @@ class MixedPrecisionOptimizer(OptimizerWrapper):
     copies the Megatron attributes ``tensor_model_parallel``, ``partition_dim``,
     ``partition_stride`` and ``shared``. fp32 params are used as they are (no copy).
 
-    ``step()`` (SPEC.md section 2), in this order:
+    This class is also the core of every tpamp optimizer wrapper, as Megatron-core's
+    MixedPrecisionOptimizer is: :class:`FP32Optimizer` and :class:`tpamp.DistributedOptimizer`
+    subclass it and inherit the loss scale (``get_loss_scale``, ``scale_loss``, ``backward``),
+    the one ``step()`` -- statistics pass, collective, scaler update, skip decision, spike
+    detector, ``last_nonfinite``, clip, update, the sync-free tail and the one-pass path,
+    written once -- its guards, ``optimizer_state_bytes`` and the common keys of
+    ``state_dict``. A subclass supplies only what differs, through the step's hooks
+    (``_sync_grads``, ``_grad_scale``, ``_generic_grads`` / ``_fused_grads``,
+    ``_nonfinite_grads``, ``_finish_params``), so a feature added to the step reaches all three.
+
+    ``step()`` (docs/spec.md section 2), in this order:
 
     1. main.grad = fp32(model.main_grad if present else model.grad); model grads are released;
     2. every main grad is multiplied by 1/loss_scale and checked for inf/nan (found_inf over
@@ -118,7 +154,7 @@ class MixedPrecisionOptimizer(OptimizerWrapper):
             0-dim, num_zeros_in_grad: int64 0-dim or None); a skipped step reports grad_norm
             nan and num_zeros_in_grad -1 (sentinels; :class:`tpamp.TrainingLogger` writes
             null). The min-scale stall is then not checked in step (read
-            ``grad_scaler._overflow_at_min_scale()`` when convenient).
+            ``grad_scaler.overflow_at_min_scale()`` when convenient).
         spike_detector: a :class:`tpamp.SpikeDetector` judging each step's reduced grad norm
             and loss after step 5 (log, skip or raise; tpamp/spikes.py); its state is saved in
             state_dict()["spike_detector"]. Not with sync_free (it decides on the host). Bound
@@ -148,7 +184,7 @@ class MixedPrecisionOptimizer(OptimizerWrapper):
             precision-aware optimizer, Transformer Engine's FusedAdam). They need the one-pass
             step (an exact torch.optim.Adam/AdamW, fused_step=True): construction raises
             ValueError otherwise, and a step that would take the generic path (step hooks,
-            amsgrad, param_grad_norms=True, a scaler that may drop below 1) raises
+            amsgrad, a scaler that may drop below 1) raises
             RuntimeError instead. :meth:`optimizer_state_bytes` counts what they save.
         param_names: ``model.named_parameters()`` ((name, param) pairs) or a dict param ->
             name, as DistributedOptimizer takes: the names of ``last_nonfinite`` records (and
@@ -211,45 +247,24 @@ class MixedPrecisionOptimizer(OptimizerWrapper):
         exp_avg_sq_dtype: torch.dtype = torch.float32,
         store_param_remainders: bool = False,
     ):
-        check_wrapper_args(optimizer, grad_scaler, clip_grad)
-        self.exp_avg_dtype, self.exp_avg_sq_dtype, self.store_param_remainders = (
-            state_formats.check_state_options(
-                optimizer, FUSED_KINDS.get(type(optimizer)), bool(fused_step), exp_avg_dtype,
-                exp_avg_sq_dtype, store_param_remainders,
-                {p.dtype for g in optimizer.param_groups for p in g["params"]
-                 if p.dtype in _HALF_DTYPES and p.requires_grad},
-            )
-        )
+        state_options = self._check_core_args(
+            optimizer, grad_scaler, clip_grad, fused_step, exp_avg_dtype, exp_avg_sq_dtype,
+            store_param_remainders)
         names = nonfinite_names(param_names)  # checked before anything changes
-        self.norm_type = _validation.check_norm_type(norm_type)
         _validation.check_group_member(grad_stats_group, "grad_stats_group")
         _validation.check_group_member(tensor_parallel_group, "tensor_parallel_group")
         coords = rank_coords(parallel_state, tensor_parallel_group=tensor_parallel_group)
-        self.optimizer = optimizer
-        self.grad_scaler = grad_scaler
-        self.clip_grad = float(clip_grad)
-        self.log_num_zeros_in_grad = bool(log_num_zeros_in_grad)
-        self.grad_stats_group = grad_stats_group
-        self.tensor_parallel_group = tensor_parallel_group
-        self.skip_nonfinite = bool(skip_nonfinite)
-        self.sync_free = bool(sync_free)
-        if self.sync_free and not getattr(optimizer, "_step_supports_amp_scaling", False):
-            raise ValueError(
-                f"sync_free=True needs an inner optimizer that skips on a device found_inf "
-                f"(fused=True Adam/AdamW/SGD); got {type(optimizer).__name__} without "
-                "_step_supports_amp_scaling"
-            )
-        self._tp_rank = _validation.tp_rank(tensor_parallel_group)
-        self.spike_detector = _validation.check_spike_detector(spike_detector, self.sync_free)
-        self.param_norm_tracker = None  # set by track_param_grad_norms
-        self.fused_step = bool(fused_step)
-        self._fused_kind = _FUSED_KINDS.get(type(optimizer)) if self.fused_step else None
+        self._init_core(
+            optimizer, grad_scaler=grad_scaler, clip_grad=clip_grad, norm_type=norm_type,
+            log_num_zeros_in_grad=log_num_zeros_in_grad, grad_stats_group=grad_stats_group,
+            tensor_parallel_group=tensor_parallel_group, skip_nonfinite=skip_nonfinite,
+            sync_free=sync_free, spike_detector=spike_detector, fused_step=fused_step,
+            state_options=state_options,
+        )
 
         # (model param, main param) for each fp16/bf16 param, per group; fp32 params per group
         self._half_pairs: List[List[tuple]] = []
         self._fp32_params: List[List[Tensor]] = []
-        # store_param_remainders: id(main placeholder) -> int16 remainder (local tensor)
-        self._remainders: Dict[int, Tensor] = {}
         has_fp16 = False
         for gi, group in enumerate(optimizer.param_groups):
             pairs, fp32s = [], []
@@ -271,23 +286,68 @@ class MixedPrecisionOptimizer(OptimizerWrapper):
                 elif param.dtype in _HALF_DTYPES:
                     pass  # frozen (requires_grad=False): never has a grad, needs no main copy
                 else:
-                    raise TypeError(
-                        f"param {pi} of param group {gi} has dtype {param.dtype}; "
-                        "expected float32, float16 or bfloat16"
-                    )
+                    raise TypeError(param_dtype_error(gi, pi, param))
             self._half_pairs.append(pairs)
             self._fp32_params.append(fp32s)
-        if has_fp16 and grad_scaler is None:
-            raise ValueError(
-                "fp16 params need a loss scaler (grad_scaler=DynamicGradScaler() or "
-                "ConstantGradScaler(scale)); got grad_scaler=None"
-            )
-        self._device = self._pick_device()
-        if grad_scaler is not None and grad_scaler.device != self._device:
-            grad_scaler.to(self._device)
-        self._one = torch.ones(1, dtype=torch.float32, device=self._device)
+        check_fp16_scaler(has_fp16, grad_scaler)
+        self._set_device(self._pick_device())
         self._init_param_names(names, coords)
         _validation.register_wrapper(self)
+
+    # -- the core every wrapper shares (FP32Optimizer, DistributedOptimizer) -------------
+
+    @staticmethod
+    def _check_core_args(optimizer, grad_scaler, clip_grad, fused_step, exp_avg_dtype,
+                         exp_avg_sq_dtype, store_param_remainders) -> tuple:
+        """The arguments every wrapper checks first, before anything changes: those of
+        :func:`check_wrapper_args` and the narrow-state options; returns the options
+        (exp_avg_dtype, exp_avg_sq_dtype, store_param_remainders) as tpamp.state_formats
+        normalises them."""
+        check_wrapper_args(optimizer, grad_scaler, clip_grad)
+        return state_formats.check_state_options(
+            optimizer, FUSED_KINDS.get(type(optimizer)), bool(fused_step), exp_avg_dtype,
+            exp_avg_sq_dtype, store_param_remainders,
+            {p.dtype for g in optimizer.param_groups for p in g["params"]
+             if p.dtype in _HALF_DTYPES and p.requires_grad},
+        )
+
+    def _init_core(self, optimizer, *, grad_scaler, clip_grad, norm_type, log_num_zeros_in_grad,
+                   grad_stats_group, tensor_parallel_group, skip_nonfinite, sync_free,
+                   spike_detector, fused_step, state_options) -> None:
+        """The settings of the step every wrapper shares (after :meth:`_check_core_args` and
+        the subclass's own checks; ValueError for a bad norm_type, a sync_free inner optimizer
+        that cannot skip on the device, or a detector that cannot be used)."""
+        self.norm_type = _validation.check_norm_type(norm_type)
+        self.optimizer = optimizer
+        self.grad_scaler = grad_scaler
+        self.clip_grad = float(clip_grad)
+        self.log_num_zeros_in_grad = bool(log_num_zeros_in_grad)
+        self.grad_stats_group = grad_stats_group
+        self.tensor_parallel_group = tensor_parallel_group
+        self.skip_nonfinite = bool(skip_nonfinite)
+        self.sync_free = bool(sync_free)
+        if self.sync_free and not getattr(optimizer, "_step_supports_amp_scaling", False):
+            raise ValueError(
+                f"sync_free=True needs an inner optimizer that skips on a device found_inf "
+                f"(fused=True Adam/AdamW/SGD); got {type(optimizer).__name__} without "
+                "_step_supports_amp_scaling"
+            )
+        self.exp_avg_dtype, self.exp_avg_sq_dtype, self.store_param_remainders = state_options
+        self._tp_rank = _validation.tp_rank(tensor_parallel_group)
+        self.spike_detector = _validation.check_spike_detector(spike_detector, self.sync_free)
+        self.param_norm_tracker = None  # set by track_param_grad_norms
+        self.fused_step = bool(fused_step)
+        self._fused_kind = _FUSED_KINDS.get(type(optimizer)) if self.fused_step else None
+        # store_param_remainders: id(main placeholder) -> int16 remainder (local tensor)
+        self._remainders: Dict[int, Tensor] = {}
+        self.last_nonfinite: Optional[list] = []
+
+    def _set_device(self, device: torch.device) -> None:
+        """The device of the step's statistics (the params'); the loss scaler moves there."""
+        self._device = device
+        if self.grad_scaler is not None and self.grad_scaler.device != device:
+            self.grad_scaler.to(device)
+        self._one = torch.ones(1, dtype=torch.float32, device=device)
 
     # -- construction helpers -------------------------------------------------------------
 
@@ -328,10 +388,10 @@ class MixedPrecisionOptimizer(OptimizerWrapper):
         data-parallel wrapper that attached them and are left alone, as in Megatron-LM)."""
         for pairs, fp32s in zip(self._half_pairs, self._fp32_params):
             for model, main in pairs:
-                _clear(model, set_to_none)
-                _clear(main, set_to_none)
+                clear_grad(model, set_to_none)
+                clear_grad(main, set_to_none)
             for p in fp32s:
-                _clear(p, set_to_none)
+                clear_grad(p, set_to_none)
 
     def reload_model_params(self) -> None:
         """Copy model params -> main params (after the model's weights were changed, e.g. a
@@ -345,16 +405,21 @@ class MixedPrecisionOptimizer(OptimizerWrapper):
 
     def optimizer_state_bytes(self) -> int:
         """Bytes this rank holds of main params (fp32 masters of fp16/bf16 params, or their
-        int16 remainders) and inner optimizer state (every tensor, every dtype: moments, 8-bit
-        scales, step counts). fp32 params are their own masters and are not counted."""
+        int16 remainders; a DistributedOptimizer's main shards) and inner optimizer state
+        (every tensor, every dtype: moments, 8-bit scales, step counts). fp32 params of a
+        MixedPrecisionOptimizer are their own masters and are not counted."""
+        total = self._main_param_bytes()
+        for st in self.optimizer.state.values():
+            total += sum(local_tensor(v).numel() * v.element_size()
+                         for v in st.values() if isinstance(v, Tensor))
+        return total
+
+    def _main_param_bytes(self) -> int:
         total = sum(r.numel() * r.element_size() for r in self._remainders.values())
         for pairs in self._half_pairs:
             for _, main in pairs:
                 if id(main) not in self._remainders:
                     total += local_tensor(main).numel() * 4
-        for st in self.optimizer.state.values():
-            total += sum(local_tensor(v).numel() * v.element_size()
-                         for v in st.values() if isinstance(v, Tensor))
         return total
 
     def _master_value(self, main: Tensor, model: Tensor) -> Tensor:
@@ -362,13 +427,7 @@ class MixedPrecisionOptimizer(OptimizerWrapper):
         rem = self._remainders.get(id(main))
         if rem is None:
             return main.detach().clone()
-        value = ops.join_remainders(local_tensor(model.detach()), rem)
-        if local_tensor(main) is not main:  # DTensor: the same mesh and placements
-            from torch.distributed.tensor import DTensor
-
-            return DTensor.from_local(value, main.device_mesh, main.placements, run_check=False,
-                                      shape=main.shape, stride=main.stride())
-        return value
+        return state_formats.master_from_remainder(model, rem, main)
 
     def _pair_locals(self):
         models, mains = [], []
@@ -433,63 +492,216 @@ class MixedPrecisionOptimizer(OptimizerWrapper):
         as ``fp32_from_fp16_params``)."""
         return [[main for _, main in pairs] for pairs in self._half_pairs]
 
+    # -- the step: one template, the hooks below differ per wrapper ------------------------
+
     @_validation.guard_step
     @torch.no_grad()
     def step(self, closure=None, *, param_grad_norms: bool = False) -> StepResult:
         """One optimizer step (class docstring); returns :class:`StepResult`.
 
         param_grad_norms: also compute the per-parameter grad norms from the same pass (one
-        extra all-reduce; needs :meth:`track_param_grad_norms`; the same value on every rank)."""
+        extra all-reduce; needs :meth:`track_param_grad_norms`; the same value on every rank).
+
+        The one step of every tpamp optimizer wrapper (FP32Optimizer and DistributedOptimizer
+        inherit it): the gradients come from the hooks :meth:`_sync_grads`,
+        :meth:`_grad_scale`, :meth:`_generic_grads` / :meth:`_fused_grads`, and the new values
+        go back to the model by :meth:`_finish_params`; the statistics, the collective, the
+        scaler update, the skip decision, the non-finite records, the clip and the update are
+        written here once."""
         if closure is not None:
             raise ValueError("closure is not supported: compute the loss before step()")
         if param_grad_norms and self.param_norm_tracker is None:
             raise ValueError("step(param_grad_norms=True) needs track_param_grad_norms() first")
         self.last_nonfinite = None  # set by the steps that read the device (not sync_free)
-        if self._fused_step_usable():
-            return self._step_fused(param_grad_norms)
-        state_formats_refuse_generic(self)
-        srcs, outs, mask, all_main = self._collect_grads()
-        scale = self.grad_scaler.inv_scale if self.grad_scaler is not None else None
+        fused = self._fused_step_usable()
+        if not fused:
+            state_formats_refuse_generic(self)  # narrow state needs the one-pass path
+        self._sync_grads()
+        scale = self._grad_scale()  # this step's, taken before grad_scaler.update changes it
+        grads = self._fused_grads(scale) if fused else self._generic_grads(scale)
         finite_p = self.norm_type != math.inf
-        raw_zeros = self._raw_zeros(srcs, mask, scale)  # before the in-place unscale
-        stats = ops.grad_stats(
-            srcs,
-            out=outs,
-            scale=scale,
-            norm_mask=mask,
-            norm_type=self.norm_type,
-            count_zeros=self.log_num_zeros_in_grad and raw_zeros is None,
-            scale_at_most_one=self.grad_scaler is not None and self.grad_scaler.never_below_one,
-            per_tensor_norms=param_grad_norms,
-            device=self._device,
-        )
-        if raw_zeros is not None:
-            stats = stats._replace(num_zeros=raw_zeros)
+        stats = self._grad_stats(grads, finite_p, param_grad_norms)
         found_inf, norm_stat, num_zeros = self._reduce(stats, finite_p)
         if param_grad_norms:
-            self.param_norm_tracker.reduce(stats.per_tensor_norms, outs, mask)
+            self._reduce_param_norms(grads, stats)
         spikes = self.spike_detector
         scaler_before = spikes.snapshot_scaler(self.grad_scaler) if spikes is not None else None
         at_min = None
         if self.grad_scaler is not None:
             self.grad_scaler.update(found_inf)
-            at_min = self.grad_scaler._overflow_at_min_scale()
-        if self.sync_free:
-            return self._finish_on_device(found_inf, norm_stat, num_zeros, all_main, finite_p)
+            at_min = self.grad_scaler.overflow_at_min_scale()
         norm = self._root(norm_stat, finite_p)
-        skip, grad_norm, zeros = self._read_and_decide(found_inf, norm, num_zeros, at_min, scaler_before)
-        self._note_nonfinite(found_inf, skip, lambda: (self._collected_grad_names(), outs))
-        if skip:
+        if self.sync_free:
+            return self._finish_on_device(grads, found_inf, norm, num_zeros)
+        skip, grad_norm, zeros = self._read_and_decide(
+            found_inf, norm, num_zeros, at_min, scaler_before)
+        self._note_nonfinite(found_inf, skip, lambda: self._nonfinite_grads(grads))
+        if skip:  # overflow or spike: no main param, state or model param changes
+            self._finish_params(grads, updated=False)
             return StepResult(False, None, None)
-
-        if self.clip_grad > 0.0 and all_main and math.isfinite(grad_norm):
-            if self.clip_grad / (grad_norm + 1.0e-6) < 1.0:  # Megatron: clip only when < 1
-                ops.scale_and_copy(all_main, all_main, clip_coefficient(self.clip_grad, norm))
-
-        self.optimizer.step()
-        mains, models = self._pair_locals()
-        ops.scale_and_copy(mains, models)
+        clip = (
+            self.clip_grad > 0.0
+            and bool(grads.grads)
+            and math.isfinite(grad_norm)
+            and self.clip_grad / (grad_norm + 1.0e-6) < 1.0  # Megatron: clip only when < 1
+        )
+        self._update(grads, norm, clip, None)
         return StepResult(True, float(grad_norm), zeros)
+
+    def _grad_stats(self, grads: StepGrads, finite_p: bool, per_tensor: bool) -> ops.GradStats:
+        """Step 2: found_inf, the norm statistic and the zero count of the unscaled grads (and
+        each tensor's norm with ``per_tensor``). Generic path: one pass that also writes the
+        grads x ``scale`` into the main grads; one-pass path: a read-only pass over the raw
+        grads, rescaled afterwards (the scale is <= 1, so found_inf and zeros are the same)."""
+        if grads.fused:
+            stats = ops.grad_stats(
+                grads.grads, norm_mask=grads.mask, norm_type=self.norm_type,
+                count_zeros=self.log_num_zeros_in_grad, per_tensor_norms=per_tensor,
+                device=self._device,
+            )
+            return self._unscaled_stats(stats, grads.scale, finite_p)
+        scale = grads.scale
+        raw_zeros = self._raw_zeros(grads.grads, grads.mask, scale)  # before the unscale
+        stats = ops.grad_stats(
+            grads.grads, out=grads.outs, scale=scale, norm_mask=grads.mask,
+            norm_type=self.norm_type,
+            count_zeros=self.log_num_zeros_in_grad and raw_zeros is None,
+            scale_at_most_one=scale is not None
+            and (self.grad_scaler is None or self.grad_scaler.never_below_one),
+            per_tensor_norms=per_tensor, device=self._device,
+        )
+        return stats if raw_zeros is None else stats._replace(num_zeros=raw_zeros)
+
+    def _reduce_param_norms(self, grads: StepGrads, stats: ops.GradStats) -> None:
+        """The per-parameter norms of this step (param_norms.ParamGradNormTracker)."""
+        if grads.fused:  # of the raw grads: ||g x s|| = s ||g|| gives the unscaled grads' norms
+            per_tensor = stats.per_tensor_norms
+            if grads.scale is not None:
+                per_tensor = per_tensor * grads.scale
+            self.param_norm_tracker.reduce_params(per_tensor, grads.mains, grads.mask)
+        else:
+            self.param_norm_tracker.reduce(stats.per_tensor_norms, grads.outs, grads.mask)
+
+    def _finish_on_device(self, grads: StepGrads, found_inf, norm, num_zeros) -> StepResult:
+        """Steps 5-9 with no host read (sync_free): the skip is decided on the device (the
+        fused inner optimizer or the one-pass kernel takes found_inf), the clip coefficient is
+        computed there (a non-finite norm gives 1: a skipped step never turns grads into nan),
+        and a skipped step reports the sentinels nan and -1 (TrainingLogger writes null), as
+        the host cannot be asked for None without a sync."""
+        skip = found_inf.reshape(1).float()
+        if self.grad_scaler is None and not self.skip_nonfinite:
+            skip = torch.zeros_like(skip)
+        self._update(grads, norm, self.clip_grad > 0.0 and bool(grads.grads), skip)
+        skipped = skip.reshape(()) != 0
+        norm = torch.where(skipped, torch.full_like(norm, math.nan), norm).reshape(())
+        zeros = None
+        if num_zeros is not None:
+            zeros = num_zeros.reshape(()).to(torch.int64)
+            zeros = torch.where(skipped, torch.full_like(zeros, -1), zeros)
+        return StepResult(~skipped, norm, zeros)
+
+    def _update(self, grads: StepGrads, norm: Tensor, clip: bool,
+                found_inf: Optional[Tensor]) -> None:
+        """Step 8: clip (coefficient from ``norm``), step the main params and state, and
+        give the model its new params. ``found_inf`` (sync_free): the device flag on which the
+        update skips itself; None: the step was decided on the host."""
+        if grads.fused:  # one pass: unscale x clip, update main params + state, write models
+            mult = self._grad_multiplier(grads.scale, norm, clip)
+            self._fused_update(grads.entries, mult, found_inf)
+        else:
+            if clip and grads.outs:
+                ops.scale_and_copy(grads.outs, grads.outs, clip_coefficient(self.clip_grad, norm))
+            inner = self.optimizer
+            if found_inf is None:
+                inner.step()
+            else:  # as torch.amp's GradScaler hands it to a fused optimizer
+                inner.found_inf, inner.grad_scale = found_inf.reshape(()), None
+                try:
+                    inner.step()
+                finally:
+                    del inner.found_inf, inner.grad_scale
+        self._finish_params(grads, updated=True)
+
+    # -- the hooks (MixedPrecisionOptimizer's: one fp32 main copy per fp16/bf16 param) -----
+
+    def _sync_grads(self) -> None:
+        """Make every gradient of this step readable (DistributedOptimizer: its reduce-scatter)."""
+
+    def _grad_scale(self) -> Optional[Tensor]:
+        """The factor the gradients are multiplied by (1/loss scale; None for 1), float32 [1]."""
+        return self.grad_scaler.inv_scale.reshape(1) if self.grad_scaler is not None else None
+
+    def _generic_grads(self, scale: Optional[Tensor]) -> StepGrads:
+        """Step 1 of the generic path: point main params at their gradient buffers (an fp32
+        ``main_grad`` or grad in place, as Megatron does; else a new fp32 main grad) and release
+        the model grads. The unscale pass reads ``grads`` and writes ``outs`` (the main grads)."""
+        srcs, outs, mask, mains = [], [], [], []
+        for pairs, fp32s in zip(self._half_pairs, self._fp32_params):
+            for model, main in pairs:
+                grad = _model_grad(model)
+                if grad is None:
+                    main.grad = None
+                    continue
+                if grad.dtype == torch.float32:
+                    main.grad = grad  # a main_grad buffer: used in place, as Megatron does
+                    src = out = local_tensor(grad)
+                else:
+                    main.grad = torch.empty_like(main)
+                    src, out = local_tensor(grad), local_tensor(main.grad)
+                model.grad = None
+                srcs.append(src)
+                outs.append(out)
+                mask.append(counts_toward_norm(main, self._tp_rank, self.tensor_parallel_group))
+                mains.append(main)
+            for p in fp32s:
+                main_grad = getattr(p, "main_grad", None)
+                if main_grad is not None:
+                    p.grad = main_grad
+                if p.grad is None:
+                    continue
+                p.grad = _fp32_grad(p.grad, p)
+                srcs.append(local_tensor(p.grad))
+                outs.append(srcs[-1])
+                mask.append(counts_toward_norm(p, self._tp_rank, self.tensor_parallel_group))
+                mains.append(p)
+        return StepGrads(False, scale, srcs, mask, mains, outs=outs)
+
+    def _fused_grads(self, scale: Optional[Tensor]) -> StepGrads:
+        """Step 1 of the one-pass path: per param group, (main param, model param or None for
+        an fp32 param, local grad, counts toward the norm) for every param with a gradient;
+        nothing is copied, no fp32 main grad is made."""
+        entries = []
+        for pairs, fp32s in zip(self._half_pairs, self._fp32_params):
+            group = []
+            for model, main in pairs:
+                main.grad = None
+                grad = _model_grad(model)
+                if grad is not None:
+                    mask = counts_toward_norm(main, self._tp_rank, self.tensor_parallel_group)
+                    group.append((main, model, local_tensor(grad), mask))
+            for p in fp32s:
+                grad = _model_grad(p)
+                if grad is not None:
+                    mask = counts_toward_norm(p, self._tp_rank, self.tensor_parallel_group)
+                    group.append((p, None, local_tensor(_fp32_grad(grad, p)), mask))
+            entries.append(group)
+        flat = [e for group in entries for e in group]
+        return StepGrads(True, scale, [e[2] for e in flat], [e[3] for e in flat],
+                          [e[0] for e in flat], entries=entries)
+
+    def _nonfinite_grads(self, grads: StepGrads):
+        """(names, local gradients) counted for ``last_nonfinite`` after a step with
+        found_inf: this step's grads (unscaled on the generic path, raw on the one-pass one)."""
+        names = [self._param_name[id(m)] for m in grads.mains]
+        return names, grads.grads if grads.fused else grads.outs
+
+    def _finish_params(self, grads: StepGrads, updated: bool) -> None:
+        """After the update (``updated``) or a skip: main params -> model params (the
+        one-pass kernel wrote them itself), and the model grads are released."""
+        if updated and not grads.fused:
+            self._copy_mains_to_model()
+        if grads.fused:  # the generic path released them in _generic_grads
+            self._release_model_grads()
 
     def _read_and_decide(self, found_inf, norm, num_zeros, at_min, scaler_before):
         """The one host read of a step (found_inf, norm, zeros and the scaler's stall flag in one
@@ -504,7 +716,7 @@ class MixedPrecisionOptimizer(OptimizerWrapper):
         host = torch.cat(parts).tolist()
         found = host[0] > 0
         if at_min is not None and host[-1] > 0:  # overflow at min_scale, or growth capped
-            self.grad_scaler._report_overflow_at_min_scale()
+            self.grad_scaler.report_overflow_at_min_scale()
         spikes = self.spike_detector
         if spikes is not None:  # a spike skip: as an overflow skip, but the scaler is restored
             loss = spikes.reduce_loss(self.grad_stats_group, self._device)
@@ -538,70 +750,6 @@ class MixedPrecisionOptimizer(OptimizerWrapper):
         if not finite_p:
             return norm_stat.float()
         return norm_stat.double().pow(1.0 / self.norm_type).float()
-
-    def _finish_on_device(self, found_inf, norm_stat, num_zeros, all_main, finite_p):
-        """Steps 5-9 with no host read: the fused inner optimizer skips on found_inf itself."""
-        norm = self._root(norm_stat, finite_p).reshape(())
-        if self.clip_grad > 0.0 and all_main:
-            # non-finite norm -> coefficient 1: a skipped step never turns grads into nan
-            ops.scale_and_copy(all_main, all_main, clip_coefficient(self.clip_grad, norm))
-        skip = found_inf.reshape(()).float()
-        if self.grad_scaler is None and not self.skip_nonfinite:
-            skip = torch.zeros_like(skip)
-        inner = self.optimizer
-        inner.found_inf, inner.grad_scale = skip, None
-        try:
-            inner.step()
-        finally:
-            del inner.found_inf, inner.grad_scale
-        mains, models = self._pair_locals()
-        ops.scale_and_copy(mains, models)
-        zeros = num_zeros.reshape(()).to(torch.int64) if num_zeros is not None else None
-        # a skipped step has no grad norm or zero count: documented sentinels nan and -1
-        # (TrainingLogger writes null), as the host cannot be asked for None without a sync
-        skipped = skip != 0
-        norm = torch.where(skipped, torch.full_like(norm, math.nan), norm)
-        if zeros is not None:
-            zeros = torch.where(skipped, torch.full_like(zeros, -1), zeros)
-        return StepResult(skip == 0, norm, zeros)
-
-    def _collect_grads(self):
-        """Step 1: point main params at their gradient buffers. Returns the fused pass's inputs
-        (local tensors), outputs, the norm mask, and all main grads (for the clip)."""
-        srcs, outs, mask = [], [], []
-        for pairs, fp32s in zip(self._half_pairs, self._fp32_params):
-            for model, main in pairs:
-                grad = getattr(model, "main_grad", None)
-                if grad is None:
-                    grad = model.grad
-                if grad is None:
-                    main.grad = None
-                    continue
-                grad = _placed_like(grad, model)
-                if grad.dtype == torch.float32:
-                    main.grad = grad  # a main_grad buffer: used in place, as Megatron does
-                    src = out = local_tensor(grad)
-                else:
-                    main.grad = torch.empty_like(main)
-                    src, out = local_tensor(grad), local_tensor(main.grad)
-                model.grad = None
-                srcs.append(src)
-                outs.append(out)
-                mask.append(counts_toward_norm(main, self._tp_rank, self.tensor_parallel_group))
-            for p in fp32s:
-                main_grad = getattr(p, "main_grad", None)
-                if main_grad is not None:
-                    p.grad = main_grad
-                if p.grad is None:
-                    continue
-                p.grad = _placed_like(p.grad, p)
-                g = local_tensor(p.grad)
-                if g.dtype != torch.float32:
-                    raise TypeError(f"an fp32 param has a {g.dtype} gradient; expected float32")
-                srcs.append(g)
-                outs.append(g)
-                mask.append(counts_toward_norm(p, self._tp_rank, self.tensor_parallel_group))
-        return srcs, outs, mask, list(outs)
 
     def _reduce(self, stats: ops.GradStats, finite_p: bool):
         """Step 3: one collective for found_inf (as a SUM of flags), the norm statistic and the
@@ -647,102 +795,6 @@ class MixedPrecisionOptimizer(OptimizerWrapper):
         ):
             return False  # hooks expect the inner optimizer's step() to run
         return all(_fused_group_supported(kind, group) for group in inner.param_groups)
-
-    def _step_fused(self, param_grad_norms: bool = False) -> StepResult:
-        """step() on the fused path: the read-only statistics pass over the model grads, the
-        one collective, the scaler update, then one pass per param group that unscales, clips,
-        updates the main params and state and writes the model params. With param_grad_norms
-        the same pass gives the per-tensor norms (of the raw grads, times 1/loss scale)."""
-        entries = self._fused_collect()
-        # this step's 1/loss scale, taken before grad_scaler.update changes the scale
-        inv_scale = self.grad_scaler.inv_scale.reshape(1) if self.grad_scaler is not None else None
-        grads = [g for group in entries for _, _, g, _ in group]
-        mask = [m for group in entries for _, _, _, m in group]
-        finite_p = self.norm_type != math.inf
-        stats = ops.grad_stats(
-            grads,
-            norm_mask=mask,
-            norm_type=self.norm_type,
-            count_zeros=self.log_num_zeros_in_grad,
-            per_tensor_norms=param_grad_norms,
-            device=self._device,
-        )
-        stats = self._unscaled_stats(stats, inv_scale, finite_p)
-        found_inf, norm_stat, num_zeros = self._reduce(stats, finite_p)
-        if param_grad_norms:
-            per_tensor = stats.per_tensor_norms
-            if inv_scale is not None:  # ||g x s|| = s ||g||: the unscaled grads' norms
-                per_tensor = per_tensor * inv_scale
-            mains = [e[0] for group in entries for e in group]
-            self.param_norm_tracker.reduce_params(per_tensor, mains, mask)
-        spikes = self.spike_detector
-        scaler_before = spikes.snapshot_scaler(self.grad_scaler) if spikes is not None else None
-        at_min = None
-        if self.grad_scaler is not None:
-            self.grad_scaler.update(found_inf)
-            at_min = self.grad_scaler._overflow_at_min_scale()
-        norm = self._root(norm_stat, finite_p)
-        if self.sync_free:
-            skip = found_inf.reshape(1).float()
-            if self.grad_scaler is None and not self.skip_nonfinite:
-                skip = torch.zeros_like(skip)
-            clip = self.clip_grad > 0.0 and bool(grads)
-            self._fused_update(entries, self._grad_multiplier(inv_scale, norm, clip), skip)
-            self._release_model_grads()
-            # a skipped step reports the sentinels nan and -1, as the generic path does
-            skipped = skip.reshape(()) != 0
-            norm = torch.where(skipped, torch.full_like(norm, math.nan), norm).reshape(())
-            zeros = None
-            if num_zeros is not None:
-                zeros = num_zeros.reshape(()).to(torch.int64)
-                zeros = torch.where(skipped, torch.full_like(zeros, -1), zeros)
-            return StepResult(~skipped, norm, zeros)
-        skip, grad_norm, zeros = self._read_and_decide(found_inf, norm, num_zeros, at_min, scaler_before)
-        self._note_nonfinite(
-            found_inf, skip, lambda: ([self._param_name[id(e[0])] for g in entries for e in g], grads)
-        )
-        if skip:
-            self._release_model_grads()
-            return StepResult(False, None, None)
-        clip = (
-            self.clip_grad > 0.0
-            and bool(grads)
-            and math.isfinite(grad_norm)
-            and self.clip_grad / (grad_norm + 1.0e-6) < 1.0  # Megatron: clip only when < 1
-        )
-        self._fused_update(entries, self._grad_multiplier(inv_scale, norm, clip), None)
-        self._release_model_grads()
-        return StepResult(True, float(grad_norm), zeros)
-
-    def _fused_collect(self):
-        """Per param group, (main param, model param or None for an fp32 param, local grad,
-        counts toward the norm) for every param with a gradient; nothing is copied."""
-        entries = []
-        for pairs, fp32s in zip(self._half_pairs, self._fp32_params):
-            group = []
-            for model, main in pairs:
-                main.grad = None
-                grad = getattr(model, "main_grad", None)
-                if grad is None:
-                    grad = model.grad
-                if grad is None:
-                    continue
-                grad = local_tensor(_placed_like(grad, model))
-                mask = counts_toward_norm(main, self._tp_rank, self.tensor_parallel_group)
-                group.append((main, model, grad, mask))
-            for p in fp32s:
-                grad = getattr(p, "main_grad", None)
-                if grad is None:
-                    grad = p.grad
-                if grad is None:
-                    continue
-                grad = local_tensor(_placed_like(grad, p))
-                if grad.dtype != torch.float32:
-                    raise TypeError(f"an fp32 param has a {grad.dtype} gradient; expected float32")
-                mask = counts_toward_norm(p, self._tp_rank, self.tensor_parallel_group)
-                group.append((p, None, grad, mask))
-            entries.append(group)
-        return entries
 
     def _unscaled_stats(
         self, stats: ops.GradStats, inv_scale: Optional[Tensor], finite_p: bool
@@ -798,7 +850,7 @@ class MixedPrecisionOptimizer(OptimizerWrapper):
             local = rem if rem is not None else local_tensor(main)  # what the kernel steps
             if len(state) == 0:  # torch.optim.Adam's _init_group, with the step on the device
                 if narrow:
-                    state.update(_moments_like_main(state_formats.new_adam_state(
+                    state.update(state_formats.moments_like(state_formats.new_adam_state(
                         local, _scalar_dtype(), m_dtype, v_dtype), main))
                 else:
                     state["step"] = torch.zeros((), dtype=_scalar_dtype(), device=local.device)
@@ -811,7 +863,7 @@ class MixedPrecisionOptimizer(OptimizerWrapper):
                     new = state_formats.convert_adam_state(
                         {k: local_tensor(v) for k, v in state.items()}, local, m_dtype, v_dtype)
                     state.clear()
-                    state.update(_moments_like_main(new, main))
+                    state.update(state_formats.moments_like(new, main))
             mains.append(local)
             exp_avgs.append(local_tensor(state["exp_avg"]))
             exp_avg_sqs.append(local_tensor(state["exp_avg_sq"]))
@@ -885,14 +937,6 @@ class MixedPrecisionOptimizer(OptimizerWrapper):
         the ``param_names`` given at construction, ``group<g>.param<i>`` for the others."""
         return list(self._named_model_params)
 
-    def _collected_grad_names(self) -> List[str]:
-        """Names of the grads _collect_grads returned, in its order (params with a grad)."""
-        names = []
-        for pairs, fp32s in zip(self._half_pairs, self._fp32_params):
-            names += [self._param_name[id(main)] for _, main in pairs if main.grad is not None]
-            names += [self._param_name[id(p)] for p in fp32s if p.grad is not None]
-        return names
-
     def _note_nonfinite(self, found_inf, skip: bool, local_grads) -> None:
         """``last_nonfinite`` after the step's host read: [] on a clean step (no extra work:
         a step that is not skipped had no inf/nan unless non-finite steps are taken,
@@ -916,18 +960,24 @@ class MixedPrecisionOptimizer(OptimizerWrapper):
 
     def state_dict(self) -> Dict:
         """{'optimizer': inner state dict, 'grad_scaler': scaler state (None without one),
-        'fp32_from_fp16_params': per param group, the list of main params (tensors)}."""
+        'fp32_from_fp16_params': per param group, the list of main params (tensors)}, and
+        'spike_detector' with a detector."""
         state = {
             "optimizer": self.optimizer.state_dict(),
             "grad_scaler": self.grad_scaler.state_dict() if self.grad_scaler is not None else None,
+            **self._main_param_state(),
+        }
+        if self.spike_detector is not None:  # tpamp's own key beside Megatron's three
+            state["spike_detector"] = self.spike_detector.state_dict()
+        return state
+
+    def _main_param_state(self) -> Dict:
+        return {
             "fp32_from_fp16_params": [  # fp32 (Megatron's format), rebuilt from remainders
                 [self._master_value(main, model) for model, main in pairs]
                 for pairs in self._half_pairs
             ],
         }
-        if self.spike_detector is not None:  # tpamp's own key beside Megatron's three
-            state["spike_detector"] = self.spike_detector.state_dict()
-        return state
 
     def load_state_dict(self, state_dict: Dict) -> None:
         """Restore the inner optimizer, the scaler and the main params, then copy the main
@@ -1001,7 +1051,7 @@ class MixedPrecisionOptimizer(OptimizerWrapper):
                 new = state_formats.convert_adam_state(
                     {k: local_tensor(v) for k, v in state.items()}, like, m_dtype, v_dtype)
                 state.clear()
-                state.update(_moments_like_main(new, main))
+                state.update(state_formats.moments_like(new, main))
 
     # -- checkpoint interface (tpamp.checkpoint calls these) --
     # (kept self-contained: sharded_state_dict / load_sharded_state_dict and their helpers,
@@ -1153,8 +1203,8 @@ class FP32Optimizer(MixedPrecisionOptimizer):
 def check_wrapper_args(optimizer, grad_scaler, clip_grad) -> None:
     """The arguments every tpamp optimizer wrapper shares, checked before anything changes:
     a torch.optim.Optimizer not wrapped yet whose params have supported dtypes (TypeError /
-    ValueError), a tpamp scaler or None (TypeError), clip_grad a finite number >= 0
-    (ValueError)."""
+    ValueError), a tpamp scaler or None (TypeError), clip_grad a finite number >= 0 (TypeError
+    for a non-number, ValueError for nan, inf or a negative value)."""
     if not isinstance(optimizer, torch.optim.Optimizer):
         raise TypeError(
             f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}"
@@ -1165,16 +1215,45 @@ def check_wrapper_args(optimizer, grad_scaler, clip_grad) -> None:
             f"{type(grad_scaler).__name__}"
         )
     _validation.check_wrappable(optimizer)
-    if (
-        isinstance(clip_grad, bool)
-        or not isinstance(clip_grad, numbers.Real)
-        or not math.isfinite(clip_grad)
-        or clip_grad < 0
-    ):
-        raise ValueError(f"clip_grad must be a finite number >= 0, got {clip_grad!r}")
+    _validation.check_real("clip_grad", clip_grad, low=0.0)
 
 
-def _clear(p: Tensor, set_to_none: bool) -> None:
+def check_fp16_scaler(has_fp16: bool, grad_scaler) -> None:
+    """ValueError when fp16 params come without a loss scaler."""
+    if has_fp16 and grad_scaler is None:
+        raise ValueError(
+            "fp16 params need a loss scaler (grad_scaler=DynamicGradScaler() or "
+            "ConstantGradScaler(scale)); got grad_scaler=None"
+        )
+
+
+def param_dtype_error(gi: int, pi: int, param: Tensor) -> str:
+    """The TypeError message for a param of an unsupported dtype."""
+    return (f"param {pi} of param group {gi} has dtype {param.dtype}; "
+            "expected float32, float16 or bfloat16")
+
+
+def _model_grad(p: Tensor) -> Optional[Tensor]:
+    """The gradient a step reads for p: its ``main_grad`` when it has one, else ``.grad``,
+    placed like p (a DTensor grad gets p's placements); None when it has neither."""
+    grad = getattr(p, "main_grad", None)
+    if grad is None:
+        grad = p.grad
+    return None if grad is None else _placed_like(grad, p)
+
+
+def _fp32_grad(grad: Tensor, p: Tensor) -> Tensor:
+    """An fp32 param's gradient, placed like it; TypeError unless it is float32."""
+    grad = _placed_like(grad, p)
+    if local_tensor(grad).dtype != torch.float32:
+        raise TypeError(
+            f"an fp32 param has a {local_tensor(grad).dtype} gradient; expected float32")
+    return grad
+
+
+def clear_grad(p: Tensor, set_to_none: bool) -> None:
+    """Release p's ``.grad`` (set_to_none) or zero it in place (detached), as
+    ``torch.optim.Optimizer.zero_grad`` does; nothing when it has none."""
     if p.grad is None:
         return
     if set_to_none:
@@ -1190,11 +1269,7 @@ def _remainder_placeholder(param: Tensor) -> Tensor:
     expanded 0-dim zero): the state is keyed by it, the kernel never touches it."""
     local = local_tensor(param.detach())
     data = torch.zeros((), dtype=torch.float32, device=local.device).expand(local.shape)
-    if local is not param.detach() and _is_dtensor(param):
-        from torch.distributed.tensor import DTensor
-
-        data = DTensor.from_local(data, param.device_mesh, param.placements, run_check=False,
-                                  shape=param.shape, stride=param.stride())
+    data = state_formats.dtensor_like(data, param)
     main = torch.nn.Parameter(data, requires_grad=True)
     for attr in _COPIED_ATTRS:
         if hasattr(param, attr):
@@ -1202,33 +1277,8 @@ def _remainder_placeholder(param: Tensor) -> Tensor:
     return main
 
 
-def _moments_like_main(state: dict, main: Tensor) -> dict:
-    """Adam state whose moments are DTensors like a DTensor main (as torch.optim keeps them);
-    the 8-bit scales stay local (their blocks are this rank's)."""
-    if local_tensor(main) is main:
-        return state
-    from torch.distributed.tensor import DTensor
-
-    out = dict(state)
-    for k in ("exp_avg", "exp_avg_sq"):
-        if k in out and local_tensor(out[k]) is out[k]:
-            out[k] = DTensor.from_local(out[k], main.device_mesh, main.placements,
-                                        run_check=False, shape=main.shape, stride=main.stride())
-    return out
-
-
-def state_formats_refuse_generic(wrapper) -> None:
-    """The generic path (inner optimizer.step()) cannot keep narrow state: raise instead."""
-    if (getattr(wrapper, "exp_avg_dtype", torch.float32) != torch.float32
-            or getattr(wrapper, "exp_avg_sq_dtype", torch.float32) != torch.float32
-            or getattr(wrapper, "store_param_remainders", False)):
-        raise RuntimeError(
-            f"this step would take the generic path (inner optimizer.step(): step hooks, an "
-            f"option the one-pass kernel lacks, param_grad_norms=True or a loss scaler that may "
-            f"drop below 1), which cannot keep exp_avg_dtype={wrapper.exp_avg_dtype}, "
-            f"exp_avg_sq_dtype={wrapper.exp_avg_sq_dtype}, "
-            f"store_param_remainders={wrapper.store_param_remainders}; nothing was changed"
-        )
+# the old name (tpamp.distributed_optimizer imports it from here)
+state_formats_refuse_generic = state_formats.refuse_generic_step
 
 
 def _state_to_fp32(state: dict) -> dict:

@@ -1,6 +1,6 @@
 """Per-parameter grad norms under TP x PP, from the optimizer's grad-stats pass.
 
-The norm of each parameter's full gradient (SPEC.md section 5): a tensor-parallel shard's
+The norm of each parameter's full gradient (docs/spec.md section 5): a tensor-parallel shard's
 local norms are combined over the TP group, a replicated (TP-duplicated) param counts once (TP
 rank 0), a ``shared`` tied copy (the last stage's output-head copy of the word embedding) not at
 all -- the filter of the global grad norm (tpamp.grad_stats), so for the L2 norm the

@@ -118,7 +118,7 @@ class SpikeDetector:
             :meth:`observe_loss` on the ranks that have it before each step.
 
     The defaults (threshold 6, window 100, warmup 20, floors 1.0 and 0.05) do not fire on
-    scripts/train_gpt.py's default run (its largest z-scores are about 3; README).
+    scripts/train_gpt.py's default run (its largest z-scores are about 3; docs/benchmarks-log.md).
 
     State (counters and windows) is in :meth:`state_dict`, which
     :class:`tpamp.MixedPrecisionOptimizer` and :class:`tpamp.DistributedOptimizer` save under
