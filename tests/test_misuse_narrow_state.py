@@ -245,9 +245,6 @@ def test_check_narrow_state_scaler_names_the_setting(make, setting, cfg):
     check_narrow_state_scaler(tpamp.ConstantGradScaler(1.0), *args)
 
 
-@pytest.mark.xfail(reason="MixedPrecisionOptimizer._check_core_args (tpamp/optimizer.py) does "
-                          "not call _validation.check_narrow_state_scaler yet (remove this mark "
-                          "when it does)", strict=False)
 def test_narrow_state_with_a_scaler_below_one_is_refused_at_construction():
     model = _model()
     inner = torch.optim.AdamW(model.parameters(), lr=0.1)

@@ -182,10 +182,12 @@ class MixedPrecisionOptimizer(OptimizerWrapper):
             instead of an fp32 master (the master is rebuilt exactly in the kernel). Names,
             formats and conversions: :mod:`tpamp.state_formats` (Megatron-core's
             precision-aware optimizer, Transformer Engine's FusedAdam). They need the one-pass
-            step (an exact torch.optim.Adam/AdamW, fused_step=True): construction raises
-            ValueError otherwise, and a step that would take the generic path (step hooks,
-            amsgrad, a scaler that may drop below 1) raises
-            RuntimeError instead. :meth:`optimizer_state_bytes` counts what they save.
+            step (an exact torch.optim.Adam/AdamW, fused_step=True, no amsgrad/capturable/
+            differentiable, a loss scaler that never drops below 1, and for
+            store_param_remainders a trainable bf16 param): construction raises ValueError
+            naming the option otherwise, and a step that would still take the generic path
+            (step hooks, an option set after construction) raises RuntimeError instead;
+            ``step(param_grad_norms=True)`` works with them. :meth:`optimizer_state_bytes` counts what they save.
         param_names: ``model.named_parameters()`` ((name, param) pairs) or a dict param ->
             name, as DistributedOptimizer takes: the names of ``last_nonfinite`` records (and
             the default of :meth:`track_param_grad_norms`). Under pipeline parallelism give
@@ -304,12 +306,14 @@ class MixedPrecisionOptimizer(OptimizerWrapper):
         (exp_avg_dtype, exp_avg_sq_dtype, store_param_remainders) as tpamp.state_formats
         normalises them."""
         check_wrapper_args(optimizer, grad_scaler, clip_grad)
-        return state_formats.check_state_options(
+        options = state_formats.check_state_options(
             optimizer, FUSED_KINDS.get(type(optimizer)), bool(fused_step), exp_avg_dtype,
             exp_avg_sq_dtype, store_param_remainders,
             {p.dtype for g in optimizer.param_groups for p in g["params"]
              if p.dtype in _HALF_DTYPES and p.requires_grad},
         )
+        _validation.check_narrow_state_scaler(grad_scaler, *options)
+        return options
 
     def _init_core(self, optimizer, *, grad_scaler, clip_grad, norm_type, log_num_zeros_in_grad,
                    grad_stats_group, tensor_parallel_group, skip_nonfinite, sync_free,
