@@ -519,11 +519,21 @@ def agree_on_settings(wrapper) -> None:
     Ranks that differ would run different collectives (a zero count or a spike detector's loss
     all-reduce on some ranks only: a gloo error or a hang; reduce-scatters of different sizes)
     or take different skip decisions (silently diverging replicas). Every rank raises the same
-    ValueError, naming the first setting that differs and each rank's value."""
+    ValueError, naming the first setting that differs and each rank's value. Collective: every
+    rank of the grad-stats group must call it; when a peer never joins (it passed
+    ``grad_stats_group=None`` or crashed) the ranks that did raise RuntimeError saying so."""
     group = _grad_stats_group(wrapper)
     if group is not None and dist.is_initialized() and dist.get_world_size(group) > 1:
-        table = gather_rows(_settings(wrapper), group)
         ranks = dist.get_process_group_ranks(group)
+        try:
+            table = gather_rows(_settings(wrapper), group)
+        except RuntimeError as e:  # a peer that never joins: gloo's timeout or closed connection
+            raise RuntimeError(
+                f"the cross-rank settings check over grad_stats_group (ranks {ranks}) failed: "
+                f"{e}. Every rank of that group must pass the same grad_stats_group to its "
+                "optimizer wrapper and reach step() together: a rank that passed "
+                "grad_stats_group=None (or another group), or that crashed, never joins"
+            ) from e
         for j, name in enumerate(_SETTING_NAMES):
             column = [row[j] for row in table]
             if all(c == column[0] for c in column):
