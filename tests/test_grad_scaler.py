@@ -14,6 +14,7 @@ import warnings
 
 import pytest
 import torch
+from misuse_utils import DROP, assert_every_case_refused_by_tpamp, assert_raises_naming, case_ids
 
 import tpamp
 from tpamp import ConstantGradScaler, DynamicGradScaler, LossScaleUnderflowError
@@ -686,3 +687,85 @@ def test_public_overflow_names_and_the_private_aliases_report_alike():
         s.report_overflow_at_min_scale()
     with pytest.raises(LossScaleUnderflowError):
         s._report_overflow_at_min_scale()
+
+
+# ---- misuse: each bad argument or loaded value raises the documented exception type, with a
+# message that names the argument or key (docs/spec.md section 14); runner: tests/misuse_utils.py
+
+NAN, FLOAT_INF = math.nan, math.inf  # INF above is the overflow flag of the traces
+
+
+def _dyn_load(**state):
+    base = {"scale": torch.tensor([8.0]), "growth_tracker": 0, "hysteresis_tracker": 2}
+    base.update(state)
+    for k in [k for k, v in base.items() if v is DROP]:
+        del base[k]
+    s = tpamp.DynamicGradScaler(initial_scale=8.0, min_scale=2.0, max_scale=64.0,
+                                growth_interval=4, hysteresis=2)
+    s.load_state_dict(base)
+
+
+MISUSE_CASES = [
+    # DynamicGradScaler construction: scales are validated in float32, the dtype they live in
+    ("dyn-initial_scale-1e39", lambda: tpamp.DynamicGradScaler(initial_scale=1e39), ValueError, ["initial_scale", "float32"]),
+    ("dyn-initial_scale-1e-50", lambda: tpamp.DynamicGradScaler(initial_scale=1e-50, min_scale=1e-50), ValueError, ["initial_scale", "float32"]),
+    ("dyn-min_scale-1e-50", lambda: tpamp.DynamicGradScaler(initial_scale=1.0, min_scale=1e-50), ValueError, ["min_scale", "float32"]),
+    ("dyn-max_scale-1e39", lambda: tpamp.DynamicGradScaler(initial_scale=1.0, max_scale=1e39), ValueError, ["max_scale", "float32"]),
+    ("dyn-initial_scale-list", lambda: tpamp.DynamicGradScaler(initial_scale=[8.0]), TypeError, ["initial_scale", "8.0", "list"]),
+    ("dyn-device-cuda99", lambda: tpamp.DynamicGradScaler(device="cuda:99"), ValueError, ["device", "cuda:99"]),
+    ("dyn-device-bogus", lambda: tpamp.DynamicGradScaler(device="bogus"), ValueError, ["device", "bogus"]),
+    ("dyn-device-float", lambda: tpamp.DynamicGradScaler(device=3.5), TypeError, ["device", "3.5"]),
+    # ConstantGradScaler construction
+    ("const-1e39", lambda: tpamp.ConstantGradScaler(1e39), ValueError, ["scale", "float32"]),
+    ("const-1e-50", lambda: tpamp.ConstantGradScaler(1e-50), ValueError, ["scale", "float32"]),
+    ("const-0", lambda: tpamp.ConstantGradScaler(0.0), ValueError, ["scale"]),
+    ("const-negative", lambda: tpamp.ConstantGradScaler(-2.0), ValueError, ["scale", "-2.0"]),
+    ("const-nan", lambda: tpamp.ConstantGradScaler(NAN), ValueError, ["scale", "nan"]),
+    ("const-inf", lambda: tpamp.ConstantGradScaler(FLOAT_INF), ValueError, ["scale", "inf"]),
+    ("const-str", lambda: tpamp.ConstantGradScaler("8"), TypeError, ["scale", "'8'"]),
+    ("const-device-bogus", lambda: tpamp.ConstantGradScaler(8.0, device="bogus"), ValueError, ["device"]),
+    # DynamicGradScaler.load_state_dict: checked against the scaler's config
+    ("dynload-None", lambda: tpamp.DynamicGradScaler().load_state_dict(None), TypeError, ["state_dict", "None"]),
+    ("dynload-list", lambda: tpamp.DynamicGradScaler().load_state_dict([8.0]), TypeError, ["state_dict", "list"]),
+    ("dynload-missing-scale", lambda: _dyn_load(scale=DROP), KeyError, ["scale"]),
+    ("dynload-missing-growth", lambda: _dyn_load(growth_tracker=DROP), KeyError, ["growth_tracker"]),
+    ("dynload-unknown-key", lambda: _dyn_load(loss_scale=8.0), KeyError, ["loss_scale"]),
+    ("dynload-scale-str", lambda: _dyn_load(scale="x"), TypeError, ["scale", "'x'"]),
+    ("dynload-scale-None", lambda: _dyn_load(scale=None), TypeError, ["scale", "None"]),
+    ("dynload-scale-nan", lambda: _dyn_load(scale=torch.tensor([NAN])), ValueError, ["scale", "nan"]),
+    ("dynload-scale-inf", lambda: _dyn_load(scale=torch.tensor([FLOAT_INF])), ValueError, ["scale", "inf"]),
+    ("dynload-scale-1e39", lambda: _dyn_load(scale=1e39), ValueError, ["scale", "float32"]),
+    ("dynload-scale-zero", lambda: _dyn_load(scale=torch.tensor([0.0])), ValueError, ["scale"]),
+    ("dynload-scale-2-elements", lambda: _dyn_load(scale=torch.tensor([8.0, 8.0])), ValueError, ["scale", "shape"]),
+    ("dynload-scale-int-tensor", lambda: _dyn_load(scale=torch.tensor([8])), ValueError, ["scale", "int64"]),
+    ("dynload-scale-below-min", lambda: _dyn_load(scale=torch.tensor([1.0])), ValueError, ["scale", "min_scale"]),
+    ("dynload-scale-above-max", lambda: _dyn_load(scale=torch.tensor([128.0])), ValueError, ["scale", "max_scale"]),
+    ("dynload-growth-at-interval", lambda: _dyn_load(growth_tracker=4), ValueError, ["growth_tracker", "4"]),
+    ("dynload-growth-negative", lambda: _dyn_load(growth_tracker=-1), ValueError, ["growth_tracker", "-1"]),
+    ("dynload-growth-float", lambda: _dyn_load(growth_tracker=1.5), TypeError, ["growth_tracker", "1.5"]),
+    ("dynload-growth-str", lambda: _dyn_load(growth_tracker="3"), TypeError, ["growth_tracker", "'3'"]),
+    ("dynload-growth-bool", lambda: _dyn_load(growth_tracker=True), TypeError, ["growth_tracker", "True"]),
+    ("dynload-hysteresis-above", lambda: _dyn_load(hysteresis_tracker=3), ValueError, ["hysteresis_tracker", "3"]),
+    ("dynload-hysteresis-None", lambda: _dyn_load(hysteresis_tracker=None), TypeError, ["hysteresis_tracker", "None"]),
+    # ConstantGradScaler.load_state_dict
+    ("constload-nan", lambda: tpamp.ConstantGradScaler(4.0).load_state_dict({"tpamp_constant_scale": NAN}), ValueError, ["tpamp_constant_scale", "nan"]),
+    ("constload-1e39", lambda: tpamp.ConstantGradScaler(4.0).load_state_dict({"tpamp_constant_scale": 1e39}), ValueError, ["tpamp_constant_scale", "float32"]),
+    ("constload-negative", lambda: tpamp.ConstantGradScaler(4.0).load_state_dict({"tpamp_constant_scale": -4.0}), ValueError, ["tpamp_constant_scale", "-4.0"]),
+    ("constload-str", lambda: tpamp.ConstantGradScaler(4.0).load_state_dict({"tpamp_constant_scale": "4"}), TypeError, ["tpamp_constant_scale", "'4'"]),
+    ("constload-unknown-key", lambda: tpamp.ConstantGradScaler(4.0).load_state_dict({"scale": 4.0}), KeyError, ["scale"]),
+    ("constload-None", lambda: tpamp.ConstantGradScaler(4.0).load_state_dict(None), TypeError, ["state_dict"]),
+    # update(found_inf)
+    ("update-found_inf-str", lambda: tpamp.DynamicGradScaler().update("yes"), TypeError, ["found_inf", "str"]),
+    ("update-found_inf-2-elements", lambda: tpamp.DynamicGradScaler().update(torch.zeros(2)), ValueError, ["found_inf", "shape"]),
+    ("const-update-found_inf-None", lambda: tpamp.ConstantGradScaler(2.0).update(None), TypeError, ["found_inf"]),
+]
+
+
+def test_every_case_is_refused_by_tpamp_itself():
+    """Ids distinct; each case refused inside tpamp itself (tests/misuse_utils.py)."""
+    assert_every_case_refused_by_tpamp(MISUSE_CASES)
+
+
+@pytest.mark.parametrize("case_id,call,exc,words", MISUSE_CASES, ids=case_ids(MISUSE_CASES))
+def test_misuse_raises_a_clear_error_naming_the_argument(case_id, call, exc, words):
+    assert_raises_naming(case_id, call, exc, words)

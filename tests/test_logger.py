@@ -5,6 +5,7 @@ import json
 import math
 
 import pytest
+from misuse_utils import assert_every_case_refused_by_tpamp, assert_raises_naming, case_ids
 
 import tpamp
 
@@ -71,3 +72,44 @@ def test_tensorboard_scalars(tmp_path):
 def test_bad_log_interval_is_rejected():
     with pytest.raises(ValueError, match="log_interval must be an int >= 1, got 0"):
         tpamp.TrainingLogger(10, log_interval=0)
+
+
+# ---- misuse: each bad argument or loaded value raises the documented exception type, with a
+# message that names the argument or key (docs/spec.md section 14); runner: tests/misuse_utils.py
+
+
+def _logger_record(*args, **extra):
+    defaults = [1, 2.5, 1e-3, 1024.0, tpamp.StepResult(True, 0.5, None)]
+    for i, a in enumerate(args):
+        if a is not _KEEP:
+            defaults[i] = a
+    tpamp.TrainingLogger(10, stream=open("/dev/null", "w")).record(*defaults, **extra)
+
+
+_KEEP = object()
+
+
+MISUSE_CASES = [
+    # TrainingLogger
+    ("log-result-None", lambda: _logger_record(_KEEP, _KEEP, _KEEP, _KEEP, None), TypeError, ["result", "None"]),
+    ("log-result-pair", lambda: _logger_record(_KEEP, _KEEP, _KEEP, _KEEP, (True, 1.0)), TypeError, ["result", "tuple"]),
+    ("log-result-str", lambda: _logger_record(_KEEP, _KEEP, _KEEP, _KEEP, "ok!"), TypeError, ["result", "str"]),
+    ("log-loss-str", lambda: _logger_record(_KEEP, "2.5"), TypeError, ["loss", "'2.5'"]),
+    ("log-lr-None", lambda: _logger_record(_KEEP, _KEEP, None), TypeError, ["lr", "None"]),
+    ("log-loss_scale-list", lambda: _logger_record(_KEEP, _KEEP, _KEEP, [1024.0]), TypeError, ["loss_scale", "list"]),
+    ("log-iteration-float", lambda: _logger_record(1.5), TypeError, ["iteration", "1.5"]),
+    ("log-grad_norm-str", lambda: _logger_record(_KEEP, _KEEP, _KEEP, _KEEP, (True, "0.5", None)), TypeError, ["grad_norm", "'0.5'"]),
+    ("log-extra-object", lambda: _logger_record(tokens=object()), TypeError, ["tokens"]),
+    ("log-log_interval-0", lambda: tpamp.TrainingLogger(10, log_interval=0), ValueError, ["log_interval", "0"]),
+    ("log-train_iters-negative", lambda: tpamp.TrainingLogger(-1), ValueError, ["train_iters", "-1"]),
+]
+
+
+def test_every_case_is_refused_by_tpamp_itself():
+    """Ids distinct; each case refused inside tpamp itself (tests/misuse_utils.py)."""
+    assert_every_case_refused_by_tpamp(MISUSE_CASES)
+
+
+@pytest.mark.parametrize("case_id,call,exc,words", MISUSE_CASES, ids=case_ids(MISUSE_CASES))
+def test_misuse_raises_a_clear_error_naming_the_argument(case_id, call, exc, words):
+    assert_raises_naming(case_id, call, exc, words)

@@ -1,9 +1,11 @@
 """MixedPrecisionOptimizer / FP32Optimizer in one process (docs/spec.md section 2)."""
 
+import copy
 import math
 
 import pytest
 import torch
+from misuse_utils import DROP, assert_every_case_refused_by_tpamp, assert_raises_naming, case_ids
 
 import tpamp
 
@@ -251,3 +253,156 @@ def test_loss_scale_below_one_whose_unscale_overflows_skips_the_step():
     p.grad = torch.tensor([1e38, 1.0])
     assert tuple(opt.step()) == (False, None, None)
     assert torch.equal(p.detach(), torch.zeros(2)) and float(scaler.scale) == 0.125
+
+
+# ---- misuse: each bad argument or loaded value raises the documented exception type, with a
+# message that names the argument or key (docs/spec.md section 14); runner: tests/misuse_utils.py
+
+NAN, INF = math.nan, math.inf
+
+
+def _fp16_opt(inner_cls=torch.optim.SGD, scaler=None, **inner_kwargs):
+    """An fp16 model param [3], its inner optimizer and the wrapper."""
+    p = torch.nn.Parameter(torch.ones(3, dtype=torch.float16))
+    inner = inner_cls([p], lr=0.1, **inner_kwargs)
+    scaler = scaler or tpamp.DynamicGradScaler(initial_scale=4.0, growth_interval=4)
+    return p, inner, tpamp.MixedPrecisionOptimizer(inner, grad_scaler=scaler)
+
+
+def _stepped_adam():
+    """An fp16 Adam wrapper after one real step (so it has state) and its state dict."""
+    p, inner, opt = _fp16_opt(torch.optim.Adam)
+    opt.scale_loss(p.float().sum()).backward()
+    opt.step()
+    opt.zero_grad()
+    # deep copy: torch's state_dict() shares the live per-param state dicts
+    return opt, copy.deepcopy(opt.state_dict())
+
+
+def _load_edited(edit):
+    opt, sd = _stepped_adam()
+    edit(sd)
+    opt.load_state_dict(sd)
+
+
+def _step_twice_mpo():
+    q = torch.nn.Parameter(torch.ones(3))
+    opt = tpamp.MixedPrecisionOptimizer(torch.optim.SGD([q], lr=1.0),
+                                        grad_scaler=tpamp.ConstantGradScaler(4.0))
+    opt.scale_loss(q.sum()).backward()
+    opt.step()
+    opt.step()
+
+
+def _group_added_after_wrap():
+    p, inner, opt = _fp16_opt()
+    inner.add_param_group({"params": [torch.nn.Parameter(torch.ones(2))]})
+    p.grad = torch.ones(3, dtype=torch.float16)
+    opt.step()
+
+
+def _wrap_twice():
+    _, inner, _ = _fp16_opt()
+    tpamp.MixedPrecisionOptimizer(inner, grad_scaler=tpamp.ConstantGradScaler(1.0))
+
+
+def _sgd_state_into_adam():
+    q = torch.nn.Parameter(torch.ones(3))
+    sgd = torch.optim.SGD([q], lr=1.0, momentum=0.9)
+    q.grad = torch.ones(3)
+    sgd.step()
+    r = torch.nn.Parameter(torch.ones(3))
+    adam = tpamp.MixedPrecisionOptimizer(torch.optim.Adam([r]))
+    adam.load_state_dict({"optimizer": sgd.state_dict(), "fp32_from_fp16_params": [[]],
+                          "grad_scaler": None})
+
+
+def _adam_state_into_sgd():
+    opt, sd = _stepped_adam()
+    p = torch.nn.Parameter(torch.ones(3, dtype=torch.float16))
+    sgd = tpamp.MixedPrecisionOptimizer(torch.optim.SGD([p], lr=0.1, momentum=0.9),
+                                        grad_scaler=tpamp.ConstantGradScaler(1.0))
+    sd["grad_scaler"] = None
+    sgd.load_state_dict(sd)
+
+
+def _set(path, value):
+    def edit(sd):
+        d = sd
+        for k in path[:-1]:
+            d = d[k]
+        if value is DROP:
+            del d[path[-1]]
+        else:
+            d[path[-1]] = value(d[path[-1]]) if callable(value) else value
+    return edit
+
+
+def _first_state(sd):
+    return next(iter(sd["optimizer"]["state"].values()))
+
+
+def _edit_state(key, fn):
+    def edit(sd):
+        st = _first_state(sd)
+        st[key] = fn(st[key])
+    return edit
+
+
+MISUSE_CASES = [
+    # MixedPrecisionOptimizer construction and use
+    ("mpo-wrap-twice", _wrap_twice, ValueError, ["optimizer", "already", "wrapped"]),
+    ("mpo-group-added-after-wrap", _group_added_after_wrap, RuntimeError, ["param_groups", "wrapped"]),
+    ("mpo-step-twice", _step_twice_mpo, RuntimeError, ["step", "backward"]),
+    ("mpo-scale_loss-float", lambda: _fp16_opt()[2].scale_loss(1.0), TypeError, ["loss", "float"]),
+    ("mpo-scale_loss-int-tensor", lambda: _fp16_opt()[2].scale_loss(torch.tensor(3)), TypeError, ["loss", "int64"]),
+    ("mpo-backward-str", lambda: _fp16_opt()[2].backward("loss"), TypeError, ["loss", "str"]),
+    ("mpo-grad_scaler-torch", lambda: tpamp.MixedPrecisionOptimizer(torch.optim.SGD([torch.nn.Parameter(torch.ones(1))], lr=1), grad_scaler=torch.amp.GradScaler("cpu")), TypeError, ["grad_scaler", "GradScaler"]),
+    ("mpo-grad_stats_group-int", lambda: tpamp.MixedPrecisionOptimizer(torch.optim.SGD([torch.nn.Parameter(torch.ones(1))], lr=1), grad_stats_group=5), TypeError, ["grad_stats_group", "int"]),
+    ("mpo-tensor_parallel_group-str", lambda: tpamp.MixedPrecisionOptimizer(torch.optim.SGD([torch.nn.Parameter(torch.ones(1))], lr=1), tensor_parallel_group="tp"), TypeError, ["tensor_parallel_group", "str"]),
+    ("mpo-clip_grad-str", lambda: tpamp.MixedPrecisionOptimizer(torch.optim.SGD([torch.nn.Parameter(torch.ones(1))], lr=1), clip_grad="1"), TypeError, ["clip_grad", "'1'"]),
+    ("mpo-norm_type-str", lambda: tpamp.MixedPrecisionOptimizer(torch.optim.SGD([torch.nn.Parameter(torch.ones(1))], lr=1), norm_type="2"), TypeError, ["norm_type", "'2'"]),
+    ("mpo-sync_free-unfused", lambda: tpamp.MixedPrecisionOptimizer(torch.optim.SGD([torch.nn.Parameter(torch.ones(1))], lr=1), sync_free=True), ValueError, ["sync_free", "SGD"]),
+    ("mpo-step-closure", lambda: _fp16_opt()[2].step(lambda: 0.0), ValueError, ["closure"]),
+    ("mpo-float64-param-in-second-group", lambda: tpamp.MixedPrecisionOptimizer(torch.optim.SGD([{"params": [torch.nn.Parameter(torch.ones(1, dtype=torch.float16))]}, {"params": [torch.nn.Parameter(torch.ones(1, dtype=torch.float64))]}], lr=1), grad_scaler=tpamp.ConstantGradScaler(1.0)), TypeError, ["param", "group", "torch.float64"]),
+    # MixedPrecisionOptimizer.load_state_dict: all of it checked first
+    ("load-None", lambda: _stepped_adam()[0].load_state_dict(None), TypeError, ["state_dict", "None"]),
+    ("load-list", lambda: _stepped_adam()[0].load_state_dict([]), TypeError, ["state_dict", "list"]),
+    ("load-missing-optimizer", lambda: _load_edited(_set(["optimizer"], DROP)), KeyError, ["optimizer"]),
+    ("load-missing-main-params", lambda: _load_edited(_set(["fp32_from_fp16_params"], DROP)), KeyError, ["fp32_from_fp16_params"]),
+    ("load-optimizer-str", lambda: _load_edited(_set(["optimizer"], "adam")), TypeError, ["optimizer", "str"]),
+    ("load-optimizer-no-state", lambda: _load_edited(_set(["optimizer", "state"], DROP)), KeyError, ["state"]),
+    ("load-optimizer-no-param_groups", lambda: _load_edited(_set(["optimizer", "param_groups"], DROP)), KeyError, ["param_groups"]),
+    ("load-param-group-count", lambda: _load_edited(_set(["optimizer", "param_groups"], lambda g: g + g)), ValueError, ["param_groups", "2"]),
+    ("load-param-count", lambda: _load_edited(lambda sd: sd["optimizer"]["param_groups"][0].update(params=[0, 1])), ValueError, ["params", "2"]),
+    ("load-group-without-params", lambda: _load_edited(lambda sd: sd["optimizer"]["param_groups"][0].pop("params")), KeyError, ["params"]),
+    ("load-group-missing-betas", lambda: _load_edited(lambda sd: sd["optimizer"]["param_groups"][0].pop("betas")), ValueError, ["betas", "Adam"]),
+    ("load-sgd-into-adam", _sgd_state_into_adam, ValueError, ["betas", "Adam"]),
+    ("load-adam-into-sgd", _adam_state_into_sgd, ValueError, ["momentum", "SGD"]),
+    ("load-state-unknown-id", lambda: _load_edited(lambda sd: sd["optimizer"]["state"].update({7: {}})), ValueError, ["state", "7"]),
+    ("load-state-wrong-shape", lambda: _load_edited(_edit_state("exp_avg", lambda t: torch.zeros(5))), ValueError, ["exp_avg", "shape"]),
+    ("load-state-nan", lambda: _load_edited(_edit_state("exp_avg_sq", lambda t: torch.full_like(t, NAN))), ValueError, ["exp_avg_sq", "nan"]),
+    ("load-state-other-keys", lambda: _load_edited(lambda sd: sd["optimizer"]["state"].update({0: {"momentum_buffer": torch.zeros(3)}})), ValueError, ["momentum_buffer", "exp_avg"]),
+    ("load-state-entry-not-dict", lambda: _load_edited(lambda sd: sd["optimizer"]["state"].update({0: 1.0})), TypeError, ["state", "float"]),
+    ("load-scaler-nan", lambda: _load_edited(_set(["grad_scaler", "scale"], torch.tensor([NAN]))), ValueError, ["grad_scaler", "scale", "nan"]),
+    ("load-scaler-str-scale", lambda: _load_edited(_set(["grad_scaler", "scale"], "big")), TypeError, ["grad_scaler", "scale"]),
+    ("load-scaler-growth-tracker", lambda: _load_edited(_set(["grad_scaler", "growth_tracker"], 4)), ValueError, ["grad_scaler", "growth_tracker"]),
+    ("load-scaler-not-dict", lambda: _load_edited(_set(["grad_scaler"], 8.0)), TypeError, ["grad_scaler", "float"]),
+    ("load-main-nan", lambda: _load_edited(lambda sd: sd["fp32_from_fp16_params"][0][0].fill_(NAN)), ValueError, ["fp32_from_fp16_params", "nan"]),
+    ("load-main-inf", lambda: _load_edited(lambda sd: sd["fp32_from_fp16_params"][0][0].__setitem__(1, INF)), ValueError, ["fp32_from_fp16_params", "inf"]),
+    ("load-main-shape", lambda: _load_edited(lambda sd: sd["fp32_from_fp16_params"][0].__setitem__(0, torch.zeros(4))), ValueError, ["shape", "fp32_from_fp16_params"]),
+    ("load-main-fp16", lambda: _load_edited(lambda sd: sd["fp32_from_fp16_params"][0].__setitem__(0, torch.zeros(3, dtype=torch.float16))), ValueError, ["fp32_from_fp16_params", "torch.float16"]),
+    ("load-main-not-list", lambda: _load_edited(_set(["fp32_from_fp16_params"], torch.zeros(3))), TypeError, ["fp32_from_fp16_params", "Tensor"]),
+    ("load-main-group-count", lambda: _load_edited(_set(["fp32_from_fp16_params"], lambda g: g + g)), ValueError, ["param groups", "2"]),
+    ("load-main-not-tensor", lambda: _load_edited(lambda sd: sd["fp32_from_fp16_params"][0].__setitem__(0, [1.0, 1.0, 1.0])), TypeError, ["fp32_from_fp16_params", "list"]),
+]
+
+
+def test_every_case_is_refused_by_tpamp_itself():
+    """Ids distinct; each case refused inside tpamp itself (tests/misuse_utils.py)."""
+    assert_every_case_refused_by_tpamp(MISUSE_CASES)
+
+
+@pytest.mark.parametrize("case_id,call,exc,words", MISUSE_CASES, ids=case_ids(MISUSE_CASES))
+def test_misuse_raises_a_clear_error_naming_the_argument(case_id, call, exc, words):
+    assert_raises_naming(case_id, call, exc, words)

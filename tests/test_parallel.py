@@ -3,6 +3,7 @@
 import pytest
 import torch.distributed as dist
 from dist_utils import run_workers
+from misuse_utils import assert_every_case_refused_by_tpamp, assert_raises_naming, case_ids
 from torch.distributed.device_mesh import init_device_mesh
 
 from tpamp.parallel import ParallelDims, initialize_model_parallel
@@ -60,3 +61,27 @@ def test_layout_that_does_not_multiply_out_names_the_numbers():
         ParallelDims(tp=2, pp=2, dp=3, world_size=8)
     with pytest.raises(ValueError, match="world_size 6 is not divisible by tp \\* pp = 2 \\* 2 = 4"):
         ParallelDims(tp=2, pp=2, world_size=6)
+
+
+# ---- misuse: each bad argument or loaded value raises the documented exception type, with a
+# message that names the argument or key (docs/spec.md section 14); runner: tests/misuse_utils.py
+
+
+MISUSE_CASES = [
+    # parallel layout
+    ("dims-tp-0", lambda: ParallelDims(tp=0, world_size=4), ValueError, ["tp", "0"]),
+    ("dims-pp-float", lambda: ParallelDims(pp=1.5, world_size=4), TypeError, ["pp", "1.5"]),
+    ("dims-dp-0", lambda: ParallelDims(dp=0, world_size=4), ValueError, ["dp", "0"]),
+    ("dims-coords-rank", lambda: ParallelDims(tp=2, world_size=4).coords(9), ValueError, ["rank", "9"]),
+    ("init-mp-not-initialized", lambda: initialize_model_parallel(1, 1), RuntimeError, ["init_process_group"]),
+]
+
+
+def test_every_case_is_refused_by_tpamp_itself():
+    """Ids distinct; each case refused inside tpamp itself (tests/misuse_utils.py)."""
+    assert_every_case_refused_by_tpamp(MISUSE_CASES)
+
+
+@pytest.mark.parametrize("case_id,call,exc,words", MISUSE_CASES, ids=case_ids(MISUSE_CASES))
+def test_misuse_raises_a_clear_error_naming_the_argument(case_id, call, exc, words):
+    assert_raises_naming(case_id, call, exc, words)

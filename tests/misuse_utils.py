@@ -1,0 +1,62 @@
+"""The misuse-table runner shared by the test modules (docs/spec.md section 14).
+
+A misuse table is a list of cases ``(id, call, exception type, words)``: ``call()`` must raise
+the exception type (or a subclass), with a message that contains every word as a token of its
+own. Each test module keeps the table of the object it misuses and runs it with
+:func:`assert_raises_naming` (one parametrized test per case) and
+:func:`assert_every_case_refused_by_tpamp` (one meta-check per table: ids distinct, and every
+case refused inside the tpamp package itself)."""
+
+from __future__ import annotations
+
+import os
+import re
+import traceback
+
+import pytest
+
+import tpamp
+
+#: Sentinel for "remove this key" in the state-dict editors of the tables.
+DROP = object()
+
+
+def case_ids(cases):
+    """The ids of a table's cases, for ``pytest.mark.parametrize(ids=...)``."""
+    return [c[0] for c in cases]
+
+
+def words_pattern(words):
+    """Regex: every word present as a token of its own (not part of a longer identifier)."""
+    return "(?s)" + "".join(rf"(?=.*(?<![\w]){re.escape(w)}(?![\w]))" for w in words)
+
+
+def assert_raises_naming(case_id, call, exc, words):
+    """``call()`` raises ``exc`` (or a subclass) whose message contains every word of ``words``.
+    A KeyError's message is its first argument (``str()`` would add quotes)."""
+    with pytest.raises(exc) as info:
+        call()
+    assert type(info.value) is exc or exc in type(info.value).__mro__
+    msg = info.value.args[0] if isinstance(info.value, KeyError) and info.value.args else str(info.value)
+    assert re.search(words_pattern(words), str(msg)), f"{case_id}: {words} not all in: {msg}"
+
+
+def assert_every_case_refused_by_tpamp(cases):
+    """The table's ids are distinct (so ``-k`` selects one case), and the innermost frame of
+    each case's exception is in the tpamp package: tpamp refuses the input itself, rather than
+    the case's own builder (a broken lambda raising the expected type would otherwise pass) or
+    torch further down."""
+    ids = case_ids(cases)
+    assert len(ids) == len(set(ids)), sorted(i for i in ids if ids.count(i) > 1)
+    package = os.path.dirname(os.path.abspath(tpamp.__file__)) + os.sep
+    elsewhere = {}
+    for case_id, call, exc, _ in cases:
+        try:
+            call()
+        except exc as e:
+            frame = traceback.extract_tb(e.__traceback__)[-1]
+            if not os.path.abspath(frame.filename).startswith(package):
+                elsewhere[case_id] = f"{frame.filename}:{frame.lineno}"
+        else:
+            elsewhere[case_id] = "nothing raised"
+    assert not elsewhere, elsewhere
