@@ -769,3 +769,60 @@ def test_every_case_is_refused_by_tpamp_itself():
 @pytest.mark.parametrize("case_id,call,exc,words", MISUSE_CASES, ids=case_ids(MISUSE_CASES))
 def test_misuse_raises_a_clear_error_naming_the_argument(case_id, call, exc, words):
     assert_raises_naming(case_id, call, exc, words)
+
+
+# ---- the loss scale stays finite and positive in float32 (docs/spec.md section 14) ---------------
+
+
+F32_MAX = (2 - 2**-23) * 2.0**127  # the largest finite float32, by its definition
+
+
+@pytest.mark.parametrize("growth_factor", [2.0, 3.0])
+def test_unbounded_growth_stops_at_the_largest_float32_power_of_the_growth_factor(growth_factor):
+    k = 0
+    while growth_factor ** (k + 1) <= F32_MAX:
+        k += 1
+    cap = growth_factor**k  # 2**127 for 2, 3**80 for 3
+    s = tpamp.DynamicGradScaler(initial_scale=growth_factor ** (k - 3), growth_factor=growth_factor,
+                                growth_interval=1)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for _ in range(10):
+            s.update(False)
+    assert float(s.scale) == pytest.approx(cap, rel=1e-6)
+    assert math.isfinite(float(s.scale))
+    msgs = [str(w.message) for w in caught if "float32" in str(w.message)]
+    assert len(msgs) == 1, msgs  # a one-time warning
+    # the scale still backs off from the cap on an overflow
+    s.update(True)
+    s.update(True)
+    assert float(s.scale) == pytest.approx(cap / 2, rel=1e-6)
+
+
+def test_growth_cap_reached_inside_optimizer_steps_is_reported_once():
+    p = torch.nn.Parameter(torch.ones(4, dtype=torch.float16))
+    scaler = tpamp.DynamicGradScaler(initial_scale=2.0**125, growth_interval=1)
+    opt = tpamp.MixedPrecisionOptimizer(torch.optim.SGD([p], lr=0.0), grad_scaler=scaler)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for _ in range(5):
+            p.grad = torch.zeros(4, dtype=torch.float16)
+            assert opt.step().update_successful
+    assert float(scaler.scale) == 2.0**127
+    assert sum("float32" in str(w.message) for w in caught) == 1
+
+
+def test_explicit_max_scale_clamps_without_a_warning():
+    s = tpamp.DynamicGradScaler(initial_scale=8.0, max_scale=16.0, growth_interval=1)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for _ in range(4):
+            s.update(False)
+    assert float(s.scale) == 16.0
+
+
+def test_stall_at_a_min_scale_not_representable_in_float32_is_still_reported():
+    # float32(0.1) > 0.1: comparing the float32 scale with the float64 min_scale never matched
+    s = tpamp.DynamicGradScaler(initial_scale=0.1, min_scale=0.1, hysteresis=1)
+    with pytest.warns(RuntimeWarning, match="min_scale"):
+        s.update(True)

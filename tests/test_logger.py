@@ -5,6 +5,7 @@ import json
 import math
 
 import pytest
+import torch
 from misuse_utils import assert_every_case_refused_by_tpamp, assert_raises_naming, case_ids
 
 import tpamp
@@ -113,3 +114,49 @@ def test_every_case_is_refused_by_tpamp_itself():
 @pytest.mark.parametrize("case_id,call,exc,words", MISUSE_CASES, ids=case_ids(MISUSE_CASES))
 def test_misuse_raises_a_clear_error_naming_the_argument(case_id, call, exc, words):
     assert_raises_naming(case_id, call, exc, words)
+
+
+# ---- no bad value in the log: skipped sync_free steps and non-finite values are null, never Infinity ----
+
+
+def _strict_json(line: str):
+    def refuse(name):
+        raise ValueError(f"non-JSON constant {name} in the log")
+
+    return json.loads(line, parse_constant=refuse)
+
+
+def test_sync_free_skipped_step_reports_sentinels_and_the_log_has_null(tmp_path):
+    q = torch.nn.Parameter(torch.ones(3))
+    opt = tpamp.MixedPrecisionOptimizer(
+        torch.optim.Adam([q], lr=1.0, fused=True), grad_scaler=tpamp.ConstantGradScaler(4.0),
+        sync_free=True, log_num_zeros_in_grad=True)
+    q.grad = torch.tensor([4.0, math.inf, 0.0])
+    skipped = opt.step()
+    opt.zero_grad()
+    q.grad = torch.tensor([12.0, 16.0, 0.0])  # unscaled: [3, 4, 0], norm 5, one zero
+    clean = opt.step()
+    assert not bool(skipped.update_successful)
+    assert math.isnan(float(skipped.grad_norm)) and int(skipped.num_zeros_in_grad) == -1
+    assert bool(clean.update_successful)
+    assert float(clean.grad_norm) == 5.0 and int(clean.num_zeros_in_grad) == 1
+    path = tmp_path / "log.jsonl"
+    with tpamp.TrainingLogger(2, jsonl_path=str(path), stream=open("/dev/null", "w")) as log:
+        log.record(1, 2.0, 1e-3, 4.0, skipped)
+        log.record(2, 1.5, 1e-3, 4.0, clean)
+    first, second = [_strict_json(line) for line in path.read_text().splitlines()]
+    assert first["grad_norm"] is None and first["num_zeros"] is None and first["skipped"] is True
+    assert second["grad_norm"] == 5.0 and second["num_zeros"] == 1 and second["skipped"] is False
+
+
+def test_logger_never_writes_non_json(tmp_path):
+    path = tmp_path / "log.jsonl"
+    with tpamp.TrainingLogger(3, jsonl_path=str(path), stream=open("/dev/null", "w")) as log:
+        # a step that was not skipped (skip_nonfinite=False) with an inf norm, an inf scale
+        log.record(1, math.inf, math.nan, math.inf, (True, math.inf, 3),
+                   extra_norms={"w": math.nan, "b": 1.0}, tokens=torch.tensor(7))
+    (rec,) = [_strict_json(line) for line in path.read_text().splitlines()]
+    assert rec["loss"] is None and rec["nan"] is True
+    assert rec["lr"] is None and rec["loss_scale"] is None and rec["grad_norm"] is None
+    assert rec["num_zeros"] == 3
+    assert rec["extra_norms"] == {"w": None, "b": 1.0} and rec["tokens"] == 7

@@ -406,3 +406,158 @@ def test_every_case_is_refused_by_tpamp_itself():
 @pytest.mark.parametrize("case_id,call,exc,words", MISUSE_CASES, ids=case_ids(MISUSE_CASES))
 def test_misuse_raises_a_clear_error_naming_the_argument(case_id, call, exc, words):
     assert_raises_naming(case_id, call, exc, words)
+
+
+# ---- load_state_dict: all or nothing (docs/spec.md section 14) -----------------------------------
+
+
+def _trained_pair():
+    """Two optimizers over the same fp16 model shape; the source has taken steps."""
+    torch.manual_seed(0)
+
+    def make():
+        w = torch.nn.Parameter(torch.randn(4, 3).half())
+        b = torch.nn.Parameter(torch.randn(3))
+        scaler = tpamp.DynamicGradScaler(initial_scale=2.0**10, growth_interval=3)
+        opt = tpamp.MixedPrecisionOptimizer(
+            torch.optim.AdamW([{"params": [w]}, {"params": [b], "lr": 0.01}], lr=0.1),
+            grad_scaler=scaler,
+        )
+        return (w, b), opt
+
+    (w, b), src = make()
+    x = torch.randn(5, 4)
+    for _ in range(3):
+        loss = (x @ w.float() + b).square().mean()
+        src.scale_loss(loss).backward()
+        src.step()
+        src.zero_grad()
+    (w2, b2), dst = make()
+    for _ in range(2):  # the destination has its own, different history
+        loss = (x @ w2.float() + b2).sin().mean()
+        dst.scale_loss(loss).backward()
+        dst.step()
+        dst.zero_grad()
+    return copy.deepcopy(src.state_dict()), dst, (w2, b2)
+
+
+def _snapshot(opt, params):
+    return copy.deepcopy(opt.state_dict()), [p.detach().clone() for p in params]
+
+
+def _same(a, b) -> bool:
+    if isinstance(a, torch.Tensor):
+        return isinstance(b, torch.Tensor) and a.dtype == b.dtype and torch.equal(a, b)
+    if isinstance(a, dict):
+        return isinstance(b, dict) and a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)):
+        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
+    return a == b
+
+
+def _nan_main(sd):
+    sd["fp32_from_fp16_params"][0][0][1, 2] = math.nan  # as a flipped exponent bit would
+
+
+BAD_EDITS = {
+    "scaler scale nan (inner state valid)": lambda sd: sd["grad_scaler"].update(scale=torch.tensor([math.nan])),
+    "scaler growth tracker past the interval": lambda sd: sd["grad_scaler"].update(growth_tracker=3),
+    "main param nan": _nan_main,
+    "main param shape": lambda sd: sd["fp32_from_fp16_params"][0].__setitem__(0, torch.zeros(3, 4)),
+    "inner state shape": lambda sd: next(iter(sd["optimizer"]["state"].values())).update(exp_avg=torch.zeros(2)),
+    "inner group of another optimizer": lambda sd: sd["optimizer"]["param_groups"][1].pop("betas"),
+}
+
+
+@pytest.mark.parametrize("edit", list(BAD_EDITS), ids=list(BAD_EDITS))
+def test_failed_load_leaves_optimizer_scaler_and_params_bit_identical(edit):
+    sd, dst, params = _trained_pair()
+    for group in sd["optimizer"]["param_groups"]:
+        group["lr"] = 123.0  # would show if the inner state were loaded before the failure
+    BAD_EDITS[edit](sd)
+    before = _snapshot(dst, params)
+    with pytest.raises((ValueError, TypeError, KeyError)):
+        dst.load_state_dict(sd)
+    after = _snapshot(dst, params)
+    assert _same(before, after)
+    assert all(g["lr"] != 123.0 for g in dst.param_groups)
+
+
+def test_a_valid_load_after_a_failed_one_restores_the_saved_state():
+    sd, dst, params = _trained_pair()
+    bad = copy.deepcopy(sd)
+    _nan_main(bad)
+    with pytest.raises(ValueError):
+        dst.load_state_dict(bad)
+    dst.load_state_dict(sd)
+    assert _same(copy.deepcopy(dst.state_dict()), sd)
+    assert torch.equal(params[0], sd["fp32_from_fp16_params"][0][0].half())
+
+
+# ---- step guard: no second step without a backward, no late param groups, no second wrapper ------
+
+
+def _fp32_setup(scale=4.0):
+    q = torch.nn.Parameter(torch.ones(3))
+    opt = tpamp.MixedPrecisionOptimizer(torch.optim.SGD([q], lr=1.0),
+                                        grad_scaler=tpamp.ConstantGradScaler(scale))
+    return q, opt
+
+
+def test_second_step_without_backward_raises_and_changes_nothing():
+    q, opt = _fp32_setup()
+    opt.scale_loss(q.sum()).backward()
+    opt.step()  # q = 1 - 1 (grad d(sum)/dq = 1 after unscaling)
+    assert torch.equal(q.detach(), torch.zeros(3))
+    with pytest.raises(RuntimeError, match="backward"):
+        opt.step()
+    assert torch.equal(q.detach(), torch.zeros(3))
+    # a new backward makes the next step legal again
+    opt.zero_grad()
+    opt.scale_loss(q.sum()).backward()
+    opt.step()
+    assert torch.equal(q.detach(), -torch.ones(3))
+
+
+@pytest.mark.parametrize("set_to_none", [True, False])
+def test_usual_loops_are_not_refused(set_to_none):
+    q, opt = _fp32_setup()
+    for _ in range(3):
+        opt.zero_grad(set_to_none=set_to_none)
+        for _ in range(2):  # gradient accumulation
+            opt.scale_loss(q.sum()).backward()
+        opt.step()
+    assert torch.equal(q.detach(), torch.full((3,), -5.0))  # 1 - 3 steps of 2
+
+
+def test_param_group_added_after_wrapping_is_refused_before_any_change():
+    p = torch.nn.Parameter(torch.ones(3, dtype=torch.float16))
+    inner = torch.optim.SGD([p], lr=0.1)
+    opt = tpamp.MixedPrecisionOptimizer(inner, grad_scaler=tpamp.ConstantGradScaler(4.0))
+    q = torch.nn.Parameter(torch.ones(2))
+    inner.add_param_group({"params": [q]})
+    p.grad = torch.full((3,), 4.0, dtype=torch.float16)
+    q.grad = torch.full((2,), 4.0)
+    with pytest.raises(RuntimeError, match="param_groups"):
+        opt.step()
+    assert torch.equal(q.detach(), torch.ones(2)) and torch.equal(p.detach(), torch.ones(3).half())
+
+
+def test_wrapping_an_optimizer_twice_is_refused_and_the_first_wrapper_still_works():
+    p = torch.nn.Parameter(torch.ones(3, dtype=torch.float16))
+    inner = torch.optim.SGD([p], lr=0.5)
+    opt = tpamp.MixedPrecisionOptimizer(inner, grad_scaler=tpamp.ConstantGradScaler(2.0))
+    with pytest.raises(ValueError, match="already wrapped"):
+        tpamp.MixedPrecisionOptimizer(inner, grad_scaler=tpamp.ConstantGradScaler(2.0))
+    opt.scale_loss(p.float().sum()).backward()
+    assert opt.step().update_successful
+    assert torch.equal(p.detach(), torch.full((3,), 0.5).half())
+
+
+def test_bad_param_in_a_later_group_leaves_earlier_groups_unconverted():
+    p = torch.nn.Parameter(torch.ones(3, dtype=torch.float16))
+    bad = torch.nn.Parameter(torch.ones(3, dtype=torch.float64))
+    inner = torch.optim.SGD([{"params": [p]}, {"params": [bad]}], lr=0.5)
+    with pytest.raises(TypeError, match="float64"):
+        tpamp.MixedPrecisionOptimizer(inner, grad_scaler=tpamp.ConstantGradScaler(2.0))
+    assert inner.param_groups[0]["params"][0] is p
