@@ -31,6 +31,12 @@ def words_pattern(words):
     return "(?s)" + "".join(rf"(?=.*(?<![\w]){re.escape(w)}(?![\w]))" for w in words)
 
 
+def all_of(*words) -> str:
+    """Regex matching a message that contains every one of ``words`` (regexes themselves) as a
+    separate token."""
+    return "(?s)" + "".join(rf"(?=.*(?<![\w.]){w}(?![\w]))" for w in words)
+
+
 def assert_raises_naming(case_id, call, exc, words):
     """``call()`` raises ``exc`` (or a subclass) whose message contains every word of ``words``.
     A KeyError's message is its first argument (``str()`` would add quotes)."""

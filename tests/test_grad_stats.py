@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from misuse_utils import assert_every_case_refused_by_tpamp, assert_raises_naming, case_ids
+from misuse_utils import all_of, assert_every_case_refused_by_tpamp, assert_raises_naming, case_ids
 
 import tpamp
 
@@ -44,3 +44,12 @@ def test_every_case_is_refused_by_tpamp_itself():
 @pytest.mark.parametrize("case_id,call,exc,words", MISUSE_CASES, ids=case_ids(MISUSE_CASES))
 def test_misuse_raises_a_clear_error_naming_the_argument(case_id, call, exc, words):
     assert_raises_naming(case_id, call, exc, words)
+
+
+# ---- norm_type -----------------------------------------------------------------------------------
+
+
+def test_grad_norm_functions_reject_bad_norm_type():
+    g = [torch.ones(3)]
+    with pytest.raises(ValueError, match=all_of("norm_type", r"0\.5")):
+        tpamp.get_grad_norm_fp32(g, norm_type=0.5)

@@ -5,7 +5,7 @@ import math
 
 import pytest
 import torch
-from misuse_utils import DROP, assert_every_case_refused_by_tpamp, assert_raises_naming, case_ids
+from misuse_utils import DROP, all_of, assert_every_case_refused_by_tpamp, assert_raises_naming, case_ids
 
 import tpamp
 
@@ -561,3 +561,118 @@ def test_bad_param_in_a_later_group_leaves_earlier_groups_unconverted():
     with pytest.raises(TypeError, match="float64"):
         tpamp.MixedPrecisionOptimizer(inner, grad_scaler=tpamp.ConstantGradScaler(2.0))
     assert inner.param_groups[0]["params"][0] is p
+
+
+# ---- construction: which params need a scaler, which dtypes and arguments are refused (docs/spec.md sections 1-3) ----
+
+
+def _params(*dtypes, requires_grad=True):
+    return [torch.nn.Parameter(torch.zeros(3, dtype=d), requires_grad=requires_grad) for d in dtypes]
+
+
+def test_fp16_params_without_scaler_raise_value_error():
+    opt = torch.optim.SGD(_params(torch.float16, torch.float32), lr=0.1)
+    with pytest.raises(ValueError, match=r"(?i)scaler"):
+        tpamp.MixedPrecisionOptimizer(opt)
+
+
+def test_fp16_params_with_explicit_none_scaler_raise_value_error():
+    opt = torch.optim.SGD(_params(torch.float16), lr=0.1)
+    with pytest.raises(ValueError, match=r"(?i)scaler"):
+        tpamp.MixedPrecisionOptimizer(opt, grad_scaler=None, clip_grad=1.0)
+
+
+@pytest.mark.parametrize("dtypes", [(torch.bfloat16,), (torch.float32,), (torch.bfloat16, torch.float32)])
+def test_bf16_and_fp32_params_need_no_scaler(dtypes):
+    opt = torch.optim.SGD(_params(*dtypes), lr=0.1)
+    wrapped = tpamp.MixedPrecisionOptimizer(opt)
+    assert len(wrapped.param_groups[0]["params"]) == len(dtypes)
+
+
+def test_fp16_params_with_a_scaler_are_accepted():
+    opt = torch.optim.SGD(_params(torch.float16), lr=0.1)
+    wrapped = tpamp.MixedPrecisionOptimizer(opt, grad_scaler=tpamp.ConstantGradScaler(8.0))
+    assert wrapped.param_groups[0]["params"][0].dtype == torch.float32
+
+
+@pytest.mark.parametrize(
+    "dtype", [torch.float64, torch.int64, torch.int32, torch.complex64],
+    ids=["float64", "int64", "int32", "complex64"],
+)
+def test_unsupported_param_dtype_raises_type_error_naming_it(dtype):
+    if dtype.is_floating_point or dtype.is_complex:
+        bad = torch.nn.Parameter(torch.zeros(3, dtype=dtype))
+    else:
+        bad = torch.nn.Parameter(torch.zeros(3, dtype=dtype), requires_grad=False)
+    opt = torch.optim.SGD([bad] + _params(torch.float32), lr=0.1)
+    with pytest.raises(TypeError, match=str(dtype).replace(".", r"\.")):
+        tpamp.MixedPrecisionOptimizer(opt, grad_scaler=tpamp.ConstantGradScaler(1.0))
+
+
+def test_unsupported_param_dtype_in_second_param_group_raises_type_error():
+    opt = torch.optim.SGD(
+        [{"params": _params(torch.float32)}, {"params": _params(torch.float64)}], lr=0.1
+    )
+    with pytest.raises(TypeError, match=r"torch\.float64"):
+        tpamp.MixedPrecisionOptimizer(opt)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float64],
+                         ids=["float16", "bfloat16", "float64"])
+def test_fp32_optimizer_with_non_fp32_param_raises_type_error_naming_the_dtype(dtype):
+    opt = torch.optim.SGD(_params(torch.float32, dtype), lr=0.1)
+    with pytest.raises(TypeError, match=str(dtype).replace(".", r"\.")):
+        tpamp.FP32Optimizer(opt)
+
+
+def test_fp32_optimizer_over_fp32_params_is_accepted():
+    opt = torch.optim.SGD(_params(torch.float32, torch.float32), lr=0.1)
+    wrapped = tpamp.FP32Optimizer(opt, clip_grad=1.0)
+    assert wrapped.param_groups[0]["params"] == opt.param_groups[0]["params"]
+
+
+@pytest.mark.parametrize(
+    "clip,shown",
+    [(-1.0, r"-1\.0"), (-0.25, r"-0\.25"), (float("nan"), "nan"), (float("inf"), "inf")],
+    ids=["-1", "-0.25", "nan", "inf"],
+)
+@pytest.mark.parametrize("cls", ["MixedPrecisionOptimizer", "FP32Optimizer"])
+def test_bad_clip_grad_raises_value_error_naming_it(cls, clip, shown):
+    opt = torch.optim.SGD(_params(torch.float32), lr=0.1)
+    with pytest.raises(ValueError, match=all_of("clip_grad", shown)):
+        getattr(tpamp, cls)(opt, clip_grad=clip)
+
+
+@pytest.mark.parametrize(
+    "norm_type,shown",
+    [(0.5, r"0\.5"), (0.0, r"0(\.0)?"), (-2.0, r"-2(\.0)?"), (float("nan"), "nan")],
+    ids=["0.5", "0", "-2", "nan"],
+)
+def test_bad_norm_type_raises_value_error_naming_it(norm_type, shown):
+    opt = torch.optim.SGD(_params(torch.float32), lr=0.1)
+    with pytest.raises(ValueError, match=all_of("norm_type", shown)):
+        tpamp.MixedPrecisionOptimizer(opt, norm_type=norm_type)
+
+
+@pytest.mark.parametrize("norm_type", [1.0, 2.0, 3.0, math.inf])
+def test_valid_norm_types_are_accepted(norm_type):
+    opt = torch.optim.SGD(_params(torch.float32), lr=0.1)
+    assert tpamp.MixedPrecisionOptimizer(opt, norm_type=norm_type).norm_type == norm_type
+
+
+class _NotAnOptimizer:
+    param_groups = [{"params": []}]
+
+    def step(self):
+        pass
+
+
+@pytest.mark.parametrize(
+    "obj,name",
+    [(_NotAnOptimizer(), "_NotAnOptimizer"), ([torch.zeros(1)], "list"), (None, "NoneType")],
+    ids=["duck-typed", "list", "None"],
+)
+@pytest.mark.parametrize("cls", ["MixedPrecisionOptimizer", "FP32Optimizer"])
+def test_non_optimizer_raises_type_error_naming_its_type(cls, obj, name):
+    with pytest.raises(TypeError, match=name):
+        getattr(tpamp, cls)(obj)

@@ -3,7 +3,7 @@
 import pytest
 import torch.distributed as dist
 from dist_utils import run_workers
-from misuse_utils import assert_every_case_refused_by_tpamp, assert_raises_naming, case_ids
+from misuse_utils import all_of, assert_every_case_refused_by_tpamp, assert_raises_naming, case_ids
 from torch.distributed.device_mesh import init_device_mesh
 
 from tpamp.parallel import ParallelDims, initialize_model_parallel
@@ -85,3 +85,40 @@ def test_every_case_is_refused_by_tpamp_itself():
 @pytest.mark.parametrize("case_id,call,exc,words", MISUSE_CASES, ids=case_ids(MISUSE_CASES))
 def test_misuse_raises_a_clear_error_naming_the_argument(case_id, call, exc, words):
     assert_raises_naming(case_id, call, exc, words)
+
+
+# ---- a layout that does not multiply to the world size names the numbers -------------------------
+
+
+def test_parallel_dims_not_multiplying_to_world_size_raise_value_error_showing_numbers():
+    with pytest.raises(ValueError, match=all_of("3", "2", "8")):
+        ParallelDims(tp=3, pp=2, world_size=8)
+
+
+def test_parallel_dims_with_explicit_dp_mismatch_raise_value_error_showing_numbers():
+    with pytest.raises(ValueError, match=all_of("2", "3", "16")):
+        ParallelDims(tp=2, pp=2, dp=3, world_size=16)
+
+
+def test_parallel_dims_that_fit_are_accepted():
+    d = ParallelDims(tp=2, pp=2, world_size=8)
+    assert (d.tp, d.pp, d.dp, d.world_size) == (2, 2, 2, 8)
+
+
+def _init_tp3_on_4(rank, world_size):
+    try:
+        initialize_model_parallel(3, 1)
+    except ValueError as e:
+        return "ValueError", str(e)
+    except Exception as e:  # a different error type is a failure of the check below
+        return type(e).__name__, str(e)
+    return None, None
+
+
+def test_initialize_model_parallel_tp3_on_4_ranks_raises_value_error_showing_numbers():
+    import re
+
+    results = run_workers(_init_tp3_on_4, 4)
+    for rank, (kind, msg) in enumerate(results):
+        assert kind == "ValueError", (rank, kind, msg)
+        assert re.search(all_of("3", "4"), msg), (rank, msg)
