@@ -66,3 +66,47 @@ def assert_every_case_refused_by_tpamp(cases):
         else:
             elsewhere[case_id] = "nothing raised"
     assert not elsewhere, elsewhere
+
+
+# ---- tables of cases with a setup: refused, and nothing changed ------------------------------
+
+
+class Case:
+    """One misuse: ``setup()`` -> (picture, the bad call). ``picture()`` returns a comparable
+    picture (bytes) of everything the refusal must leave alone."""
+
+    def __init__(self, cid, setup, exc, words):
+        self.id, self.setup, self.exc, self.words = cid, setup, exc, words
+
+
+def assert_refused_and_unchanged(case):
+    """The bad call raises exactly ``case.exc``, with a message that contains every word, and
+    the picture taken before the call is the picture after it."""
+    picture, call = case.setup()
+    before = picture()
+    with pytest.raises(case.exc) as info:
+        call()
+    assert type(info.value) is case.exc, type(info.value)
+    msg = info.value.args[0] if isinstance(info.value, KeyError) and info.value.args else str(info.value)
+    assert re.search(words_pattern(case.words), str(msg)), f"{case.id}: {case.words} not all in: {msg}"
+    assert picture() == before, f"{case.id}: the refusal changed state"
+
+
+def assert_every_setup_case_refused_by_tpamp(cases, other_ids=()):
+    """As :func:`assert_every_case_refused_by_tpamp` for a table of :class:`Case`; the ids are
+    also distinct from ``other_ids`` (another table's ids)."""
+    ids = [c.id for c in cases] + list(other_ids)
+    assert len(ids) == len(set(ids)), sorted(i for i in ids if ids.count(i) > 1)
+    package = os.path.dirname(os.path.abspath(tpamp.__file__)) + os.sep
+    elsewhere = {}
+    for case in cases:
+        _, call = case.setup()
+        try:
+            call()
+        except case.exc as e:
+            frame = traceback.extract_tb(e.__traceback__)[-1]
+            if not os.path.abspath(frame.filename).startswith(package):
+                elsewhere[case.id] = f"{frame.filename}:{frame.lineno}"
+        else:
+            elsewhere[case.id] = "nothing raised"
+    assert not elsewhere, elsewhere
