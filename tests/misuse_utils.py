@@ -14,6 +14,7 @@ import re
 import traceback
 
 import pytest
+from dist_utils import freeze, tensor_bytes
 
 import tpamp
 
@@ -110,3 +111,24 @@ def assert_every_setup_case_refused_by_tpamp(cases, other_ids=()):
         else:
             elsewhere[case.id] = "nothing raised"
     assert not elsewhere, elsewhere
+
+
+# ---- a refused construction leaves the inner optimizer as it was ---------------------------
+
+
+def _inner_picture(inner, params):
+    return ([tensor_bytes(p) for p in params], freeze(inner.state_dict()))
+
+
+def refused_construction(build, inner, params, exc, words):
+    """``build()`` raises ``exc`` with every word in its message, and leaves the inner torch
+    optimizer as it was: its params' bytes, its state dict, and not marked as wrapped."""
+    from tpamp._guards import wrapped_by
+
+    before = _inner_picture(inner, params)
+    with pytest.raises(exc) as info:
+        build()
+    for w in words:
+        assert w in str(info.value), (w, str(info.value))
+    assert _inner_picture(inner, params) == before and wrapped_by(inner) is None
+    return str(info.value)
