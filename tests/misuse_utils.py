@@ -1,11 +1,19 @@
-"""The misuse-table runner shared by the test modules (docs/spec.md section 14).
+"""The misuse-table runners shared by the test modules (docs/spec.md section 14).
 
-A misuse table is a list of cases ``(id, call, exception type, words)``: ``call()`` must raise
-the exception type (or a subclass), with a message that contains every word as a token of its
-own. Each test module keeps the table of the object it misuses and runs it with
-:func:`assert_raises_naming` (one parametrized test per case) and
-:func:`assert_every_case_refused_by_tpamp` (one meta-check per table: ids distinct, and every
-case refused inside the tpamp package itself)."""
+Each test module keeps the misuse cases of the object it misuses, next to that object's other
+tests, in one of two table forms:
+
+* ``(id, call, exception type, words)``: ``call()`` must raise the exception type (or a
+  subclass), with a message that contains every word as a token of its own. Run with
+  :func:`assert_raises_naming` (one parametrized test per case) and
+  :func:`assert_every_case_refused_by_tpamp` (one meta-check per table: ids distinct, and every
+  case refused inside the tpamp package itself).
+* :class:`Case` (``setup()`` -> picture, bad call): the call must raise exactly the type, name
+  the words, and leave the picture (bytes of everything it must not touch) unchanged. Run with
+  :func:`assert_refused_and_unchanged` and :func:`assert_every_setup_case_refused_by_tpamp`.
+
+:func:`refused_construction` checks a refused wrapper construction left the inner optimizer
+as it was."""
 
 from __future__ import annotations
 
