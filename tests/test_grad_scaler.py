@@ -14,6 +14,7 @@ import warnings
 
 import pytest
 import torch
+from misuse_utils import DROP, assert_every_case_refused_by_tpamp, assert_raises_naming, case_ids
 
 import tpamp
 from tpamp import ConstantGradScaler, DynamicGradScaler, LossScaleUnderflowError
@@ -686,3 +687,142 @@ def test_public_overflow_names_and_the_private_aliases_report_alike():
         s.report_overflow_at_min_scale()
     with pytest.raises(LossScaleUnderflowError):
         s._report_overflow_at_min_scale()
+
+
+# ---- misuse: each bad argument or loaded value raises the documented exception type, with a
+# message that names the argument or key (docs/spec.md section 14); runner: tests/misuse_utils.py
+
+NAN, FLOAT_INF = math.nan, math.inf  # INF above is the overflow flag of the traces
+
+
+def _dyn_load(**state):
+    base = {"scale": torch.tensor([8.0]), "growth_tracker": 0, "hysteresis_tracker": 2}
+    base.update(state)
+    for k in [k for k, v in base.items() if v is DROP]:
+        del base[k]
+    s = tpamp.DynamicGradScaler(initial_scale=8.0, min_scale=2.0, max_scale=64.0,
+                                growth_interval=4, hysteresis=2)
+    s.load_state_dict(base)
+
+
+MISUSE_CASES = [
+    # DynamicGradScaler construction: scales are validated in float32, the dtype they live in
+    ("dyn-initial_scale-1e39", lambda: tpamp.DynamicGradScaler(initial_scale=1e39), ValueError, ["initial_scale", "float32"]),
+    ("dyn-initial_scale-1e-50", lambda: tpamp.DynamicGradScaler(initial_scale=1e-50, min_scale=1e-50), ValueError, ["initial_scale", "float32"]),
+    ("dyn-min_scale-1e-50", lambda: tpamp.DynamicGradScaler(initial_scale=1.0, min_scale=1e-50), ValueError, ["min_scale", "float32"]),
+    ("dyn-max_scale-1e39", lambda: tpamp.DynamicGradScaler(initial_scale=1.0, max_scale=1e39), ValueError, ["max_scale", "float32"]),
+    ("dyn-initial_scale-list", lambda: tpamp.DynamicGradScaler(initial_scale=[8.0]), TypeError, ["initial_scale", "8.0", "list"]),
+    ("dyn-device-cuda99", lambda: tpamp.DynamicGradScaler(device="cuda:99"), ValueError, ["device", "cuda:99"]),
+    ("dyn-device-bogus", lambda: tpamp.DynamicGradScaler(device="bogus"), ValueError, ["device", "bogus"]),
+    ("dyn-device-float", lambda: tpamp.DynamicGradScaler(device=3.5), TypeError, ["device", "3.5"]),
+    # ConstantGradScaler construction
+    ("const-1e39", lambda: tpamp.ConstantGradScaler(1e39), ValueError, ["scale", "float32"]),
+    ("const-1e-50", lambda: tpamp.ConstantGradScaler(1e-50), ValueError, ["scale", "float32"]),
+    ("const-0", lambda: tpamp.ConstantGradScaler(0.0), ValueError, ["scale"]),
+    ("const-negative", lambda: tpamp.ConstantGradScaler(-2.0), ValueError, ["scale", "-2.0"]),
+    ("const-nan", lambda: tpamp.ConstantGradScaler(NAN), ValueError, ["scale", "nan"]),
+    ("const-inf", lambda: tpamp.ConstantGradScaler(FLOAT_INF), ValueError, ["scale", "inf"]),
+    ("const-str", lambda: tpamp.ConstantGradScaler("8"), TypeError, ["scale", "'8'"]),
+    ("const-device-bogus", lambda: tpamp.ConstantGradScaler(8.0, device="bogus"), ValueError, ["device"]),
+    # DynamicGradScaler.load_state_dict: checked against the scaler's config
+    ("dynload-None", lambda: tpamp.DynamicGradScaler().load_state_dict(None), TypeError, ["state_dict", "None"]),
+    ("dynload-list", lambda: tpamp.DynamicGradScaler().load_state_dict([8.0]), TypeError, ["state_dict", "list"]),
+    ("dynload-missing-scale", lambda: _dyn_load(scale=DROP), KeyError, ["scale"]),
+    ("dynload-missing-growth", lambda: _dyn_load(growth_tracker=DROP), KeyError, ["growth_tracker"]),
+    ("dynload-unknown-key", lambda: _dyn_load(loss_scale=8.0), KeyError, ["loss_scale"]),
+    ("dynload-scale-str", lambda: _dyn_load(scale="x"), TypeError, ["scale", "'x'"]),
+    ("dynload-scale-None", lambda: _dyn_load(scale=None), TypeError, ["scale", "None"]),
+    ("dynload-scale-nan", lambda: _dyn_load(scale=torch.tensor([NAN])), ValueError, ["scale", "nan"]),
+    ("dynload-scale-inf", lambda: _dyn_load(scale=torch.tensor([FLOAT_INF])), ValueError, ["scale", "inf"]),
+    ("dynload-scale-1e39", lambda: _dyn_load(scale=1e39), ValueError, ["scale", "float32"]),
+    ("dynload-scale-zero", lambda: _dyn_load(scale=torch.tensor([0.0])), ValueError, ["scale"]),
+    ("dynload-scale-2-elements", lambda: _dyn_load(scale=torch.tensor([8.0, 8.0])), ValueError, ["scale", "shape"]),
+    ("dynload-scale-int-tensor", lambda: _dyn_load(scale=torch.tensor([8])), ValueError, ["scale", "int64"]),
+    ("dynload-scale-below-min", lambda: _dyn_load(scale=torch.tensor([1.0])), ValueError, ["scale", "min_scale"]),
+    ("dynload-scale-above-max", lambda: _dyn_load(scale=torch.tensor([128.0])), ValueError, ["scale", "max_scale"]),
+    ("dynload-growth-at-interval", lambda: _dyn_load(growth_tracker=4), ValueError, ["growth_tracker", "4"]),
+    ("dynload-growth-negative", lambda: _dyn_load(growth_tracker=-1), ValueError, ["growth_tracker", "-1"]),
+    ("dynload-growth-float", lambda: _dyn_load(growth_tracker=1.5), TypeError, ["growth_tracker", "1.5"]),
+    ("dynload-growth-str", lambda: _dyn_load(growth_tracker="3"), TypeError, ["growth_tracker", "'3'"]),
+    ("dynload-growth-bool", lambda: _dyn_load(growth_tracker=True), TypeError, ["growth_tracker", "True"]),
+    ("dynload-hysteresis-above", lambda: _dyn_load(hysteresis_tracker=3), ValueError, ["hysteresis_tracker", "3"]),
+    ("dynload-hysteresis-None", lambda: _dyn_load(hysteresis_tracker=None), TypeError, ["hysteresis_tracker", "None"]),
+    # ConstantGradScaler.load_state_dict
+    ("constload-nan", lambda: tpamp.ConstantGradScaler(4.0).load_state_dict({"tpamp_constant_scale": NAN}), ValueError, ["tpamp_constant_scale", "nan"]),
+    ("constload-1e39", lambda: tpamp.ConstantGradScaler(4.0).load_state_dict({"tpamp_constant_scale": 1e39}), ValueError, ["tpamp_constant_scale", "float32"]),
+    ("constload-negative", lambda: tpamp.ConstantGradScaler(4.0).load_state_dict({"tpamp_constant_scale": -4.0}), ValueError, ["tpamp_constant_scale", "-4.0"]),
+    ("constload-str", lambda: tpamp.ConstantGradScaler(4.0).load_state_dict({"tpamp_constant_scale": "4"}), TypeError, ["tpamp_constant_scale", "'4'"]),
+    ("constload-unknown-key", lambda: tpamp.ConstantGradScaler(4.0).load_state_dict({"scale": 4.0}), KeyError, ["scale"]),
+    ("constload-None", lambda: tpamp.ConstantGradScaler(4.0).load_state_dict(None), TypeError, ["state_dict"]),
+    # update(found_inf)
+    ("update-found_inf-str", lambda: tpamp.DynamicGradScaler().update("yes"), TypeError, ["found_inf", "str"]),
+    ("update-found_inf-2-elements", lambda: tpamp.DynamicGradScaler().update(torch.zeros(2)), ValueError, ["found_inf", "shape"]),
+    ("const-update-found_inf-None", lambda: tpamp.ConstantGradScaler(2.0).update(None), TypeError, ["found_inf"]),
+]
+
+
+def test_every_case_is_refused_by_tpamp_itself():
+    """Ids distinct; each case refused inside tpamp itself (tests/misuse_utils.py)."""
+    assert_every_case_refused_by_tpamp(MISUSE_CASES)
+
+
+@pytest.mark.parametrize("case_id,call,exc,words", MISUSE_CASES, ids=case_ids(MISUSE_CASES))
+def test_misuse_raises_a_clear_error_naming_the_argument(case_id, call, exc, words):
+    assert_raises_naming(case_id, call, exc, words)
+
+
+# ---- the loss scale stays finite and positive in float32 (docs/spec.md section 14) ---------------
+
+
+F32_MAX = (2 - 2**-23) * 2.0**127  # the largest finite float32, by its definition
+
+
+@pytest.mark.parametrize("growth_factor", [2.0, 3.0])
+def test_unbounded_growth_stops_at_the_largest_float32_power_of_the_growth_factor(growth_factor):
+    k = 0
+    while growth_factor ** (k + 1) <= F32_MAX:
+        k += 1
+    cap = growth_factor**k  # 2**127 for 2, 3**80 for 3
+    s = tpamp.DynamicGradScaler(initial_scale=growth_factor ** (k - 3), growth_factor=growth_factor,
+                                growth_interval=1)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for _ in range(10):
+            s.update(False)
+    assert float(s.scale) == pytest.approx(cap, rel=1e-6)
+    assert math.isfinite(float(s.scale))
+    msgs = [str(w.message) for w in caught if "float32" in str(w.message)]
+    assert len(msgs) == 1, msgs  # a one-time warning
+    # the scale still backs off from the cap on an overflow
+    s.update(True)
+    s.update(True)
+    assert float(s.scale) == pytest.approx(cap / 2, rel=1e-6)
+
+
+def test_growth_cap_reached_inside_optimizer_steps_is_reported_once():
+    p = torch.nn.Parameter(torch.ones(4, dtype=torch.float16))
+    scaler = tpamp.DynamicGradScaler(initial_scale=2.0**125, growth_interval=1)
+    opt = tpamp.MixedPrecisionOptimizer(torch.optim.SGD([p], lr=0.0), grad_scaler=scaler)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for _ in range(5):
+            p.grad = torch.zeros(4, dtype=torch.float16)
+            assert opt.step().update_successful
+    assert float(scaler.scale) == 2.0**127
+    assert sum("float32" in str(w.message) for w in caught) == 1
+
+
+def test_explicit_max_scale_clamps_without_a_warning():
+    s = tpamp.DynamicGradScaler(initial_scale=8.0, max_scale=16.0, growth_interval=1)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for _ in range(4):
+            s.update(False)
+    assert float(s.scale) == 16.0
+
+
+def test_stall_at_a_min_scale_not_representable_in_float32_is_still_reported():
+    # float32(0.1) > 0.1: comparing the float32 scale with the float64 min_scale never matched
+    s = tpamp.DynamicGradScaler(initial_scale=0.1, min_scale=0.1, hysteresis=1)
+    with pytest.warns(RuntimeWarning, match="min_scale"):
+        s.update(True)

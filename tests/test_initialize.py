@@ -6,8 +6,10 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from misuse_utils import assert_every_case_refused_by_tpamp, assert_raises_naming, case_ids
 from torch import nn
 
+import tpamp
 from tests.dist_utils import run_workers
 from tpamp.amp_init import (
     ApexAMPConfig,
@@ -408,3 +410,27 @@ def test_torch_mode_optimizer_reports_skips_norm_and_zeros():
     model.w1.grad[0, 0] = float("inf")
     assert tuple(o.step()) == (False, None, None)
     assert o.get_loss_scale().item() == 2.0**7
+
+
+# ---- misuse: each bad argument or loaded value raises the documented exception type, with a
+# message that names the argument or key (docs/spec.md section 14); runner: tests/misuse_utils.py
+
+
+MISUSE_CASES = [
+    # tpamp.initialize configs: scales validated in float32 too
+    ("cfg-initial_scale-1e39", lambda: tpamp.parse_amp_config(dict(initial_scale=1e39)), ValueError, ["initial_scale", "float32"]),
+    ("cfg-min_scale-1e-50", lambda: tpamp.parse_amp_config(dict(min_scale=1e-50, initial_scale=1.0)), ValueError, ["min_scale", "float32"]),
+    ("cfg-max_scale-1e39", lambda: tpamp.parse_amp_config(dict(max_scale=1e39)), ValueError, ["max_scale", "float32"]),
+    ("cfg-loss_scale-1e39", lambda: tpamp.parse_amp_config(dict(loss_scale=1e39)), ValueError, ["loss_scale", "float32"]),
+    ("cfg-torch-init_scale-1e39", lambda: tpamp.parse_amp_config(dict(mode="torch", init_scale=1e39)), ValueError, ["init_scale", "float32"]),
+]
+
+
+def test_every_case_is_refused_by_tpamp_itself():
+    """Ids distinct; each case refused inside tpamp itself (tests/misuse_utils.py)."""
+    assert_every_case_refused_by_tpamp(MISUSE_CASES)
+
+
+@pytest.mark.parametrize("case_id,call,exc,words", MISUSE_CASES, ids=case_ids(MISUSE_CASES))
+def test_misuse_raises_a_clear_error_naming_the_argument(case_id, call, exc, words):
+    assert_raises_naming(case_id, call, exc, words)

@@ -22,6 +22,7 @@ from __future__ import annotations
 import ast
 import copy
 import io
+import math
 import os
 import pickle
 import subprocess
@@ -32,8 +33,10 @@ import pytest
 import torch
 import torch.distributed as dist
 from dist_utils import run_workers
+from misuse_utils import assert_every_case_refused_by_tpamp, assert_raises_naming, case_ids
 from torch import nn
 
+import tpamp
 from tpamp import ModelParallelGradScaler
 
 SHORT = 10.0  # seconds: the gloo timeout of the two-rank runs
@@ -535,3 +538,63 @@ def test_found_inf_of_any_one_element_shape_is_agreed(two_ranks):
         for shape in SHAPES:
             shapes, values = r["shapes"][shape]
             assert shapes == [shape] and values == [1.0], (shape, shapes, values)
+
+
+# ---- misuse: each bad argument or loaded value raises the documented exception type, with a
+# message that names the argument or key (docs/spec.md section 14); runner: tests/misuse_utils.py
+
+NAN = math.nan
+
+
+def _torch_amp_opt(inner_cls=torch.optim.SGD, **kwargs):
+    p = torch.nn.Parameter(torch.ones(3))
+    inner = inner_cls([p], lr=0.1)
+    return p, tpamp.TorchAMPOptimizer(inner, tpamp.ModelParallelGradScaler("cpu"), **kwargs)
+
+
+def _step_twice_torch_amp():
+    p, opt = _torch_amp_opt()
+    opt.scale_loss(p.sum()).backward()
+    opt.step()
+    opt.step()
+
+
+MISUSE_CASES = [
+    # ModelParallelGradScaler
+    ("mpgs-init_scale-0", lambda: tpamp.ModelParallelGradScaler("cpu", init_scale=0.0), ValueError, ["init_scale"]),
+    ("mpgs-init_scale-negative", lambda: tpamp.ModelParallelGradScaler("cpu", init_scale=-8.0), ValueError, ["init_scale", "-8.0"]),
+    ("mpgs-init_scale-1e39", lambda: tpamp.ModelParallelGradScaler("cpu", init_scale=1e39), ValueError, ["init_scale", "float32"]),
+    ("mpgs-init_scale-nan", lambda: tpamp.ModelParallelGradScaler("cpu", init_scale=NAN), ValueError, ["init_scale", "nan"]),
+    ("mpgs-growth_factor-1", lambda: tpamp.ModelParallelGradScaler("cpu", growth_factor=1.0), ValueError, ["growth_factor", "1.0"]),
+    ("mpgs-backoff_factor-1.5", lambda: tpamp.ModelParallelGradScaler("cpu", backoff_factor=1.5), ValueError, ["backoff_factor", "1.5"]),
+    ("mpgs-growth_interval-0", lambda: tpamp.ModelParallelGradScaler("cpu", growth_interval=0), ValueError, ["growth_interval", "0"]),
+    ("mpgs-growth_interval-float", lambda: tpamp.ModelParallelGradScaler("cpu", growth_interval=2.5), TypeError, ["growth_interval", "2.5"]),
+    ("mpgs-enabled-str", lambda: tpamp.ModelParallelGradScaler("cpu", enabled="yes"), TypeError, ["enabled", "'yes'"]),
+    ("mpgs-device-int", lambda: tpamp.ModelParallelGradScaler(3), TypeError, ["device", "3"]),
+    ("mpgs-group-int", lambda: tpamp.ModelParallelGradScaler("cpu", model_parallel_group=7), TypeError, ["model_parallel_group", "int"]),
+    # TorchAMPOptimizer
+    ("tamp-clip_grad-negative", lambda: _torch_amp_opt(clip_grad=-1.0), ValueError, ["clip_grad", "-1.0"]),
+    ("tamp-clip_grad-nan", lambda: _torch_amp_opt(clip_grad=NAN), ValueError, ["clip_grad", "nan"]),
+    ("tamp-norm_type-0.5", lambda: _torch_amp_opt(norm_type=0.5), ValueError, ["norm_type", "0.5"]),
+    ("tamp-scaler-None", lambda: tpamp.TorchAMPOptimizer(torch.optim.SGD([torch.nn.Parameter(torch.ones(1))], lr=1), None), TypeError, ["scaler", "NoneType"]),
+    ("tamp-optimizer-list", lambda: tpamp.TorchAMPOptimizer([torch.ones(1)], tpamp.ModelParallelGradScaler("cpu")), TypeError, ["optimizer", "list"]),
+    ("tamp-grad_stats_group-str", lambda: _torch_amp_opt(grad_stats_group="mp"), TypeError, ["grad_stats_group", "str"]),
+    ("tamp-scale_loss-float", lambda: _torch_amp_opt()[1].scale_loss(2.0), TypeError, ["loss", "float"]),
+    ("tamp-step-twice", _step_twice_torch_amp, RuntimeError, ["step", "backward"]),
+    ("tamp-load-None", lambda: _torch_amp_opt()[1].load_state_dict(None), TypeError, ["state_dict", "None"]),
+    ("tamp-load-missing-optimizer", lambda: _torch_amp_opt()[1].load_state_dict({"grad_scaler": {}}), KeyError, ["optimizer"]),
+    ("tamp-load-adam-into-sgd", lambda: _torch_amp_opt()[1].load_state_dict({"optimizer": torch.optim.Adam([torch.nn.Parameter(torch.ones(3))]).state_dict()}), ValueError, ["momentum", "SGD"]),
+    ("tamp-load-scaler-nan", lambda: _torch_amp_opt()[1].load_state_dict({"optimizer": torch.optim.SGD([torch.nn.Parameter(torch.ones(3))], lr=0.1).state_dict(), "grad_scaler": {"scale": NAN, "growth_factor": 2.0, "backoff_factor": 0.5, "growth_interval": 2000, "_growth_tracker": 0}}), ValueError, ["grad_scaler", "scale", "nan"]),
+    ("tamp-load-scaler-tracker", lambda: _torch_amp_opt()[1].load_state_dict({"optimizer": torch.optim.SGD([torch.nn.Parameter(torch.ones(3))], lr=0.1).state_dict(), "grad_scaler": {"scale": 8.0, "growth_factor": 2.0, "backoff_factor": 0.5, "growth_interval": 10, "_growth_tracker": 10}}), ValueError, ["_growth_tracker", "10"]),
+    ("tamp-load-scaler-missing", lambda: _torch_amp_opt()[1].load_state_dict({"optimizer": torch.optim.SGD([torch.nn.Parameter(torch.ones(3))], lr=0.1).state_dict(), "grad_scaler": {"scale": 8.0}}), KeyError, ["grad_scaler", "growth_factor"]),
+]
+
+
+def test_every_case_is_refused_by_tpamp_itself():
+    """Ids distinct; each case refused inside tpamp itself (tests/misuse_utils.py)."""
+    assert_every_case_refused_by_tpamp(MISUSE_CASES)
+
+
+@pytest.mark.parametrize("case_id,call,exc,words", MISUSE_CASES, ids=case_ids(MISUSE_CASES))
+def test_misuse_raises_a_clear_error_naming_the_argument(case_id, call, exc, words):
+    assert_raises_naming(case_id, call, exc, words)

@@ -13,6 +13,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from dist_utils import run_workers
+from misuse_utils import refused_construction
 
 import tpamp
 from tpamp.nonfinite import NonFiniteGrad, NonFiniteTracer, describe
@@ -309,3 +310,74 @@ def test_tracer_agrees_on_the_earliest_finding_along_the_pipeline():
     for _, agreed in results:
         assert agreed[:4] == ("layers.3", "forward", "output", 0)
         assert agreed[7:10] == (0, 1, 0)  # tp, pp, dp of stage 1's rank
+
+
+# ---- names for last_nonfinite: the grad-norm tracker's rules, in every wrapper -------------------
+
+
+def _names_cases():
+    model = torch.nn.Sequential(torch.nn.Linear(3, 2), torch.nn.Linear(2, 1)).to(torch.bfloat16)
+    w0, b0, w1, b1 = model.parameters()
+    return model, [
+        ("duplicate-name", [("w", w0), ("w", b0), ("x", w1), ("y", b1)],
+         ["'w'", "two different params"]),
+        ("empty-name", [("", w0), ("b0", b0)], ["non-empty", "''"]),
+        ("two-names", [("a", w0), ("b", w0)], ["named both", "'a'", "'b'"]),
+        ("dict-duplicate", {w0: "same", b0: "same"}, ["'same'", "two different params"]),
+    ]
+
+
+@pytest.mark.parametrize("case", [c[0] for c in _names_cases()[1]])
+def test_param_names_for_last_nonfinite_are_checked_as_the_tracker_checks_them(case):
+    from tpamp.nonfinite import param_name_map
+
+    model, cases = _names_cases()
+    names, words = {c[0]: (c[1], c[2]) for c in cases}[case]
+    inner = torch.optim.AdamW(model.parameters(), lr=0.1)
+    refused_construction(
+        lambda: tpamp.MixedPrecisionOptimizer(inner, param_names=names), inner,
+        list(model.parameters()), ValueError, ["param_names", *words])
+    with pytest.raises(ValueError, match="param_names"):
+        param_name_map(names)
+    # the tracker refuses the same names
+    if not isinstance(names, dict):
+        opt = tpamp.MixedPrecisionOptimizer(inner)
+        with pytest.raises(ValueError):
+            opt.track_param_grad_norms(names)
+
+
+def test_param_names_accepts_named_parameters_and_a_repeated_pair():
+    from tpamp.nonfinite import param_name_map
+
+    model = torch.nn.Linear(3, 2)
+    pairs = list(model.named_parameters())
+    assert param_name_map(pairs + pairs[:1]) == {id(p): n for n, p in pairs}
+
+
+def _dist_names_worker(rank, world_size):
+    import torch.distributed as dist
+
+    from tpamp._guards import wrapped_by
+
+    model = torch.nn.Sequential(torch.nn.Linear(3, 2), torch.nn.Linear(2, 1)).to(torch.bfloat16)
+    w0, b0, w1, b1 = model.parameters()
+    inner = torch.optim.AdamW(model.parameters(), lr=0.1)
+    dp = dist.new_group(list(range(world_size)))
+    out = []
+    for names in ([("w", w0), ("w", b0), ("x", w1), ("y", b1)], [("", w0)]):
+        try:
+            tpamp.DistributedOptimizer(inner, data_parallel_group=dp, param_names=names)
+            out.append(None)
+        except ValueError as e:
+            out.append(str(e))
+    return out, wrapped_by(inner) is None
+
+
+def test_distributed_optimizer_param_names_are_checked_too():
+    """The same rules in DistributedOptimizer (DP 2, forked gloo ranks), nothing wrapped."""
+    from dist_utils import run_workers
+
+    for msgs, unwrapped in run_workers(_dist_names_worker, 2, timeout=60.0):
+        assert unwrapped
+        assert msgs[0] is not None and "'w'" in msgs[0] and "two different params" in msgs[0]
+        assert msgs[1] is not None and "non-empty" in msgs[1]

@@ -114,3 +114,39 @@ def test_overflow_step_shows_which_param_overflowed():
     for name, n in (("0.weight", 12), ("0.bias", 4), ("1.weight", 8)):
         assert math.isclose(tracker.norms[name], 0.0625 * math.sqrt(n), rel_tol=1e-6)
     assert list(tracker.top_k(2)) == ["1.bias", "0.weight"]  # inf first, then the largest
+
+
+# ---- track_param_grad_norms: what it takes -------------------------------------------------------
+
+
+def test_track_param_grad_norms_takes_a_dict_or_says_what_to_pass():
+    """A dict {name: param} (or {param: name}) names the params as its items do; a list of
+    names raises TypeError saying to pass named_parameters() / .items(), tracker unchanged."""
+    model = torch.nn.Sequential(torch.nn.Linear(3, 2), torch.nn.Linear(2, 1)).to(torch.bfloat16)
+    opt = tpamp.MixedPrecisionOptimizer(torch.optim.AdamW(model.parameters(), lr=0.1))
+    want = [n for n, _ in model.named_parameters()]
+
+    def norms_after_a_step(tracker):
+        for p in model.parameters():
+            p.grad = torch.full_like(p, 0.5)
+        opt.step(param_grad_norms=True)
+        return dict(tracker.norms)
+
+    by_pairs = norms_after_a_step(opt.track_param_grad_norms(model.named_parameters()))
+    assert list(by_pairs) == want
+    # an independent reference: the norm of a grad of 0.5 everywhere
+    for n, p in model.named_parameters():
+        assert by_pairs[n] == pytest.approx(0.5 * p.numel() ** 0.5, rel=1e-6)
+    by_name = opt.track_param_grad_norms(dict(model.named_parameters()))
+    assert by_name.names == want
+    by_param = opt.track_param_grad_norms({p: n for n, p in model.named_parameters()})
+    assert by_param.names == want
+    current = opt.param_norm_tracker
+    for bad, words in ((want, ["named_parameters()", ".items()", "'0.weight'"]),
+                       ({"w": "not a tensor"}, ["dict {name: param}", "str: str"]),
+                       (torch.ones(2), ["Tensor"])):
+        with pytest.raises(TypeError) as info:
+            opt.track_param_grad_norms(bad)
+        for w in words:
+            assert w in str(info.value), (w, str(info.value))
+        assert opt.param_norm_tracker is current  # unchanged

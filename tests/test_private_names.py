@@ -170,3 +170,59 @@ def test_the_checker_itself(tmp_path, source, expected):
         assert [what for _, _, what in violations(f)] == expected
     finally:
         ROOT = old
+
+
+# ---- module structure: shared helpers have a named home, no import cycle -------------------------
+
+
+def _tpamp_imports(path, *, lazy: bool):
+    """(module, names) of every ``from tpamp... import`` in a file (lazy: also inside functions)."""
+    import ast
+
+    tree = ast.parse(open(path).read())
+    nodes = ast.walk(tree) if lazy else tree.body
+    out = []
+    for node in nodes:
+        if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("tpamp"):
+            names = [a.name for a in node.names]
+            if node.module == "tpamp":  # from tpamp import ops, _validation: modules
+                out.extend((f"tpamp.{n}", []) for n in names)
+            else:
+                out.append((node.module, names))
+    return out
+
+
+def _tpamp_files():
+    import pathlib
+
+    return sorted((pathlib.Path(tpamp.__file__).parent).glob("*.py"))
+
+
+def test_no_module_imports_another_modules_private_names():
+    """Private (_underscore) functions, classes and constants stay in their module; shared ones
+    live under public names (tpamp.common, tpamp._checks, tpamp._guards, tpamp._load). The
+    package-internal modules themselves (tpamp._validation, tpamp._ext) may be imported."""
+    bad = [(f.name, mod, n) for f in _tpamp_files() for mod, names in _tpamp_imports(f, lazy=True)
+           for n in names if n.startswith("_")]
+    assert bad == []
+
+
+def test_no_import_cycle_between_tpamp_modules():
+    """Module-level and lazy imports alike: grad_stats -> _validation -> common, never back."""
+    graph = {f"tpamp.{f.stem}": {m for m, _ in _tpamp_imports(f, lazy=True)} for f in _tpamp_files()}
+    graph = {k: {m for m in v if m in graph and m != k} for k, v in graph.items()}
+    assert "tpamp.grad_stats" not in graph["tpamp._validation"]
+    assert "tpamp._validation" not in graph["tpamp.common"] and graph["tpamp.common"] == set()
+    assert graph["tpamp._checks"] == set()  # the argument checks are a leaf
+    assert graph["tpamp._load"] == {"tpamp._checks", "tpamp._guards", "tpamp.common",
+                                    "tpamp.state_formats"}  # the formats: a leaf over common
+    for a in ("tpamp.grad_stats", "tpamp._validation", "tpamp._checks", "tpamp._guards",
+              "tpamp._load", "tpamp.common", "tpamp.optimizer", "tpamp.distributed_optimizer",
+              "tpamp.param_norms", "tpamp.spikes", "tpamp.grad_scaler", "tpamp.amp_init"):
+        seen, todo = set(), list(graph[a])
+        while todo:  # everything a reaches must not reach a again
+            m = todo.pop()
+            if m not in seen:
+                seen.add(m)
+                todo.extend(graph[m])
+        assert a not in seen, f"{a} imports itself through {sorted(seen)}"

@@ -5,7 +5,8 @@ import math
 
 import pytest
 import torch
-from dist_utils import run_workers
+from dist_utils import freeze, run_workers
+from misuse_utils import DROP, Case, assert_every_setup_case_refused_by_tpamp, assert_refused_and_unchanged
 from model_fixture import full_grads, round_to, shard_params
 
 import tpamp
@@ -220,3 +221,78 @@ def test_snapshot_scaler_and_restore_scaler_go_through_the_scaler_protocol():
     assert (s.scale.item(), s.growth_tracker, s.hysteresis_tracker) == (8.0, 0, 1)
     assert tpamp.SpikeDetector.snapshot_scaler(None) is None
     tpamp.SpikeDetector.restore_scaler(None, None)  # nothing to restore
+
+
+# ---- SpikeDetector.load_state_dict misuse: refused, and the detector unchanged (docs/spec.md section 2.4);
+# runner: tests/misuse_utils.py ---------------------------------------------------------------
+
+
+NAN, INF = math.nan, math.inf
+
+
+def _watch_detector(det):
+    return lambda: {"detector": freeze(det.state_dict())}
+
+
+def _spike_state(**edits):
+    d = tpamp.SpikeDetector("skip", window=4, warmup=2)
+    sd = {"windows": {"grad_norm": [1.0, 2.0], "loss": [3.0]}, "steps_seen": 3, "spikes": 1,
+          "spike_skips": 1, "settings": d.state_dict()["settings"]}
+    for k, v in edits.items():
+        if v is DROP:
+            del sd[k]
+        else:
+            sd[k] = v
+    return sd
+
+
+def _detector_load(**edits):
+    def setup():
+        det = tpamp.SpikeDetector("skip", window=4, warmup=2)
+        det.load_state_dict(_spike_state())  # something to lose
+        bad = _spike_state(**edits)
+        return _watch_detector(det), lambda: det.load_state_dict(bad)
+    return setup
+
+
+def _detector_load_value(value):
+    def setup():
+        det = tpamp.SpikeDetector("skip", window=4, warmup=2)
+        return _watch_detector(det), lambda: det.load_state_dict(value)
+    return setup
+
+
+SPIKE_LOAD_CASES = [
+    # SpikeDetector.load_state_dict: validated, all or nothing
+    Case("det-load-None", _detector_load_value(None), TypeError, ["dict", "None"]),
+    Case("det-load-list", _detector_load_value([1, 2]), TypeError, ["dict", "list"]),
+    Case("det-window-nan", _detector_load(windows={"grad_norm": [1.0, NAN]}), ValueError, ["windows", "grad_norm", "nan"]),
+    Case("det-window-inf", _detector_load(windows={"loss": [INF]}), ValueError, ["windows", "loss", "inf"]),
+    Case("det-window-str-value", _detector_load(windows={"loss": [1.0, "2"]}), TypeError, ["windows", "loss", "'2'"]),
+    Case("det-window-bool-value", _detector_load(windows={"loss": [True]}), TypeError, ["windows", "True"]),
+    Case("det-window-str", _detector_load(windows={"loss": "1.0"}), TypeError, ["windows", "loss", "str"]),
+    Case("det-window-tensor", _detector_load(windows={"loss": torch.ones(2)}), TypeError, ["windows", "loss", "Tensor"]),
+    Case("det-windows-list", _detector_load(windows=[[1.0]]), TypeError, ["windows", "list"]),
+    Case("det-window-unknown-series", _detector_load(windows={"lr": [1.0]}), ValueError, ["series", "'lr'"]),
+    Case("det-window-too-long", _detector_load(windows={"loss": [1.0] * 5}), ValueError, ["5", "window"]),
+    Case("det-steps-negative", _detector_load(steps_seen=-3), ValueError, ["steps_seen", "-3"]),
+    Case("det-steps-float", _detector_load(steps_seen=2.5), TypeError, ["steps_seen", "2.5"]),
+    Case("det-steps-str", _detector_load(steps_seen="3"), TypeError, ["steps_seen", "'3'"]),
+    Case("det-skips-bool", _detector_load(spike_skips=True), TypeError, ["spike_skips", "True"]),
+    Case("det-spikes-above-steps", _detector_load(spikes=9), ValueError, ["spikes", "steps_seen", "9"]),
+    Case("det-skips-above-spikes", _detector_load(spike_skips=2), ValueError, ["spike_skips", "spikes", "2"]),
+    Case("det-missing-windows", _detector_load(windows=DROP), KeyError, ["windows"]),
+    Case("det-missing-spikes", _detector_load(spikes=DROP), KeyError, ["spikes"]),
+    Case("det-settings-differ", _detector_load(settings={**_spike_state()["settings"], "window": 8}), ValueError, ["settings", "differ"]),
+    Case("det-settings-str", _detector_load(settings="window=4"), TypeError, ["settings"]),
+]
+
+
+def test_every_case_is_refused_by_tpamp_itself():
+    """Ids distinct; each case refused inside tpamp itself (tests/misuse_utils.py)."""
+    assert_every_setup_case_refused_by_tpamp(SPIKE_LOAD_CASES)
+
+
+@pytest.mark.parametrize("case", SPIKE_LOAD_CASES, ids=[c.id for c in SPIKE_LOAD_CASES])
+def test_misuse_is_refused_and_changes_nothing(case):
+    assert_refused_and_unchanged(case)

@@ -13,16 +13,18 @@ References, independent of the code under test:
 
 from __future__ import annotations
 
+import copy
 import io
 
 import numpy as np
 import pytest
 import torch
+from dist_utils import freeze, fused_step_built, run_workers, tensor_bytes
 from dist_utils import fused_step_built as _kernel_built
-from dist_utils import run_workers
+from misuse_utils import refused_construction
 
 import tpamp
-from tpamp import ops
+from tpamp import ops, state_formats
 
 HYPER = dict(lr=1e-3, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.1,
              decoupled_weight_decay=True)
@@ -1055,3 +1057,242 @@ def test_distributed_optimizer_refuses_bad_8bit_scales_on_every_rank(src, dst):
     assert err0[0] == ("KeyError" if src == "8bit" else "ValueError")
     assert "exp_avg_scale" in err0[1]
     assert err1[0] == "ValueError" and "refused on rank(s) [0]" in err1[1]
+
+
+# ---- misuse around narrow state: bad 8-bit state dicts and options that cannot apply are refused before anything changes (docs/spec.md sections 9 and 2.4) ----
+
+
+F8 = torch.float8_e4m3fn
+
+
+NARROW_CONFIGS = {
+    "fp32": dict(),
+    "bf16": dict(exp_avg_dtype=torch.bfloat16, exp_avg_sq_dtype=torch.bfloat16),
+    "8bit": dict(exp_avg_dtype=F8, exp_avg_sq_dtype=F8),
+    "8bit+rem": dict(exp_avg_dtype=F8, exp_avg_sq_dtype=F8, store_param_remainders=True),
+}
+
+
+needs_kernel = pytest.mark.skipif(not fused_step_built(),
+                                  reason="tpamp._C with the fused step kernels is not built")
+
+
+def _small_model(seed=0):
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(torch.nn.Linear(20, 300), torch.nn.Linear(300, 3)).to(torch.bfloat16)
+
+
+def _trained(cfg, seed=0, steps=2):
+    model = _small_model(seed)
+    inner = torch.optim.AdamW(model.parameters(), lr=1e-2, betas=(0.9, 0.95), weight_decay=0.1)
+    opt = tpamp.MixedPrecisionOptimizer(inner, **NARROW_CONFIGS[cfg])
+    gen = torch.Generator().manual_seed(seed)
+    for _ in range(steps):
+        for p in model.parameters():
+            p.grad = (torch.randn(p.shape, generator=gen) * 1e-2).to(p.dtype)
+        assert opt.step().update_successful
+    return model, opt
+
+
+def _saved(opt):
+    buf = io.BytesIO()
+    torch.save(opt.state_dict(), buf)
+    buf.seek(0)
+    return torch.load(buf, weights_only=False)
+
+
+def _picture(model, opt):
+    return ([tensor_bytes(p) for p in model.parameters()], freeze(opt.state_dict()))
+
+
+def _refused(model, opt, call, exc, words):
+    before = _picture(model, opt)
+    with pytest.raises(exc) as info:
+        call()
+    msg = str(info.value)
+    for w in words:
+        assert w in msg, (w, msg)
+    assert _picture(model, opt) == before  # nothing changed
+    return msg
+
+
+def _first_entry(sd):
+    return next(iter(sd["optimizer"]["state"].values()))
+
+
+def _short_scale(sd):
+    e = _first_entry(sd)
+    e["exp_avg_scale"] = e["exp_avg_scale"][:-1].clone()
+    return sd
+
+
+def _no_scales(sd):
+    for e in sd["optimizer"]["state"].values():
+        e.pop("exp_avg_scale"), e.pop("exp_avg_sq_scale")
+    return sd
+
+
+def _nan_scale(sd):
+    _first_entry(sd)["exp_avg_sq_scale"][0] = float("nan")
+    return sd
+
+
+def _negative_scale(sd):
+    _first_entry(sd)["exp_avg_scale"][0] = -1.0
+    return sd
+
+
+def _stray_scale(sd):  # a float32 state dict with a scale key: not 8-bit codes
+    e = _first_entry(sd)
+    e["exp_avg_scale"] = torch.ones(state_formats.moment_blocks(e["exp_avg"].numel()))
+    return sd
+
+
+def _scale_list(sd):
+    _first_entry(sd)["exp_avg_scale"] = [1.0]
+    return sd
+
+
+SCALE_CASES = [
+    # (source config, edit, exception, words)
+    ("8bit", _short_scale, ValueError, ["exp_avg_scale", "shape", "one per block"]),
+    ("8bit", _no_scales, KeyError, ["exp_avg", "8-bit", "exp_avg_scale"]),
+    ("8bit", _nan_scale, ValueError, ["exp_avg_sq_scale", "nan"]),
+    ("8bit", _negative_scale, ValueError, ["exp_avg_scale", "negative", "-1.0"]),
+    ("fp32", _stray_scale, ValueError, ["exp_avg_scale", "not float8_e4m3fn codes"]),
+    ("8bit", _scale_list, TypeError, ["exp_avg_scale", "tensor", "list"]),
+]
+
+
+@needs_kernel
+@pytest.mark.parametrize("dst", list(NARROW_CONFIGS))
+@pytest.mark.parametrize("src,edit,exc,words", SCALE_CASES, ids=[c[1].__name__ for c in SCALE_CASES])
+def test_narrow_state_dict_refused_before_anything_changes(src, edit, exc, words, dst):
+    """Into every configuration (an fp32-moment optimizer loading an 8-bit dict and the
+    reverse): the refused load leaves params and state as they were, and the next step runs."""
+    _, src_opt = _trained(src, seed=1)
+    sd = edit(_saved(src_opt))
+    model, opt = _trained(dst, seed=2)
+    _refused(model, opt, lambda: opt.load_state_dict(sd), exc, words)
+    for p in model.parameters():
+        p.grad = torch.full_like(p, 1e-3)
+    assert opt.step().update_successful  # still usable
+    assert all(bool(p.isfinite().all()) for p in model.parameters())
+
+
+@needs_kernel
+@pytest.mark.parametrize("dst", list(NARROW_CONFIGS))
+def test_untouched_8bit_state_dict_loads_into_every_configuration(dst):
+    """The checks refuse nothing valid: an 8-bit dict (fresh zero-scale blocks included) loads
+    everywhere and decodes to its saved values."""
+    _, src_opt = _trained("8bit", seed=1)
+    sd = _saved(src_opt)
+    model, opt = _trained(dst, seed=2)
+    opt.load_state_dict(copy.deepcopy(sd))
+    for pid, entry in sd["optimizer"]["state"].items():
+        p = opt.optimizer.param_groups[0]["params"][pid]
+        st = opt.optimizer.state[p]
+        saved = state_formats.decode_moment(entry["exp_avg"], entry["exp_avg_scale"])
+        got = state_formats.decode_moment(st["exp_avg"], st.get("exp_avg_scale"))
+        if dst.startswith("8bit") or dst == "fp32":
+            assert torch.equal(got, saved)
+        else:
+            assert torch.equal(got, saved.to(torch.bfloat16).float())
+
+
+def test_check_saved_scales_accepts_codes_cast_to_float32():
+    """torch.optim's own load casts 8-bit codes to the param dtype: float32 code values with
+    their scales are the codes still (exact), not a stray scale."""
+    codes, scales = state_formats.encode_moment(torch.linspace(-1, 1, 300), F8)
+    state_formats.check_saved_scales({0: {"exp_avg": codes.float(), "exp_avg_scale": scales}})
+    with pytest.raises(ValueError, match="not float8_e4m3fn codes"):
+        state_formats.check_saved_scales(
+            {0: {"exp_avg": codes.float() + 0.01, "exp_avg_scale": scales}})
+    with pytest.raises(ValueError, match="scales without their 8-bit moment"):
+        state_formats.check_saved_scales({0: {"exp_avg_scale": scales}})
+
+
+@pytest.mark.parametrize("cls", ["MixedPrecisionOptimizer", "FP32Optimizer"])
+def test_remainders_without_bf16_params_are_refused(cls):
+    """fp32 params are their own masters: store_param_remainders would do nothing."""
+    model = torch.nn.Linear(4, 3)
+    inner = torch.optim.AdamW(model.parameters(), lr=0.1)
+    refused_construction(
+        lambda: getattr(tpamp, cls)(inner, store_param_remainders=True), inner,
+        list(model.parameters()), ValueError,
+        ["store_param_remainders=True", "no trainable bf16 param", "torch.float32",
+         "store_param_remainders=False"])
+    getattr(tpamp, cls)(inner)  # without it: accepted
+
+
+def test_remainders_with_bf16_and_fp32_params_apply_to_the_bf16_ones():
+    bf, fp = torch.nn.Parameter(torch.ones(3, dtype=torch.bfloat16)), torch.nn.Parameter(torch.ones(3))
+    opt = tpamp.MixedPrecisionOptimizer(torch.optim.AdamW([bf, fp], lr=0.1),
+                                        store_param_remainders=True)
+    assert opt.store_param_remainders
+
+
+@pytest.mark.parametrize("option", ["amsgrad", "capturable", "differentiable"])
+@pytest.mark.parametrize("cfg", ["bf16", "8bit", "8bit+rem"])
+def test_narrow_state_with_an_adam_option_the_one_pass_step_lacks_is_refused(option, cfg):
+    model = _small_model()
+    inner = torch.optim.Adam(model.parameters(), lr=0.1, **{option: True})
+    refused_construction(
+        lambda: tpamp.MixedPrecisionOptimizer(inner, **NARROW_CONFIGS[cfg]), inner,
+        list(model.parameters()), ValueError,
+        [f"{option}=True", "param group 0", f"pass {option}=False to Adam"])
+
+
+_LOW_SCALERS = [
+    (lambda: tpamp.DynamicGradScaler(initial_scale=8.0, min_scale=0.5), "min_scale=0.5"),
+    (lambda: tpamp.ConstantGradScaler(0.25), "scale=0.25"),
+]
+
+
+@pytest.mark.parametrize("make,setting", _LOW_SCALERS, ids=["dynamic", "constant"])
+@pytest.mark.parametrize("cfg", ["bf16", "8bit+rem"])
+def test_check_narrow_state_scaler_names_the_setting(make, setting, cfg):
+    from tpamp._checks import check_narrow_state_scaler
+
+    opts = NARROW_CONFIGS[cfg]
+    args = (opts["exp_avg_dtype"], opts["exp_avg_sq_dtype"],
+            opts.get("store_param_remainders", False))
+    scaler = make()
+    before = freeze(scaler.state_dict())
+    with pytest.raises(ValueError, match="never drops below 1") as info:
+        check_narrow_state_scaler(scaler, *args)
+    assert setting in str(info.value) and type(scaler).__name__ in str(info.value)
+    assert freeze(scaler.state_dict()) == before
+    # accepted: float32 state with that scaler; narrow state without a scaler or with one >= 1
+    check_narrow_state_scaler(scaler, torch.float32, torch.float32, False)
+    check_narrow_state_scaler(None, *args)
+    check_narrow_state_scaler(tpamp.DynamicGradScaler(initial_scale=8.0, min_scale=1.0), *args)
+    check_narrow_state_scaler(tpamp.ConstantGradScaler(1.0), *args)
+
+
+def test_narrow_state_with_a_scaler_below_one_is_refused_at_construction():
+    model = _small_model()
+    inner = torch.optim.AdamW(model.parameters(), lr=0.1)
+    refused_construction(
+        lambda: tpamp.MixedPrecisionOptimizer(
+            inner, grad_scaler=tpamp.DynamicGradScaler(initial_scale=8.0, min_scale=0.5),
+            **NARROW_CONFIGS["8bit"]),
+        inner, list(model.parameters()), ValueError, ["min_scale=0.5", "never drops below 1"])
+
+
+@needs_kernel
+def test_param_grad_norms_work_with_narrow_state():
+    """step(param_grad_norms=True) takes the one-pass path with narrow state (no refusal): the
+    norms equal the grads' own norms, and the params moved."""
+    model, opt = _trained("8bit+rem", steps=1)
+    tracker = opt.track_param_grad_norms(model.named_parameters())
+    gen = torch.Generator().manual_seed(9)
+    grads = {n: (torch.randn(p.shape, generator=gen) * 1e-2).to(p.dtype)
+             for n, p in model.named_parameters()}
+    before = [p.detach().clone() for p in model.parameters()]
+    for n, p in model.named_parameters():
+        p.grad = grads[n].clone()
+    assert opt.step(param_grad_norms=True).update_successful
+    for n, g in grads.items():
+        assert tracker.norms[n] == pytest.approx(float(g.double().norm()), rel=1e-5)
+    assert all(not torch.equal(a, b) for a, b in zip(before, model.parameters()))

@@ -1,30 +1,29 @@
 """Misuse of the shared guards (docs/spec.md section 2.4), single process: the step guard (grads checked before
 the scaler moves, no second step without a backward, late param groups), the all-or-nothing
-load of MixedPrecisionOptimizer and SpikeDetector, a detector bound to one optimizer, the spike
-policy "raise" and the zero count of the two step paths.
+load of MixedPrecisionOptimizer (with its spike detector), a detector bound to one optimizer,
+the spike policy "raise" and the zero count of the two step paths.
 
 Each case names the exception type and the words its message must contain, and checks that the
 refusal changed nothing: the bytes of every param, grad, main param, inner optimizer state,
 scaler state and spike-detector state are the same after it. DistributedOptimizer cases (they
-need a process group) are in tests/test_distributed_optimizer_guards.py."""
+need a process group) are in tests/test_distributed_optimizer_guards.py, SpikeDetector's own
+load_state_dict cases in tests/test_spikes.py; the runner is tests/misuse_utils.py."""
 
 from __future__ import annotations
 
 import copy
 import math
-import os
-import re
-import traceback
 
 import pytest
 import torch
 from dist_utils import freeze, tensor_bytes
+from misuse_utils import Case, assert_every_setup_case_refused_by_tpamp, assert_refused_and_unchanged
 
 import tpamp
 from tpamp import GradSpikeError
 from tpamp._guards import wrapped_by
 
-NAN, INF = math.nan, math.inf
+NAN = math.nan
 
 
 # ---- a byte-exact picture of everything a refusal must leave alone ---------------------------
@@ -67,28 +66,6 @@ def _stepped(**kw):
     opt.step()
     opt.zero_grad()
     return opt, params, copy.deepcopy(opt.state_dict())
-
-
-def _spike_state(**edits):
-    d = tpamp.SpikeDetector("skip", window=4, warmup=2)
-    sd = {"windows": {"grad_norm": [1.0, 2.0], "loss": [3.0]}, "steps_seen": 3, "spikes": 1,
-          "spike_skips": 1, "settings": d.state_dict()["settings"]}
-    for k, v in edits.items():
-        if v is _DROP:
-            del sd[k]
-        else:
-            sd[k] = v
-    return sd
-
-
-_DROP = object()
-
-
-class Case:
-    """One misuse: ``setup()`` -> (objects to watch, the bad call)."""
-
-    def __init__(self, cid, setup, exc, words):
-        self.id, self.setup, self.exc, self.words = cid, setup, exc, words
 
 
 def _watch(opt=None, params=(), detector=None):
@@ -214,22 +191,6 @@ def _nan_exp_avg(sd):
 # -- spike detectors ------------------------------------------------------------------------------
 
 
-def _detector_load(**edits):
-    def setup():
-        det = tpamp.SpikeDetector("skip", window=4, warmup=2)
-        det.load_state_dict(_spike_state())  # something to lose
-        bad = _spike_state(**edits)
-        return _watch(detector=det), lambda: det.load_state_dict(bad)
-    return setup
-
-
-def _detector_load_value(value):
-    def setup():
-        det = tpamp.SpikeDetector("skip", window=4, warmup=2)
-        return _watch(detector=det), lambda: det.load_state_dict(value)
-    return setup
-
-
 def _shared_detector(cls_name):
     def setup():
         det = tpamp.SpikeDetector("skip")
@@ -311,28 +272,6 @@ CASES = [
     Case("load-spike-negative-count", _with_spikes(_set_in(["spike_detector", "spikes"], -1)), ValueError, ["spike_detector", "spikes", "-1"]),
     Case("load-spike-not-dict", _with_spikes(_set_in(["spike_detector"], [1.0])), TypeError, ["spike_detector", "list"]),
     Case("load-spike-ok-inner-bad", _with_spikes(_nan_exp_avg), ValueError, ["exp_avg", "nan"]),
-    # SpikeDetector.load_state_dict: validated, all or nothing
-    Case("det-load-None", _detector_load_value(None), TypeError, ["dict", "None"]),
-    Case("det-load-list", _detector_load_value([1, 2]), TypeError, ["dict", "list"]),
-    Case("det-window-nan", _detector_load(windows={"grad_norm": [1.0, NAN]}), ValueError, ["windows", "grad_norm", "nan"]),
-    Case("det-window-inf", _detector_load(windows={"loss": [INF]}), ValueError, ["windows", "loss", "inf"]),
-    Case("det-window-str-value", _detector_load(windows={"loss": [1.0, "2"]}), TypeError, ["windows", "loss", "'2'"]),
-    Case("det-window-bool-value", _detector_load(windows={"loss": [True]}), TypeError, ["windows", "True"]),
-    Case("det-window-str", _detector_load(windows={"loss": "1.0"}), TypeError, ["windows", "loss", "str"]),
-    Case("det-window-tensor", _detector_load(windows={"loss": torch.ones(2)}), TypeError, ["windows", "loss", "Tensor"]),
-    Case("det-windows-list", _detector_load(windows=[[1.0]]), TypeError, ["windows", "list"]),
-    Case("det-window-unknown-series", _detector_load(windows={"lr": [1.0]}), ValueError, ["series", "'lr'"]),
-    Case("det-window-too-long", _detector_load(windows={"loss": [1.0] * 5}), ValueError, ["5", "window"]),
-    Case("det-steps-negative", _detector_load(steps_seen=-3), ValueError, ["steps_seen", "-3"]),
-    Case("det-steps-float", _detector_load(steps_seen=2.5), TypeError, ["steps_seen", "2.5"]),
-    Case("det-steps-str", _detector_load(steps_seen="3"), TypeError, ["steps_seen", "'3'"]),
-    Case("det-skips-bool", _detector_load(spike_skips=True), TypeError, ["spike_skips", "True"]),
-    Case("det-spikes-above-steps", _detector_load(spikes=9), ValueError, ["spikes", "steps_seen", "9"]),
-    Case("det-skips-above-spikes", _detector_load(spike_skips=2), ValueError, ["spike_skips", "spikes", "2"]),
-    Case("det-missing-windows", _detector_load(windows=_DROP), KeyError, ["windows"]),
-    Case("det-missing-spikes", _detector_load(spikes=_DROP), KeyError, ["spikes"]),
-    Case("det-settings-differ", _detector_load(settings={**_spike_state()["settings"], "window": 8}), ValueError, ["settings", "differ"]),
-    Case("det-settings-str", _detector_load(settings="window=4"), TypeError, ["settings"]),
     # one detector, one optimizer
     Case("det-shared-two-mpo", _shared_detector("MixedPrecisionOptimizer"), ValueError, ["SpikeDetector", "MixedPrecisionOptimizer"]),
     Case("det-shared-mpo-fp32", _shared_detector("FP32Optimizer"), ValueError, ["SpikeDetector", "MixedPrecisionOptimizer"]),
@@ -341,43 +280,19 @@ CASES = [
 ]
 
 
-def _words(words):
-    return "(?s)" + "".join(rf"(?=.*(?<![\w]){re.escape(w)}(?![\w]))" for w in words)
-
-
 def test_every_case_is_refused_by_tpamp_itself():
     """The innermost frame of each case's exception is in the tpamp package: tpamp refuses the
     input itself, rather than the case's own setup or torch further down. Ids are distinct
     across this file and tests/test_distributed_optimizer_guards.py."""
     import test_distributed_optimizer_guards as dist_cases
 
-    ids = [c.id for c in CASES] + [c[0] for c in dist_cases.DO_CASES + dist_cases.SETTINGS_CASES]
-    assert len(ids) == len(set(ids)), sorted(i for i in ids if ids.count(i) > 1)
-    package = os.path.dirname(os.path.abspath(tpamp.__file__)) + os.sep
-    elsewhere = {}
-    for case in CASES:
-        _, call = case.setup()
-        try:
-            call()
-        except case.exc as e:
-            frame = traceback.extract_tb(e.__traceback__)[-1]
-            if not os.path.abspath(frame.filename).startswith(package):
-                elsewhere[case.id] = f"{frame.filename}:{frame.lineno}"
-        else:
-            elsewhere[case.id] = "nothing raised"
-    assert not elsewhere, elsewhere
+    other = [c[0] for c in dist_cases.DO_CASES + dist_cases.SETTINGS_CASES]
+    assert_every_setup_case_refused_by_tpamp(CASES, other)
 
 
 @pytest.mark.parametrize("case", CASES, ids=[c.id for c in CASES])
 def test_misuse_is_refused_and_changes_nothing(case):
-    picture, call = case.setup()
-    before = picture()
-    with pytest.raises(case.exc) as info:
-        call()
-    assert type(info.value) is case.exc, type(info.value)
-    msg = info.value.args[0] if isinstance(info.value, KeyError) and info.value.args else str(info.value)
-    assert re.search(_words(case.words), str(msg)), f"{case.id}: {case.words} not all in: {msg}"
-    assert picture() == before, f"{case.id}: the refusal changed state"
+    assert_refused_and_unchanged(case)
 
 
 # ---- behaviour that is not a refusal ---------------------------------------------------------
@@ -534,59 +449,3 @@ def test_both_step_paths_count_zeros_on_the_raw_grads(dtype):
         p.main_grad = raw.clone()
         counts.append(opt.step().num_zeros_in_grad)
     assert counts == [expected, expected]
-
-
-# ---- module structure: shared helpers have a named home ---------------------------------------
-
-
-def _tpamp_imports(path, *, lazy: bool):
-    """(module, names) of every ``from tpamp... import`` in a file (lazy: also inside functions)."""
-    import ast
-
-    tree = ast.parse(open(path).read())
-    nodes = ast.walk(tree) if lazy else tree.body
-    out = []
-    for node in nodes:
-        if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("tpamp"):
-            names = [a.name for a in node.names]
-            if node.module == "tpamp":  # from tpamp import ops, _validation: modules
-                out.extend((f"tpamp.{n}", []) for n in names)
-            else:
-                out.append((node.module, names))
-    return out
-
-
-def _tpamp_files():
-    import pathlib
-
-    return sorted((pathlib.Path(tpamp.__file__).parent).glob("*.py"))
-
-
-def test_no_module_imports_another_modules_private_names():
-    """Private (_underscore) functions, classes and constants stay in their module; shared ones
-    live under public names (tpamp.common, tpamp._checks, tpamp._guards, tpamp._load). The
-    package-internal modules themselves (tpamp._validation, tpamp._ext) may be imported."""
-    bad = [(f.name, mod, n) for f in _tpamp_files() for mod, names in _tpamp_imports(f, lazy=True)
-           for n in names if n.startswith("_")]
-    assert bad == []
-
-
-def test_no_import_cycle_between_tpamp_modules():
-    """Module-level and lazy imports alike: grad_stats -> _validation -> common, never back."""
-    graph = {f"tpamp.{f.stem}": {m for m, _ in _tpamp_imports(f, lazy=True)} for f in _tpamp_files()}
-    graph = {k: {m for m in v if m in graph and m != k} for k, v in graph.items()}
-    assert "tpamp.grad_stats" not in graph["tpamp._validation"]
-    assert "tpamp._validation" not in graph["tpamp.common"] and graph["tpamp.common"] == set()
-    assert graph["tpamp._checks"] == set()  # the argument checks are a leaf
-    assert graph["tpamp._load"] == {"tpamp._checks", "tpamp._guards", "tpamp.common",
-                                    "tpamp.state_formats"}  # the formats: a leaf over common
-    for a in ("tpamp.grad_stats", "tpamp._validation", "tpamp._checks", "tpamp._guards",
-              "tpamp._load", "tpamp.common", "tpamp.optimizer", "tpamp.distributed_optimizer",
-              "tpamp.param_norms", "tpamp.spikes", "tpamp.grad_scaler", "tpamp.amp_init"):
-        seen, todo = set(), list(graph[a])
-        while todo:  # everything a reaches must not reach a again
-            m = todo.pop()
-            if m not in seen:
-                seen.add(m)
-                todo.extend(graph[m])
-        assert a not in seen, f"{a} imports itself through {sorted(seen)}"
