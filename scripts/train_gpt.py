@@ -104,6 +104,9 @@ NUMERICS_FLAGS = (
 )
 
 
+# --pipeline-schedule: PyTorch's schedule names (torch.distributed.pipelining.schedules)
+PIPELINE_SCHEDULES = ("1F1B", "GPipe")
+
 # --exp-avg-dtype / --exp-avg-sq-dtype (torch dtypes in build_optimizer)
 STATE_DTYPE_CHOICES = ("bf16", "fp32", "fp8")
 PROG = "train_gpt.py"
@@ -158,6 +161,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     # parallel layout
     a("--tensor-model-parallel-size", type=int, default=2)
     a("--pipeline-model-parallel-size", type=int, default=2)
+    a("--pipeline-schedule", choices=PIPELINE_SCHEDULES, default="1F1B",
+      help="torch.distributed.pipelining's schedule, by PyTorch's name (default 1F1B)")
     # model
     a("--num-layers", type=int, default=4)
     a("--hidden-size", type=int, default=256)
@@ -494,74 +499,89 @@ class ByteData:
         return chunk[:, :-1], chunk[:, 1:]
 
 
-def microbatches(data: ByteData, split: str, gen, st, micro_batch_size, num_microbatches, device):
-    """This DP rank's slice of one global batch, as a list of (x, y) int64 [mb, T] pairs.
+def dp_batch(data: ByteData, split: str, gen, st, micro_batch_size, num_microbatches, device):
+    """This DP rank's slice of one global batch: (x, y) int64 [M * mb, T], which the pipeline
+    schedule splits into M microbatches of ``micro_batch_size`` rows along dim 0.
 
     Every rank draws the whole global batch from ``gen`` (so the generators stay in step) and
     keeps rows [dp_rank * per_dp, (dp_rank + 1) * per_dp)."""
     per_dp = micro_batch_size * num_microbatches
     x, y = data.batch(split, per_dp * st.dims.dp, gen)
-    x, y = x[st.dp_rank * per_dp:][:per_dp].to(device), y[st.dp_rank * per_dp:][:per_dp].to(device)
-    return list(zip(x.split(micro_batch_size), y.split(micro_batch_size)))
+    return x[st.dp_rank * per_dp:][:per_dp].to(device), y[st.dp_rank * per_dp:][:per_dp].to(device)
 
 
 # ----------------------------------------------------------------------------- pipeline
 
+def lm_loss_fn(st, fp16_lm_cross_entropy: bool):
+    """The last stage's loss of one microbatch: ``tpamp.vocab_parallel_cross_entropy`` of its
+    [mb, T, V/tp] logits and [mb, T] targets over the TP group (in the logits' dtype with
+    ``fp16_lm_cross_entropy``, else fp32), then the fp32 mean over tokens, as Megatron-LM."""
 
-def forward_backward(stage, batches, st, act_shape, dtype, optimizer=None, *,
-                     fp16_lm_cross_entropy=False, overlap_grad_reduce=False):
-    """One GPipe pass over ``batches`` (list of (x, y) [mb, T]): all forwards, then all
-    backwards (only when ``optimizer`` is given: it scales the loss).
+    def loss_fn(logits, targets):
+        return tpamp.vocab_parallel_cross_entropy(
+            logits, targets, st.tp_group, fp16_lm_cross_entropy=fp16_lm_cross_entropy
+        ).float().mean()
 
-    Stage boundaries carry activations and their grads, [mb, T, H] in ``dtype`` (the model
-    dtype, or fp32 with --fp32-residual-connection), between this rank and the same-(TP, DP)
-    ranks of the neighbouring stages (``st.pp_ranks``). The last stage's loss is
-    ``tpamp.vocab_parallel_cross_entropy`` of its [mb, T, V/tp] logits over the TP group (in
-    the logits' dtype with ``fp16_lm_cross_entropy``, else fp32), averaged in fp32. Returns the
-    per-microbatch losses (fp32 0-dim, detached) on the last stage, [] elsewhere.
-    With ``overlap_grad_reduce`` (a DistributedOptimizer built with it) all but the last
-    microbatch's backward run under ``optimizer.no_sync()``: the grad buckets' reduce-scatters
-    start during the last backward.
-    """
-    train = optimizer is not None
-    prev_rank = None if st.is_first_stage else st.pp_ranks[st.pp_rank - 1]
-    next_rank = None if st.is_last_stage else st.pp_ranks[st.pp_rank + 1]
-    device = batches[0][0].device
-    saved, losses = [], []
-    for x, y in batches:
-        if st.is_first_stage:
-            inp = x
-        else:
-            inp = torch.empty(act_shape, dtype=dtype, device=device)
-            dist.recv(inp, src=prev_rank)
-            inp.requires_grad_(train)
-        with torch.set_grad_enabled(train):
-            out = stage(inp)
-            if st.is_last_stage:
-                # vocab-parallel cross-entropy (fp32 on the half logits unless
-                # --fp16-lm-cross-entropy), then the fp32 mean over tokens, as Megatron-LM
-                loss = tpamp.vocab_parallel_cross_entropy(
-                    out, y, st.tp_group, fp16_lm_cross_entropy=fp16_lm_cross_entropy
-                ).float().mean()
-                losses.append(loss.detach())
-                out = loss / len(batches)  # the mean over microbatches is what we minimise
-        if not st.is_last_stage:
-            dist.send(out.detach().contiguous(), dst=next_rank)
-        if train:
-            saved.append((inp, out))
-    for i, (inp, out) in enumerate(saved):
-        last = i == len(saved) - 1
-        sync = optimizer.no_sync() if overlap_grad_reduce and not last else contextlib.nullcontext()
-        with sync:
-            if st.is_last_stage:
-                optimizer.scale_loss(out).backward()
-            else:
-                grad = torch.empty(act_shape, dtype=dtype, device=device)
-                dist.recv(grad, src=next_rank)
-                torch.autograd.backward(out, grad)
-        if not st.is_first_stage:
-            dist.send(inp.grad.contiguous(), dst=prev_rank)
-    return losses
+    return loss_fn
+
+
+def build_pipeline(run: "Run"):
+    """This rank's ``torch.distributed.pipelining`` stage and the --pipeline-schedule over it.
+
+    The stage (:class:`tpamp.pipelining.NoSyncPipelineStage`, index ``pp_rank`` of ``pp`` on
+    ``st.pp_group``) has static metadata, so no forward runs on uninitialised tensors: inputs
+    are token ids [mb, T] int64 on the first stage, else activations [mb, T, H] in the residual
+    stream's dtype (the model dtype, fp32 with --fp32-residual-connection) with
+    requires_grad; outputs are those activations, or on the last stage the logits [mb, T,
+    V/tp] in the model dtype. The schedule has ``scale_grads=False``: its ``loss_fn``
+    (:class:`tpamp.pipelining.PipelineLoss`) divides by the number of microbatches and applies
+    the loss scale before backward. With --overlap-grad-reduce every backward but the last of
+    a step runs under the distributed optimizer's ``no_sync()``."""
+    from torch.distributed.pipelining.schedules import get_schedule_class
+
+    from tpamp.pipelining import NoSyncPipelineStage, PipelineLoss
+
+    args, st, device = run.args, run.st, run.device
+    mb, seq, hidden = args.micro_batch_size, args.seq_length, args.hidden_size
+    act_dtype = torch.float32 if args.fp32_residual_connection else run.dtype
+    if st.is_first_stage:
+        example_in = torch.zeros(mb, seq, dtype=torch.long, device=device)
+    else:
+        example_in = torch.empty(mb, seq, hidden, dtype=act_dtype, device=device,
+                                 requires_grad=True)
+    if st.is_last_stage:
+        out_shape, out_dtype = (mb, seq, VOCAB_SIZE // st.dims.tp), run.dtype
+    else:
+        out_shape, out_dtype = (mb, seq, hidden), act_dtype
+    example_out = torch.empty(out_shape, dtype=out_dtype, device=device, requires_grad=True)
+    no_sync = run.optimizer.no_sync if args.overlap_grad_reduce else None
+    stage = NoSyncPipelineStage(
+        run.stage, st.pp_rank, st.dims.pp, device, input_args=(example_in,),
+        output_args=(example_out,), group=st.pp_group, no_sync=no_sync,
+    )
+    loss = PipelineLoss(lm_loss_fn(st, args.fp16_lm_cross_entropy), run.num_microbatches,
+                        run.optimizer)
+    schedule = get_schedule_class(args.pipeline_schedule)(
+        stage, n_microbatches=run.num_microbatches, loss_fn=loss, scale_grads=False,
+    )
+    return schedule, loss
+
+
+def run_pipeline(run: "Run", x, y, train: bool) -> list:
+    """One pass of the schedule over this DP rank's batch ``x``, ``y`` ([M * mb, T]): forward
+    and backward (``train``) or forward only. Returns the last stage's per-microbatch losses
+    (fp32 0-dim, detached, unscaled), [] elsewhere."""
+    st, schedule = run.st, run.schedule
+    inputs = (x,) if st.is_first_stage else ()
+    losses = [] if st.is_last_stage else None
+    target = y if st.is_last_stage else None
+    scale = run.optimizer.get_loss_scale().clone()  # the step may change it afterwards
+    if train:
+        schedule.step(*inputs, target=target, losses=losses, return_outputs=False)
+    else:
+        with torch.no_grad():
+            schedule.eval(*inputs, target=target, losses=losses, return_outputs=False)
+    return run.loss.unscale(losses, scale) if st.is_last_stage else []
 
 
 def mean_over_dp(losses, st) -> float:
@@ -769,9 +789,9 @@ class Run:
     optimizer: object  # tpamp's wrapper around AdamW
     scheduler: torch.optim.lr_scheduler.LambdaLR
     tracker: object  # per-parameter grad norms (--log-param-grad-norms), or None
-    act_shape: tuple  # what crosses a pipeline stage boundary: [mb, T, H] ...
-    act_dtype: torch.dtype  # ... in the residual stream's dtype
     is_logging_rank: bool
+    schedule: object = None  # the torch.distributed.pipelining schedule (build_pipeline)
+    loss: object = None  # its loss_fn, a tpamp.pipelining.PipelineLoss
     logger: tpamp.TrainingLogger = None
     bar: object = None  # tqdm bar on the logging rank, or None
     stream: object = None  # where log lines go (above the bar), or None: stdout
@@ -808,7 +828,8 @@ def model_config(args) -> GPTConfig:
 
 
 def build(args, st, device) -> Run:
-    """Data, model stage, optimizer, LR schedule and per-parameter norm tracker of this rank."""
+    """Data, model stage, optimizer, LR schedule, per-parameter norm tracker and pipeline
+    schedule of this rank."""
     dtype = torch.bfloat16 if args.bf16 else torch.float32 if args.fp32 else torch.float16
     num_microbatches, global_batch = batch_layout(args, st.dims.dp)
     cfg = model_config(args)
@@ -827,14 +848,14 @@ def build(args, st, device) -> Run:
             tracker = tpamp.fsdp.track_param_grad_norms(optimizer, stage.global_named_parameters())
         else:
             tracker = optimizer.track_param_grad_norms(stage.global_named_parameters())
-    return Run(
+    run = Run(
         args=args, st=st, device=device, dtype=dtype, cfg=cfg, data=data,
         num_microbatches=num_microbatches, global_batch=global_batch, stage=stage,
         optimizer=optimizer, scheduler=scheduler, tracker=tracker,
-        act_shape=(args.micro_batch_size, args.seq_length, args.hidden_size),
-        act_dtype=torch.float32 if args.fp32_residual_connection else dtype,
         is_logging_rank=st.is_last_stage and st.tp_rank == 0 and st.dp_rank == 0,
     )
+    run.schedule, run.loss = build_pipeline(run)
+    return run
 
 
 def describe(run: Run) -> str:
@@ -901,12 +922,9 @@ def evaluate(run: Run) -> float:
     gen = torch.Generator().manual_seed(args.seed + 1)  # the same batches every time
     losses = []
     for _ in range(args.eval_iters):
-        mbs = microbatches(run.data, "valid", gen, st, args.micro_batch_size,
-                           run.num_microbatches, run.device)
-        losses += forward_backward(
-            run.stage, mbs, st, run.act_shape, run.act_dtype,
-            fp16_lm_cross_entropy=args.fp16_lm_cross_entropy,
-        )
+        x, y = dp_batch(run.data, "valid", gen, st, args.micro_batch_size,
+                        run.num_microbatches, run.device)
+        losses += run_pipeline(run, x, y, train=False)
     if args.use_torch_fsdp2:  # FSDP2's root keeps its params unsharded after a forward
         run.stage.reshard()       # with no backward: back to the sharded fp32 masters
     return mean_over_dp(losses, st) if st.is_last_stage else float("nan")
@@ -917,14 +935,10 @@ def train_step(run: Run, tracer, log_now: bool):
     the grad reductions, the optimizer step and the LR schedule. Returns (the DP-mean loss on
     the last stage, else None; the StepResult)."""
     args, st, optimizer = run.args, run.st, run.optimizer
-    mbs = microbatches(run.data, "train", run.train_gen, st, args.micro_batch_size,
-                       run.num_microbatches, run.device)
+    x, y = dp_batch(run.data, "train", run.train_gen, st, args.micro_batch_size,
+                    run.num_microbatches, run.device)
     with tracer if tracer is not None else contextlib.nullcontext():
-        losses = forward_backward(
-            run.stage, mbs, st, run.act_shape, run.act_dtype, optimizer,
-            fp16_lm_cross_entropy=args.fp16_lm_cross_entropy,
-            overlap_grad_reduce=args.overlap_grad_reduce,
-        )
+        losses = run_pipeline(run, x, y, train=True)
     # DistributedOptimizer.step and FSDP2's backward reduce-scatter the grads themselves
     if not (args.use_distributed_optimizer or args.use_torch_fsdp2):
         all_reduce_data_parallel_grads(run.stage, st)
