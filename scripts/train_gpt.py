@@ -104,8 +104,12 @@ NUMERICS_FLAGS = (
 )
 
 
-# --pipeline-schedule: PyTorch's schedule names (torch.distributed.pipelining.schedules)
-PIPELINE_SCHEDULES = ("1F1B", "GPipe")
+# --pipeline-schedule: PyTorch's schedule names (torch.distributed.pipelining.schedules);
+# those that run several model chunks per rank (Megatron's virtual pipeline stages, placed in a
+# loop: rank r holds stages r, r + pp, ...) need --num-layers-per-virtual-pipeline-stage
+SINGLE_STAGE_SCHEDULES = ("1F1B", "GPipe")
+MULTI_STAGE_SCHEDULES = ("Interleaved1F1B", "LoopedBFS")
+PIPELINE_SCHEDULES = SINGLE_STAGE_SCHEDULES + MULTI_STAGE_SCHEDULES
 
 # --exp-avg-dtype / --exp-avg-sq-dtype (torch dtypes in build_optimizer)
 STATE_DTYPE_CHOICES = ("bf16", "fp32", "fp8")
@@ -162,7 +166,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     a("--tensor-model-parallel-size", type=int, default=2)
     a("--pipeline-model-parallel-size", type=int, default=2)
     a("--pipeline-schedule", choices=PIPELINE_SCHEDULES, default="1F1B",
-      help="torch.distributed.pipelining's schedule, by PyTorch's name (default 1F1B)")
+      help="torch.distributed.pipelining's schedule, by PyTorch's name (default 1F1B); "
+           "Interleaved1F1B and LoopedBFS need --num-layers-per-virtual-pipeline-stage")
+    a("--num-layers-per-virtual-pipeline-stage", type=int, default=None,
+      help="layers per model chunk for the interleaved schedules: each rank holds "
+           "num-layers / (pipeline size x this) chunks")
     # model
     a("--num-layers", type=int, default=4)
     a("--hidden-size", type=int, default=256)
@@ -317,6 +325,22 @@ def validate_args(args) -> None:
         _check(args, "pipeline_model_parallel_size", pp == 1,
                "--use-torch-fsdp2 needs --pipeline-model-parallel-size 1 "
                "(torch.distributed.pipelining hangs on gloo)")
+    virtual = args.num_layers_per_virtual_pipeline_stage
+    if args.pipeline_schedule in MULTI_STAGE_SCHEDULES:
+        _check(args, "num_layers_per_virtual_pipeline_stage", virtual is not None,
+               f"--pipeline-schedule {args.pipeline_schedule} runs several model chunks per "
+               "rank: expected --num-layers-per-virtual-pipeline-stage N")
+        _check(args, "pipeline_model_parallel_size", pp >= 2,
+               f"--pipeline-schedule {args.pipeline_schedule} needs a pipeline size >= 2 (the "
+               "word embedding and its tied head copy on different ranks)")
+        _check(args, "num_layers_per_virtual_pipeline_stage",
+               virtual >= 1 and args.num_layers % (pp * virtual) == 0,
+               f"expected a divisor of --num-layers {args.num_layers} / "
+               f"--pipeline-model-parallel-size {pp}")
+    else:
+        _check(args, "num_layers_per_virtual_pipeline_stage", virtual is None,
+               f"--pipeline-schedule {args.pipeline_schedule} runs one model chunk per rank: "
+               f"expected {', '.join(MULTI_STAGE_SCHEDULES)} with it, or no such flag")
     _check(args, "overlap_grad_reduce",
            not args.overlap_grad_reduce or args.use_distributed_optimizer,
            "--overlap-grad-reduce needs --use-distributed-optimizer (the grads are "
@@ -343,6 +367,14 @@ def validate_args(args) -> None:
                and args.global_batch_size % per_step == 0,
                f"expected a positive multiple of micro-batch-size * DP = "
                f"{args.micro_batch_size} * {dp} (and no --num-microbatches)")
+    if args.pipeline_schedule == "Interleaved1F1B":  # PyTorch: whole rounds of microbatches
+        m = (args.global_batch_size // (args.micro_batch_size * dp)
+             if args.global_batch_size is not None else args.num_microbatches or 4)
+        rounds = max(1, m // pp)
+        _check(args, "pipeline_schedule", m % rounds == 0,
+               f"Interleaved1F1B runs the {m} microbatches per DP rank in rounds of up to the "
+               f"pipeline size {pp}: expected a number of microbatches that max(1, M // {pp}) "
+               "divides")
     # training
     _check(args, "train_iters", args.train_iters >= 1, "expected an int >= 1")
     _check(args, "lr", math.isfinite(args.lr) and args.lr > 0, "expected a finite lr > 0")
@@ -455,7 +487,7 @@ if __name__ == "__main__":  # a bad flag exits here, before the imports below
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
-from gpt_model import GPTConfig, GPTStage, count_params, parallelize_stage  # noqa: E402
+from gpt_model import GPTChunks, GPTConfig, GPTStage, count_params, parallelize_stage  # noqa: E402
 
 import tpamp  # noqa: E402
 from tpamp.grad_stats import local_tensor  # noqa: E402
@@ -536,7 +568,9 @@ def build_pipeline(run: "Run"):
     V/tp] in the model dtype. The schedule has ``scale_grads=False``: its ``loss_fn``
     (:class:`tpamp.pipelining.PipelineLoss`) divides by the number of microbatches and applies
     the loss scale before backward. With --overlap-grad-reduce every backward but the last of
-    a step runs under the distributed optimizer's ``no_sync()``."""
+    a step runs under the distributed optimizer's ``no_sync()``. Under an interleaved schedule
+    (Interleaved1F1B, LoopedBFS) each of the rank's model chunks is a stage of its own, global
+    index ``chunk * pp + pp_rank``."""
     from torch.distributed.pipelining.schedules import get_schedule_class
 
     from tpamp.pipelining import NoSyncPipelineStage, PipelineLoss
@@ -544,25 +578,30 @@ def build_pipeline(run: "Run"):
     args, st, device = run.args, run.st, run.device
     mb, seq, hidden = args.micro_batch_size, args.seq_length, args.hidden_size
     act_dtype = torch.float32 if args.fp32_residual_connection else run.dtype
-    if st.is_first_stage:
-        example_in = torch.zeros(mb, seq, dtype=torch.long, device=device)
-    else:
-        example_in = torch.empty(mb, seq, hidden, dtype=act_dtype, device=device,
-                                 requires_grad=True)
-    if st.is_last_stage:
-        out_shape, out_dtype = (mb, seq, VOCAB_SIZE // st.dims.tp), run.dtype
-    else:
-        out_shape, out_dtype = (mb, seq, hidden), act_dtype
-    example_out = torch.empty(out_shape, dtype=out_dtype, device=device, requires_grad=True)
     no_sync = run.optimizer.no_sync if args.overlap_grad_reduce else None
-    stage = NoSyncPipelineStage(
-        run.stage, st.pp_rank, st.dims.pp, device, input_args=(example_in,),
-        output_args=(example_out,), group=st.pp_group, no_sync=no_sync,
-    )
+    chunks = run.stage.chunks if isinstance(run.stage, GPTChunks) else [run.stage]
+    num_stages = st.dims.pp * len(chunks)
+    stages = []
+    for c, chunk in enumerate(chunks):  # global stage c * pp + pp_rank (a loop over the ranks)
+        if chunk.is_first:
+            example_in = torch.zeros(mb, seq, dtype=torch.long, device=device)
+        else:
+            example_in = torch.empty(mb, seq, hidden, dtype=act_dtype, device=device,
+                                     requires_grad=True)
+        if chunk.is_last:
+            out_shape, out_dtype = (mb, seq, VOCAB_SIZE // st.dims.tp), run.dtype
+        else:
+            out_shape, out_dtype = (mb, seq, hidden), act_dtype
+        example_out = torch.empty(out_shape, dtype=out_dtype, device=device, requires_grad=True)
+        stages.append(NoSyncPipelineStage(
+            chunk, c * st.dims.pp + st.pp_rank, num_stages, device, input_args=(example_in,),
+            output_args=(example_out,), group=st.pp_group, no_sync=no_sync,
+        ))
     loss = PipelineLoss(lm_loss_fn(st, args.fp16_lm_cross_entropy), run.num_microbatches,
                         run.optimizer)
     schedule = get_schedule_class(args.pipeline_schedule)(
-        stage, n_microbatches=run.num_microbatches, loss_fn=loss, scale_grads=False,
+        stages if args.pipeline_schedule in MULTI_STAGE_SCHEDULES else stages[0],
+        n_microbatches=run.num_microbatches, loss_fn=loss, scale_grads=False,
     )
     return schedule, loss
 
@@ -653,12 +692,23 @@ def setup_distributed(args):
     return st, device
 
 
-def build_stage(cfg: GPTConfig, st, dtype, device, seed: int, fsdp2: bool = False) -> GPTStage:
-    """This rank's stage: seeded fp32 init, tied head copied from the first stage, cast to
+def virtual_stages(args) -> int:
+    """Model chunks per rank: num_layers / (pp x --num-layers-per-virtual-pipeline-stage), or 1."""
+    per = args.num_layers_per_virtual_pipeline_stage
+    return 1 if per is None else args.num_layers // (args.pipeline_model_parallel_size * per)
+
+
+def build_stage(cfg: GPTConfig, st, dtype, device, seed: int, fsdp2: bool = False,
+                virtual: int = 1):
+    """This rank's stage (a GPTStage, or with ``virtual`` > 1 the GPTChunks of an interleaved
+    schedule): seeded fp32 init, tied head copied from the first stage, cast to
     ``dtype`` (fp32 islands, e.g. --fp32-final-layernorm, stay fp32), then TP-sharded with
     parallelize_module (vocab-parallel embedding and head copy). Cast before sharding: the
     grad hooks that parallelize_stage puts on the DTensor params do not survive a later cast."""
-    stage = GPTStage(cfg, st.dims.pp, st.pp_rank)
+    if virtual > 1:
+        stage = GPTChunks(cfg, st.dims.pp, st.pp_rank, virtual)
+    else:
+        stage = GPTStage(cfg, st.dims.pp, st.pp_rank)
     stage.init_weights(seed)
     stage.to(device)
     weight = stage.word_embedding_weight() if st.embedding_group is not None else None
@@ -751,9 +801,12 @@ def module_tracer(stage, st):
     """A tpamp.NonFiniteTracer on this rank's stage, modules named with the global layer index
     (``blocks.5.mlp.fc1``), the stage itself ``stage<pp>``."""
 
-    def name(qualified: str) -> str:
+    def name(qualified: str, stage=stage) -> str:
         if not qualified:
             return f"stage{st.pp_rank}"
+        if isinstance(stage, GPTChunks) and qualified.startswith("chunks."):
+            _, c, *rest = qualified.split(".", 2)  # a chunk's modules by their global names
+            return name(rest[0], stage.chunks[int(c)]) if rest else f"stage{stage.stage_indices[int(c)]}"
         if qualified.startswith("blocks."):
             _, local, *rest = qualified.split(".", 2)
             return ".".join([f"blocks.{stage.layer_ids[int(local)]}", *rest])
@@ -836,7 +889,8 @@ def build(args, st, device) -> Run:
     text = open(args.data, "rb").read() if args.data else default_text()[: args.data_max_bytes]
     data = ByteData(text, args.seq_length, args.valid_fraction)
     torch.manual_seed(args.seed)
-    stage = build_stage(cfg, st, dtype, device, args.seed, fsdp2=args.use_torch_fsdp2)
+    stage = build_stage(cfg, st, dtype, device, args.seed, fsdp2=args.use_torch_fsdp2,
+                        virtual=virtual_stages(args))
     optimizer = build_optimizer(stage, args, st, dtype)
     # Megatron-LM: the schedule advances only on successful steps (scheduler.step() in the loop)
     scheduler = torch.optim.lr_scheduler.LambdaLR(
