@@ -323,8 +323,8 @@ def validate_args(args) -> None:
         _check(args, "use_distributed_optimizer", not args.use_distributed_optimizer,
                "--use-torch-fsdp2 and --use-distributed-optimizer exclude each other")
         _check(args, "pipeline_model_parallel_size", pp == 1,
-               "--use-torch-fsdp2 needs --pipeline-model-parallel-size 1 "
-               "(torch.distributed.pipelining hangs on gloo)")
+               "--use-torch-fsdp2 needs --pipeline-model-parallel-size 1 (this script does "
+               "not combine FSDP2 with a pipeline yet)")
     virtual = args.num_layers_per_virtual_pipeline_stage
     if args.pipeline_schedule in MULTI_STAGE_SCHEDULES:
         _check(args, "num_layers_per_virtual_pipeline_stage", virtual is not None,
