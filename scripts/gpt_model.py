@@ -16,8 +16,8 @@ Megatron-LM's fp16 numerics, with tpamp's helpers (``tpamp.functional``):
 - ``cfg.fp32_residual_connection`` (``--fp32-residual-connection``): the embedding output is
   cast to fp32 and every block adds its sublayer outputs to the residual stream with
   :func:`tpamp.residual_add` in fp32; the sublayers still run in the model dtype (their input is
-  cast down before the LayerNorm). Stage activations are then fp32 (the pipeline's send/recv
-  buffers too).
+  cast down before the LayerNorm). Stage activations are then fp32 (what the pipeline sends
+  between stages too).
 - ``cfg.attention_softmax_in_fp32`` (``--attention-softmax-in-fp32``): attention is computed
   explicitly, ``softmax(scale * q k^T)`` with :func:`tpamp.scale_mask_softmax` (causal), which
   upcasts fp16/bf16 scores to fp32 for the softmax when the flag is on and otherwise runs it in

@@ -28,8 +28,16 @@ What happens:
   ``--fp32-final-layernorm`` (not a Megatron flag) keeps the final LayerNorm an fp32 island
   (``tpamp.set_fp32_attr_to_module``). Stage activations are [mb, T, H] in the model dtype, or
   fp32 with ``--fp32-residual-connection``.
-- Pipeline: GPipe with plain ``torch.distributed`` send/recv between the ranks of
-  ``pp_ranks``: all microbatches forward, then all backward. Activations are [mb, T, H].
+- Pipeline: ``torch.distributed.pipelining``. Each rank's stage is a ``PipelineStage``
+  (tpamp.pipelining.NoSyncPipelineStage) on the PP group with static metadata (activations
+  [mb, T, H] between stages; nothing runs on uninitialised tensors), driven by the schedule
+  ``--pipeline-schedule`` names, with PyTorch's names: 1F1B (the default: at most PP
+  microbatches' activations alive on a stage), GPipe (all forwards, then all backwards),
+  Interleaved1F1B and LoopedBFS with Megatron's ``--num-layers-per-virtual-pipeline-stage``
+  (each rank holds num-layers / (PP x that) model chunks, global stage ``chunk * PP +
+  pp_rank``). The schedule's loss function (tpamp.pipelining.PipelineLoss, ``scale_grads=False``)
+  divides each microbatch's loss by the number of microbatches and applies the loss scale
+  before backward; the logged losses are unscaled again.
 - After backward: grads are averaged over the DP group, the two embedding copies' grads are
   summed over the embedding group, then ``tpamp.MixedPrecisionOptimizer`` (around AdamW) unscales,
   checks inf/nan over the model-parallel group, updates the loss scale, clips, and steps or
@@ -37,7 +45,8 @@ What happens:
   holds fp32 main params and AdamW state for 1/DP of the params on each rank and its step
   reduce-scatters the grads over DP itself (no hand all-reduce), checks inf/nan and takes the
   norm over TP x PP x DP, and all-gathers the updated params. ``--overlap-grad-reduce`` starts
-  those reduce-scatters from backward hooks during the last microbatch's backward; the tied
+  those reduce-scatters from backward hooks during the last microbatch's backward (of each
+  model chunk; the others run under its ``no_sync()``); the tied
   word embedding has a bucket of its own that waits for step(), since its two copies' grads
   are summed over the embedding group after backward, before they may be reduced over DP.
 - With ``--use-torch-fsdp2`` (Megatron-LM's flag; pipeline size 1) data parallelism is
@@ -367,9 +376,14 @@ def validate_args(args) -> None:
                and args.global_batch_size % per_step == 0,
                f"expected a positive multiple of micro-batch-size * DP = "
                f"{args.micro_batch_size} * {dp} (and no --num-microbatches)")
+    m = (args.global_batch_size // (args.micro_batch_size * dp)
+         if args.global_batch_size is not None else args.num_microbatches or 4)
+    if args.pipeline_schedule == "1F1B":  # PyTorch's Schedule1F1B
+        _check(args, "pipeline_schedule", m >= pp,
+               f"1F1B needs at least as many microbatches per DP rank as pipeline stages, this "
+               f"run has {m} microbatches and pipeline size {pp}: expected --num-microbatches "
+               f">= {pp} (or --global-batch-size >= {pp * args.micro_batch_size * dp}), or GPipe")
     if args.pipeline_schedule == "Interleaved1F1B":  # PyTorch: whole rounds of microbatches
-        m = (args.global_batch_size // (args.micro_batch_size * dp)
-             if args.global_batch_size is not None else args.num_microbatches or 4)
         rounds = max(1, m // pp)
         _check(args, "pipeline_schedule", m % rounds == 0,
                f"Interleaved1F1B runs the {m} microbatches per DP rank in rounds of up to the "

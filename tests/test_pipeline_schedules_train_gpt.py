@@ -53,7 +53,8 @@ def _same_as_reference(records, reference, start=0, param_norms=False):
     "flags, layout",
     [
         (["--pipeline-schedule", "GPipe"], (2, 2, 1)),
-        ([*TP1, "--pipeline-model-parallel-size", "4", "--pipeline-schedule", "1F1B"], (1, 4, 1)),
+        ([*TP1, "--pipeline-model-parallel-size", "4", "--pipeline-schedule", "1F1B",
+          "--micro-batch-size", "1", "--num-microbatches", "4"], (1, 4, 1)),  # M >= PP
         (["--pipeline-schedule", "LoopedBFS", *VIRTUAL], (2, 2, 1)),
     ],
     ids=["gpipe_tp2_pp2", "1f1b_pp4", "loopedbfs_tp2_pp2_v2"],

@@ -278,6 +278,8 @@ IN_PROCESS = [
     ("virtual-stages-with-a-single-stage-schedule", PP2 + [
         "--pipeline-schedule", "GPipe", "--num-layers-per-virtual-pipeline-stage", "1"],
      ["--num-layers-per-virtual-pipeline-stage", "1", "GPipe", "one model chunk"]),
+    ("1f1b-fewer-microbatches-than-stages", PP2 + ["--num-microbatches", "1"],
+     ["--pipeline-schedule", "1F1B", "1 microbatches", "pipeline size 2", "GPipe"]),
     ("interleaved-microbatches-not-in-rounds", PP2 + [
         "--pipeline-schedule", "Interleaved1F1B", "--num-layers", "4",
         "--num-layers-per-virtual-pipeline-stage", "1", "--num-microbatches", "5"],
