@@ -21,8 +21,8 @@ metadata). Without them the stage infers shapes by running ``forward`` and ``los
 uninitialised tensors during the first step, which a :class:`tpamp.NonFiniteTracer` or a
 spike detector fed from ``loss_fn`` would observe. A non-first stage's example input and every
 example output must have ``requires_grad=True`` (else no input grad is sent back and the
-previous stage waits for it until the process group's timeout). See docs/guide/main_job.md
-for the main job's use (scripts/train_gpt.py).
+previous stage waits for it until the process group's timeout). See docs/guide/pipelining.md
+(and scripts/train_gpt.py for a whole training loop).
 """
 
 from __future__ import annotations
