@@ -926,6 +926,12 @@ def build(args, st, device) -> Run:
     return run
 
 
+def pipeline_label(args) -> str:
+    """`` (1F1B)``, or `` (Interleaved1F1B, 2 chunks per rank)`` with virtual stages."""
+    v = virtual_stages(args)
+    return f" ({args.pipeline_schedule}{f', {v} chunks per rank' if v > 1 else ''})"
+
+
 def describe(run: Run) -> str:
     """The first line: model, layout, precision and numerics flags, batch and data."""
     args, cfg, st = run.args, run.cfg, run.st
@@ -933,7 +939,8 @@ def describe(run: Run) -> str:
     return (
         f"GPT {count_params(cfg) / 1e6:.2f}M params ({cfg.num_layers} layers, hidden "
         f"{cfg.hidden_size}, {cfg.num_attention_heads} heads, seq {cfg.seq_length}, vocab 256) | "
-        f"{dist.get_world_size()} ranks: TP {st.dims.tp} x PP {st.dims.pp} x DP {st.dims.dp}"
+        f"{dist.get_world_size()} ranks: TP {st.dims.tp} x PP {st.dims.pp}"
+        f"{pipeline_label(args) if st.dims.pp > 1 else ''} x DP {st.dims.dp}"
         f"{' (FSDP2 fully_shard)' if args.use_torch_fsdp2 else ''} on "
         f"{run.device.type} ({dist.get_backend()}) | {str(run.dtype).replace('torch.', '')}"
         f"{''.join(' +' + n for n in numerics)} | "
@@ -1117,6 +1124,8 @@ def summarize(run: Run, history, val_loss: float, elapsed: float) -> None:
         "tp": st.dims.tp,
         "pp": st.dims.pp,
         "dp": st.dims.dp,
+        "pipeline_schedule": args.pipeline_schedule,
+        "virtual_pipeline_stages": virtual_stages(args),
         "distributed_optimizer": args.use_distributed_optimizer,
         "torch_fsdp2": args.use_torch_fsdp2,
     }
