@@ -813,7 +813,10 @@ def build_optimizer(stage, args, st, dtype):
 
 def module_tracer(stage, st):
     """A tpamp.NonFiniteTracer on this rank's stage, modules named with the global layer index
-    (``blocks.5.mlp.fc1``), the stage itself ``stage<pp>``."""
+    (``blocks.5.mlp.fc1``), the stage itself ``stage<pp>``. With model chunks (GPTChunks) a
+    chunk is ``stage<global stage index>`` and its modules have their global names; the
+    tracer counts micro-batches on forwards of the module it traces, which the schedule does not
+    call (it calls the chunks), so a finding there reads micro-batch 0."""
 
     def name(qualified: str, stage=stage) -> str:
         if not qualified:
