@@ -16,8 +16,8 @@ Megatron-LM's fp16 numerics, with tpamp's helpers (``tpamp.functional``):
 - ``cfg.fp32_residual_connection`` (``--fp32-residual-connection``): the embedding output is
   cast to fp32 and every block adds its sublayer outputs to the residual stream with
   :func:`tpamp.residual_add` in fp32; the sublayers still run in the model dtype (their input is
-  cast down before the LayerNorm). Stage activations are then fp32 (the pipeline's send/recv
-  buffers too).
+  cast down before the LayerNorm). Stage activations are then fp32 (what the pipeline sends
+  between stages too).
 - ``cfg.attention_softmax_in_fp32`` (``--attention-softmax-in-fp32``): attention is computed
   explicitly, ``softmax(scale * q k^T)`` with :func:`tpamp.scale_mask_softmax` (causal), which
   upcasts fp16/bf16 scores to fp32 for the softmax when the flag is on and otherwise runs it in
@@ -205,7 +205,8 @@ class Block(nn.Module):
 
 
 def stage_layers(num_layers: int, pp_size: int, pp_rank: int) -> range:
-    """Global indices of the blocks on pipeline stage ``pp_rank`` (an even split)."""
+    """Global indices of the blocks on pipeline stage ``pp_rank`` of ``pp_size`` stages (an
+    even split; with virtual stages ``pp_size`` counts all of them, see :class:`GPTChunks`)."""
     if num_layers % pp_size != 0:
         raise ValueError(f"num_layers {num_layers} is not divisible by pipeline size {pp_size}")
     per = num_layers // pp_size
@@ -357,6 +358,77 @@ class GPTStage(nn.Module):
         return x
 
 
+class GPTChunks(nn.Module):
+    """The model chunks of one pipeline rank under an interleaved schedule (Megatron's virtual
+    pipeline stages): ``chunks[c]`` is the :class:`GPTStage` of global stage ``c * pp + pp_rank``
+    of ``v * pp`` stages (so with 4 layers, PP 2 and 2 virtual stages, rank 0 holds layers 0 and
+    2, rank 1 layers 1 and 3). The word embedding is on chunk 0 of the first rank, the final
+    LayerNorm and the tied head copy on the last chunk of the last rank.
+
+    It offers the methods of :class:`GPTStage` that the trainer, the optimizer and the
+    checkpoint use (parameter names with the global layer index, the tied weight, cast, init),
+    over all its chunks; the pipeline schedule runs the chunks themselves, so ``forward`` is
+    not defined. Raises ValueError for ``v < 1`` or ``pp < 2`` with ``v > 1`` (the tied
+    embedding and its head copy would be on one rank)."""
+
+    def __init__(self, cfg: GPTConfig, pp_size: int, pp_rank: int, virtual_stages: int):
+        super().__init__()
+        if virtual_stages < 1 or (virtual_stages > 1 and pp_size < 2):
+            raise ValueError(
+                f"virtual_stages {virtual_stages} with pipeline size {pp_size}: expected "
+                "virtual_stages >= 1, and pipeline size >= 2 for more than one"
+            )
+        self.cfg = cfg
+        self.pp_size, self.pp_rank, self.virtual_stages = pp_size, pp_rank, virtual_stages
+        num_stages = pp_size * virtual_stages
+        self.stage_indices = [c * pp_size + pp_rank for c in range(virtual_stages)]
+        self.chunks = nn.ModuleList(GPTStage(cfg, num_stages, s) for s in self.stage_indices)
+        self.is_first = self.chunks[0].is_first
+        self.is_last = self.chunks[-1].is_last
+
+    @property
+    def layer_ids(self) -> list:
+        """The global indices of the blocks held here, in chunk order."""
+        return [i for chunk in self.chunks for i in chunk.layer_ids]
+
+    def global_named_parameters(self):
+        """As :meth:`GPTStage.global_named_parameters`, over the chunks."""
+        for chunk in self.chunks:
+            yield from chunk.global_named_parameters()
+
+    def checkpoint_named_parameters(self) -> dict:
+        """As :meth:`GPTStage.checkpoint_named_parameters`, over the chunks (names of the
+        one-stage model: the same under any pipeline split, virtual or not)."""
+        out = {}
+        for chunk in self.chunks:
+            out.update(chunk.checkpoint_named_parameters())
+        return out
+
+    def word_embedding_weight(self):
+        """``wte.weight`` (first rank), the tied head copy (last rank), else None."""
+        if self.is_first:
+            return self.chunks[0].word_embedding_weight()
+        if self.is_last:
+            return self.chunks[-1].word_embedding_weight()
+        return None
+
+    def output_head_weight(self) -> torch.Tensor:
+        return self.chunks[-1].output_head_weight()
+
+    @property
+    def model_dtype(self) -> torch.dtype:
+        return self.chunks[0].model_dtype
+
+    def cast_(self, dtype: torch.dtype) -> "GPTChunks":
+        for chunk in self.chunks:
+            chunk.cast_(dtype)
+        return self
+
+    def init_weights(self, seed: int) -> None:
+        for chunk in self.chunks:
+            chunk.init_weights(seed)
+
+
 def tensor_parallel_plan(stage: GPTStage) -> dict:
     """The parallelize_module plan of one stage: Megatron's column/row split of each block,
     and the vocab-parallel word embedding.
@@ -394,6 +466,10 @@ def parallelize_stage(stage: GPTStage, tp_mesh) -> GPTStage:
     from torch.distributed.tensor import distribute_tensor
     from torch.distributed.tensor.parallel import parallelize_module
 
+    if isinstance(stage, GPTChunks):
+        for chunk in stage.chunks:
+            parallelize_stage(chunk, tp_mesh)
+        return stage
     if stage.cfg.vocab_size % tp_mesh.size():
         raise ValueError(
             f"vocab_size {stage.cfg.vocab_size} is not divisible by the TP size {tp_mesh.size()}"

@@ -28,8 +28,16 @@ What happens:
   ``--fp32-final-layernorm`` (not a Megatron flag) keeps the final LayerNorm an fp32 island
   (``tpamp.set_fp32_attr_to_module``). Stage activations are [mb, T, H] in the model dtype, or
   fp32 with ``--fp32-residual-connection``.
-- Pipeline: GPipe with plain ``torch.distributed`` send/recv between the ranks of
-  ``pp_ranks``: all microbatches forward, then all backward. Activations are [mb, T, H].
+- Pipeline: ``torch.distributed.pipelining``. Each rank's stage is a ``PipelineStage``
+  (tpamp.pipelining.NoSyncPipelineStage) on the PP group with static metadata (activations
+  [mb, T, H] between stages; nothing runs on uninitialised tensors), driven by the schedule
+  ``--pipeline-schedule`` names, with PyTorch's names: 1F1B (the default: at most PP
+  microbatches' activations alive on a stage), GPipe (all forwards, then all backwards),
+  Interleaved1F1B and LoopedBFS with Megatron's ``--num-layers-per-virtual-pipeline-stage``
+  (each rank holds num-layers / (PP x that) model chunks, global stage ``chunk * PP +
+  pp_rank``). The schedule's loss function (tpamp.pipelining.PipelineLoss, ``scale_grads=False``)
+  divides each microbatch's loss by the number of microbatches and applies the loss scale
+  before backward; the logged losses are unscaled again.
 - After backward: grads are averaged over the DP group, the two embedding copies' grads are
   summed over the embedding group, then ``tpamp.MixedPrecisionOptimizer`` (around AdamW) unscales,
   checks inf/nan over the model-parallel group, updates the loss scale, clips, and steps or
@@ -37,7 +45,8 @@ What happens:
   holds fp32 main params and AdamW state for 1/DP of the params on each rank and its step
   reduce-scatters the grads over DP itself (no hand all-reduce), checks inf/nan and takes the
   norm over TP x PP x DP, and all-gathers the updated params. ``--overlap-grad-reduce`` starts
-  those reduce-scatters from backward hooks during the last microbatch's backward; the tied
+  those reduce-scatters from backward hooks during the last microbatch's backward (of each
+  model chunk; the others run under its ``no_sync()``); the tied
   word embedding has a bucket of its own that waits for step(), since its two copies' grads
   are summed over the embedding group after backward, before they may be reduced over DP.
 - With ``--use-torch-fsdp2`` (Megatron-LM's flag; pipeline size 1) data parallelism is
@@ -104,6 +113,13 @@ NUMERICS_FLAGS = (
 )
 
 
+# --pipeline-schedule: PyTorch's schedule names (torch.distributed.pipelining.schedules);
+# those that run several model chunks per rank (Megatron's virtual pipeline stages, placed in a
+# loop: rank r holds stages r, r + pp, ...) need --num-layers-per-virtual-pipeline-stage
+SINGLE_STAGE_SCHEDULES = ("1F1B", "GPipe")
+MULTI_STAGE_SCHEDULES = ("Interleaved1F1B", "LoopedBFS")
+PIPELINE_SCHEDULES = SINGLE_STAGE_SCHEDULES + MULTI_STAGE_SCHEDULES
+
 # --exp-avg-dtype / --exp-avg-sq-dtype (torch dtypes in build_optimizer)
 STATE_DTYPE_CHOICES = ("bf16", "fp32", "fp8")
 PROG = "train_gpt.py"
@@ -158,6 +174,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     # parallel layout
     a("--tensor-model-parallel-size", type=int, default=2)
     a("--pipeline-model-parallel-size", type=int, default=2)
+    a("--pipeline-schedule", choices=PIPELINE_SCHEDULES, default="1F1B",
+      help="torch.distributed.pipelining's schedule, by PyTorch's name (default 1F1B); "
+           "Interleaved1F1B and LoopedBFS need --num-layers-per-virtual-pipeline-stage")
+    a("--num-layers-per-virtual-pipeline-stage", type=int, default=None,
+      help="layers per model chunk for the interleaved schedules: each rank holds "
+           "num-layers / (pipeline size x this) chunks")
     # model
     a("--num-layers", type=int, default=4)
     a("--hidden-size", type=int, default=256)
@@ -310,8 +332,24 @@ def validate_args(args) -> None:
         _check(args, "use_distributed_optimizer", not args.use_distributed_optimizer,
                "--use-torch-fsdp2 and --use-distributed-optimizer exclude each other")
         _check(args, "pipeline_model_parallel_size", pp == 1,
-               "--use-torch-fsdp2 needs --pipeline-model-parallel-size 1 "
-               "(torch.distributed.pipelining hangs on gloo)")
+               "--use-torch-fsdp2 needs --pipeline-model-parallel-size 1 (this script does "
+               "not combine FSDP2 with a pipeline yet)")
+    virtual = args.num_layers_per_virtual_pipeline_stage
+    if args.pipeline_schedule in MULTI_STAGE_SCHEDULES:
+        _check(args, "num_layers_per_virtual_pipeline_stage", virtual is not None,
+               f"--pipeline-schedule {args.pipeline_schedule} runs several model chunks per "
+               "rank: expected --num-layers-per-virtual-pipeline-stage N")
+        _check(args, "pipeline_model_parallel_size", pp >= 2,
+               f"--pipeline-schedule {args.pipeline_schedule} needs a pipeline size >= 2 (the "
+               "word embedding and its tied head copy on different ranks)")
+        _check(args, "num_layers_per_virtual_pipeline_stage",
+               virtual >= 1 and args.num_layers % (pp * virtual) == 0,
+               f"expected a divisor of --num-layers {args.num_layers} / "
+               f"--pipeline-model-parallel-size {pp}")
+    else:
+        _check(args, "num_layers_per_virtual_pipeline_stage", virtual is None,
+               f"--pipeline-schedule {args.pipeline_schedule} runs one model chunk per rank: "
+               f"expected {', '.join(MULTI_STAGE_SCHEDULES)} with it, or no such flag")
     _check(args, "overlap_grad_reduce",
            not args.overlap_grad_reduce or args.use_distributed_optimizer,
            "--overlap-grad-reduce needs --use-distributed-optimizer (the grads are "
@@ -338,6 +376,19 @@ def validate_args(args) -> None:
                and args.global_batch_size % per_step == 0,
                f"expected a positive multiple of micro-batch-size * DP = "
                f"{args.micro_batch_size} * {dp} (and no --num-microbatches)")
+    m = (args.global_batch_size // (args.micro_batch_size * dp)
+         if args.global_batch_size is not None else args.num_microbatches or 4)
+    if args.pipeline_schedule == "1F1B":  # PyTorch's Schedule1F1B
+        _check(args, "pipeline_schedule", m >= pp,
+               f"1F1B needs at least as many microbatches per DP rank as pipeline stages, this "
+               f"run has {m} microbatches and pipeline size {pp}: expected --num-microbatches "
+               f">= {pp} (or --global-batch-size >= {pp * args.micro_batch_size * dp}), or GPipe")
+    if args.pipeline_schedule == "Interleaved1F1B":  # PyTorch: whole rounds of microbatches
+        rounds = max(1, m // pp)
+        _check(args, "pipeline_schedule", m % rounds == 0,
+               f"Interleaved1F1B runs the {m} microbatches per DP rank in rounds of up to the "
+               f"pipeline size {pp}: expected a number of microbatches that max(1, M // {pp}) "
+               "divides")
     # training
     _check(args, "train_iters", args.train_iters >= 1, "expected an int >= 1")
     _check(args, "lr", math.isfinite(args.lr) and args.lr > 0, "expected a finite lr > 0")
@@ -450,7 +501,7 @@ if __name__ == "__main__":  # a bad flag exits here, before the imports below
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
-from gpt_model import GPTConfig, GPTStage, count_params, parallelize_stage  # noqa: E402
+from gpt_model import GPTChunks, GPTConfig, GPTStage, count_params, parallelize_stage  # noqa: E402
 
 import tpamp  # noqa: E402
 from tpamp.grad_stats import local_tensor  # noqa: E402
@@ -494,74 +545,96 @@ class ByteData:
         return chunk[:, :-1], chunk[:, 1:]
 
 
-def microbatches(data: ByteData, split: str, gen, st, micro_batch_size, num_microbatches, device):
-    """This DP rank's slice of one global batch, as a list of (x, y) int64 [mb, T] pairs.
+def dp_batch(data: ByteData, split: str, gen, st, micro_batch_size, num_microbatches, device):
+    """This DP rank's slice of one global batch: (x, y) int64 [M * mb, T], which the pipeline
+    schedule splits into M microbatches of ``micro_batch_size`` rows along dim 0.
 
     Every rank draws the whole global batch from ``gen`` (so the generators stay in step) and
     keeps rows [dp_rank * per_dp, (dp_rank + 1) * per_dp)."""
     per_dp = micro_batch_size * num_microbatches
     x, y = data.batch(split, per_dp * st.dims.dp, gen)
-    x, y = x[st.dp_rank * per_dp:][:per_dp].to(device), y[st.dp_rank * per_dp:][:per_dp].to(device)
-    return list(zip(x.split(micro_batch_size), y.split(micro_batch_size)))
+    return x[st.dp_rank * per_dp:][:per_dp].to(device), y[st.dp_rank * per_dp:][:per_dp].to(device)
 
 
 # ----------------------------------------------------------------------------- pipeline
 
+def lm_loss_fn(st, fp16_lm_cross_entropy: bool):
+    """The last stage's loss of one microbatch: ``tpamp.vocab_parallel_cross_entropy`` of its
+    [mb, T, V/tp] logits and [mb, T] targets over the TP group (in the logits' dtype with
+    ``fp16_lm_cross_entropy``, else fp32), then the fp32 mean over tokens, as Megatron-LM."""
 
-def forward_backward(stage, batches, st, act_shape, dtype, optimizer=None, *,
-                     fp16_lm_cross_entropy=False, overlap_grad_reduce=False):
-    """One GPipe pass over ``batches`` (list of (x, y) [mb, T]): all forwards, then all
-    backwards (only when ``optimizer`` is given: it scales the loss).
+    def loss_fn(logits, targets):
+        return tpamp.vocab_parallel_cross_entropy(
+            logits, targets, st.tp_group, fp16_lm_cross_entropy=fp16_lm_cross_entropy
+        ).float().mean()
 
-    Stage boundaries carry activations and their grads, [mb, T, H] in ``dtype`` (the model
-    dtype, or fp32 with --fp32-residual-connection), between this rank and the same-(TP, DP)
-    ranks of the neighbouring stages (``st.pp_ranks``). The last stage's loss is
-    ``tpamp.vocab_parallel_cross_entropy`` of its [mb, T, V/tp] logits over the TP group (in
-    the logits' dtype with ``fp16_lm_cross_entropy``, else fp32), averaged in fp32. Returns the
-    per-microbatch losses (fp32 0-dim, detached) on the last stage, [] elsewhere.
-    With ``overlap_grad_reduce`` (a DistributedOptimizer built with it) all but the last
-    microbatch's backward run under ``optimizer.no_sync()``: the grad buckets' reduce-scatters
-    start during the last backward.
-    """
-    train = optimizer is not None
-    prev_rank = None if st.is_first_stage else st.pp_ranks[st.pp_rank - 1]
-    next_rank = None if st.is_last_stage else st.pp_ranks[st.pp_rank + 1]
-    device = batches[0][0].device
-    saved, losses = [], []
-    for x, y in batches:
-        if st.is_first_stage:
-            inp = x
+    return loss_fn
+
+
+def build_pipeline(run: "Run"):
+    """This rank's ``torch.distributed.pipelining`` stage and the --pipeline-schedule over it.
+
+    The stage (:class:`tpamp.pipelining.NoSyncPipelineStage`, index ``pp_rank`` of ``pp`` on
+    ``st.pp_group``) has static metadata, so no forward runs on uninitialised tensors: inputs
+    are token ids [mb, T] int64 on the first stage, else activations [mb, T, H] in the residual
+    stream's dtype (the model dtype, fp32 with --fp32-residual-connection) with
+    requires_grad; outputs are those activations, or on the last stage the logits [mb, T,
+    V/tp] in the model dtype. The schedule has ``scale_grads=False``: its ``loss_fn``
+    (:class:`tpamp.pipelining.PipelineLoss`) divides by the number of microbatches and applies
+    the loss scale before backward. With --overlap-grad-reduce every backward but the last of
+    a step runs under the distributed optimizer's ``no_sync()``. Under an interleaved schedule
+    (Interleaved1F1B, LoopedBFS) each of the rank's model chunks is a stage of its own, global
+    index ``chunk * pp + pp_rank``."""
+    from torch.distributed.pipelining.schedules import get_schedule_class
+
+    from tpamp.pipelining import NoSyncPipelineStage, PipelineLoss
+
+    args, st, device = run.args, run.st, run.device
+    mb, seq, hidden = args.micro_batch_size, args.seq_length, args.hidden_size
+    act_dtype = torch.float32 if args.fp32_residual_connection else run.dtype
+    no_sync = run.optimizer.no_sync if args.overlap_grad_reduce else None
+    chunks = run.stage.chunks if isinstance(run.stage, GPTChunks) else [run.stage]
+    num_stages = st.dims.pp * len(chunks)
+    stages = []
+    for c, chunk in enumerate(chunks):  # global stage c * pp + pp_rank (a loop over the ranks)
+        if chunk.is_first:
+            example_in = torch.zeros(mb, seq, dtype=torch.long, device=device)
         else:
-            inp = torch.empty(act_shape, dtype=dtype, device=device)
-            dist.recv(inp, src=prev_rank)
-            inp.requires_grad_(train)
-        with torch.set_grad_enabled(train):
-            out = stage(inp)
-            if st.is_last_stage:
-                # vocab-parallel cross-entropy (fp32 on the half logits unless
-                # --fp16-lm-cross-entropy), then the fp32 mean over tokens, as Megatron-LM
-                loss = tpamp.vocab_parallel_cross_entropy(
-                    out, y, st.tp_group, fp16_lm_cross_entropy=fp16_lm_cross_entropy
-                ).float().mean()
-                losses.append(loss.detach())
-                out = loss / len(batches)  # the mean over microbatches is what we minimise
-        if not st.is_last_stage:
-            dist.send(out.detach().contiguous(), dst=next_rank)
-        if train:
-            saved.append((inp, out))
-    for i, (inp, out) in enumerate(saved):
-        last = i == len(saved) - 1
-        sync = optimizer.no_sync() if overlap_grad_reduce and not last else contextlib.nullcontext()
-        with sync:
-            if st.is_last_stage:
-                optimizer.scale_loss(out).backward()
-            else:
-                grad = torch.empty(act_shape, dtype=dtype, device=device)
-                dist.recv(grad, src=next_rank)
-                torch.autograd.backward(out, grad)
-        if not st.is_first_stage:
-            dist.send(inp.grad.contiguous(), dst=prev_rank)
-    return losses
+            example_in = torch.empty(mb, seq, hidden, dtype=act_dtype, device=device,
+                                     requires_grad=True)
+        if chunk.is_last:
+            out_shape, out_dtype = (mb, seq, VOCAB_SIZE // st.dims.tp), run.dtype
+        else:
+            out_shape, out_dtype = (mb, seq, hidden), act_dtype
+        example_out = torch.empty(out_shape, dtype=out_dtype, device=device, requires_grad=True)
+        stages.append(NoSyncPipelineStage(
+            chunk, c * st.dims.pp + st.pp_rank, num_stages, device, input_args=(example_in,),
+            output_args=(example_out,), group=st.pp_group, no_sync=no_sync,
+        ))
+    loss = PipelineLoss(lm_loss_fn(st, args.fp16_lm_cross_entropy), run.num_microbatches,
+                        run.optimizer)
+    schedule = get_schedule_class(args.pipeline_schedule)(
+        stages if args.pipeline_schedule in MULTI_STAGE_SCHEDULES else stages[0],
+        n_microbatches=run.num_microbatches, loss_fn=loss, scale_grads=False,
+    )
+    return schedule, loss
+
+
+def run_pipeline(run: "Run", x, y, train: bool) -> list:
+    """One pass of the schedule over this DP rank's batch ``x``, ``y`` ([M * mb, T]): forward
+    and backward (``train``) or forward only. Returns the last stage's per-microbatch losses
+    (fp32 0-dim, detached, unscaled), [] elsewhere."""
+    st, schedule = run.st, run.schedule
+    inputs = (x,) if st.is_first_stage else ()
+    losses = [] if st.is_last_stage else None
+    target = y if st.is_last_stage else None
+    scale = run.optimizer.get_loss_scale().clone()  # the step may change it afterwards
+    if train:
+        schedule.step(*inputs, target=target, losses=losses, return_outputs=False)
+    else:
+        with torch.no_grad():
+            schedule.eval(*inputs, target=target, losses=losses, return_outputs=False)
+    return run.loss.unscale(losses, scale) if st.is_last_stage else []
 
 
 def mean_over_dp(losses, st) -> float:
@@ -633,12 +706,23 @@ def setup_distributed(args):
     return st, device
 
 
-def build_stage(cfg: GPTConfig, st, dtype, device, seed: int, fsdp2: bool = False) -> GPTStage:
-    """This rank's stage: seeded fp32 init, tied head copied from the first stage, cast to
+def virtual_stages(args) -> int:
+    """Model chunks per rank: num_layers / (pp x --num-layers-per-virtual-pipeline-stage), or 1."""
+    per = args.num_layers_per_virtual_pipeline_stage
+    return 1 if per is None else args.num_layers // (args.pipeline_model_parallel_size * per)
+
+
+def build_stage(cfg: GPTConfig, st, dtype, device, seed: int, fsdp2: bool = False,
+                virtual: int = 1):
+    """This rank's stage (a GPTStage, or with ``virtual`` > 1 the GPTChunks of an interleaved
+    schedule): seeded fp32 init, tied head copied from the first stage, cast to
     ``dtype`` (fp32 islands, e.g. --fp32-final-layernorm, stay fp32), then TP-sharded with
     parallelize_module (vocab-parallel embedding and head copy). Cast before sharding: the
     grad hooks that parallelize_stage puts on the DTensor params do not survive a later cast."""
-    stage = GPTStage(cfg, st.dims.pp, st.pp_rank)
+    if virtual > 1:
+        stage = GPTChunks(cfg, st.dims.pp, st.pp_rank, virtual)
+    else:
+        stage = GPTStage(cfg, st.dims.pp, st.pp_rank)
     stage.init_weights(seed)
     stage.to(device)
     weight = stage.word_embedding_weight() if st.embedding_group is not None else None
@@ -729,11 +813,17 @@ def build_optimizer(stage, args, st, dtype):
 
 def module_tracer(stage, st):
     """A tpamp.NonFiniteTracer on this rank's stage, modules named with the global layer index
-    (``blocks.5.mlp.fc1``), the stage itself ``stage<pp>``."""
+    (``blocks.5.mlp.fc1``), the stage itself ``stage<pp>``. With model chunks (GPTChunks) a
+    chunk is ``stage<global stage index>`` and its modules have their global names; the
+    tracer counts micro-batches on forwards of the module it traces, which the schedule does not
+    call (it calls the chunks), so a finding there reads micro-batch 0."""
 
-    def name(qualified: str) -> str:
+    def name(qualified: str, stage=stage) -> str:
         if not qualified:
             return f"stage{st.pp_rank}"
+        if isinstance(stage, GPTChunks) and qualified.startswith("chunks."):
+            _, c, *rest = qualified.split(".", 2)  # a chunk's modules by their global names
+            return name(rest[0], stage.chunks[int(c)]) if rest else f"stage{stage.stage_indices[int(c)]}"
         if qualified.startswith("blocks."):
             _, local, *rest = qualified.split(".", 2)
             return ".".join([f"blocks.{stage.layer_ids[int(local)]}", *rest])
@@ -769,9 +859,9 @@ class Run:
     optimizer: object  # tpamp's wrapper around AdamW
     scheduler: torch.optim.lr_scheduler.LambdaLR
     tracker: object  # per-parameter grad norms (--log-param-grad-norms), or None
-    act_shape: tuple  # what crosses a pipeline stage boundary: [mb, T, H] ...
-    act_dtype: torch.dtype  # ... in the residual stream's dtype
     is_logging_rank: bool
+    schedule: object = None  # the torch.distributed.pipelining schedule (build_pipeline)
+    loss: object = None  # its loss_fn, a tpamp.pipelining.PipelineLoss
     logger: tpamp.TrainingLogger = None
     bar: object = None  # tqdm bar on the logging rank, or None
     stream: object = None  # where log lines go (above the bar), or None: stdout
@@ -808,14 +898,16 @@ def model_config(args) -> GPTConfig:
 
 
 def build(args, st, device) -> Run:
-    """Data, model stage, optimizer, LR schedule and per-parameter norm tracker of this rank."""
+    """Data, model stage, optimizer, LR schedule, per-parameter norm tracker and pipeline
+    schedule of this rank."""
     dtype = torch.bfloat16 if args.bf16 else torch.float32 if args.fp32 else torch.float16
     num_microbatches, global_batch = batch_layout(args, st.dims.dp)
     cfg = model_config(args)
     text = open(args.data, "rb").read() if args.data else default_text()[: args.data_max_bytes]
     data = ByteData(text, args.seq_length, args.valid_fraction)
     torch.manual_seed(args.seed)
-    stage = build_stage(cfg, st, dtype, device, args.seed, fsdp2=args.use_torch_fsdp2)
+    stage = build_stage(cfg, st, dtype, device, args.seed, fsdp2=args.use_torch_fsdp2,
+                        virtual=virtual_stages(args))
     optimizer = build_optimizer(stage, args, st, dtype)
     # Megatron-LM: the schedule advances only on successful steps (scheduler.step() in the loop)
     scheduler = torch.optim.lr_scheduler.LambdaLR(
@@ -827,14 +919,20 @@ def build(args, st, device) -> Run:
             tracker = tpamp.fsdp.track_param_grad_norms(optimizer, stage.global_named_parameters())
         else:
             tracker = optimizer.track_param_grad_norms(stage.global_named_parameters())
-    return Run(
+    run = Run(
         args=args, st=st, device=device, dtype=dtype, cfg=cfg, data=data,
         num_microbatches=num_microbatches, global_batch=global_batch, stage=stage,
         optimizer=optimizer, scheduler=scheduler, tracker=tracker,
-        act_shape=(args.micro_batch_size, args.seq_length, args.hidden_size),
-        act_dtype=torch.float32 if args.fp32_residual_connection else dtype,
         is_logging_rank=st.is_last_stage and st.tp_rank == 0 and st.dp_rank == 0,
     )
+    run.schedule, run.loss = build_pipeline(run)
+    return run
+
+
+def pipeline_label(args) -> str:
+    """`` (1F1B)``, or `` (Interleaved1F1B, 2 chunks per rank)`` with virtual stages."""
+    v = virtual_stages(args)
+    return f" ({args.pipeline_schedule}{f', {v} chunks per rank' if v > 1 else ''})"
 
 
 def describe(run: Run) -> str:
@@ -844,7 +942,8 @@ def describe(run: Run) -> str:
     return (
         f"GPT {count_params(cfg) / 1e6:.2f}M params ({cfg.num_layers} layers, hidden "
         f"{cfg.hidden_size}, {cfg.num_attention_heads} heads, seq {cfg.seq_length}, vocab 256) | "
-        f"{dist.get_world_size()} ranks: TP {st.dims.tp} x PP {st.dims.pp} x DP {st.dims.dp}"
+        f"{dist.get_world_size()} ranks: TP {st.dims.tp} x PP {st.dims.pp}"
+        f"{pipeline_label(args) if st.dims.pp > 1 else ''} x DP {st.dims.dp}"
         f"{' (FSDP2 fully_shard)' if args.use_torch_fsdp2 else ''} on "
         f"{run.device.type} ({dist.get_backend()}) | {str(run.dtype).replace('torch.', '')}"
         f"{''.join(' +' + n for n in numerics)} | "
@@ -901,12 +1000,9 @@ def evaluate(run: Run) -> float:
     gen = torch.Generator().manual_seed(args.seed + 1)  # the same batches every time
     losses = []
     for _ in range(args.eval_iters):
-        mbs = microbatches(run.data, "valid", gen, st, args.micro_batch_size,
-                           run.num_microbatches, run.device)
-        losses += forward_backward(
-            run.stage, mbs, st, run.act_shape, run.act_dtype,
-            fp16_lm_cross_entropy=args.fp16_lm_cross_entropy,
-        )
+        x, y = dp_batch(run.data, "valid", gen, st, args.micro_batch_size,
+                        run.num_microbatches, run.device)
+        losses += run_pipeline(run, x, y, train=False)
     if args.use_torch_fsdp2:  # FSDP2's root keeps its params unsharded after a forward
         run.stage.reshard()       # with no backward: back to the sharded fp32 masters
     return mean_over_dp(losses, st) if st.is_last_stage else float("nan")
@@ -917,14 +1013,10 @@ def train_step(run: Run, tracer, log_now: bool):
     the grad reductions, the optimizer step and the LR schedule. Returns (the DP-mean loss on
     the last stage, else None; the StepResult)."""
     args, st, optimizer = run.args, run.st, run.optimizer
-    mbs = microbatches(run.data, "train", run.train_gen, st, args.micro_batch_size,
-                       run.num_microbatches, run.device)
+    x, y = dp_batch(run.data, "train", run.train_gen, st, args.micro_batch_size,
+                    run.num_microbatches, run.device)
     with tracer if tracer is not None else contextlib.nullcontext():
-        losses = forward_backward(
-            run.stage, mbs, st, run.act_shape, run.act_dtype, optimizer,
-            fp16_lm_cross_entropy=args.fp16_lm_cross_entropy,
-            overlap_grad_reduce=args.overlap_grad_reduce,
-        )
+        losses = run_pipeline(run, x, y, train=True)
     # DistributedOptimizer.step and FSDP2's backward reduce-scatter the grads themselves
     if not (args.use_distributed_optimizer or args.use_torch_fsdp2):
         all_reduce_data_parallel_grads(run.stage, st)
@@ -1035,6 +1127,8 @@ def summarize(run: Run, history, val_loss: float, elapsed: float) -> None:
         "tp": st.dims.tp,
         "pp": st.dims.pp,
         "dp": st.dims.dp,
+        "pipeline_schedule": args.pipeline_schedule,
+        "virtual_pipeline_stages": virtual_stages(args),
         "distributed_optimizer": args.use_distributed_optimizer,
         "torch_fsdp2": args.use_torch_fsdp2,
     }

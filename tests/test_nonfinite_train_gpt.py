@@ -19,10 +19,10 @@ def _global_names(num_layers=2):
     return names
 
 
-def _check_culprits(records, stdout, dp):
+def _check_culprits(records, stdout, dp, num_layers=2):
     skipped = [r for r in records if r["skipped"]]
     assert skipped, "a loss scale of 1e12 must overflow"
-    names = _global_names()
+    names = _global_names(num_layers)
     for r in records:
         if not r["skipped"]:
             assert "nonfinite" not in r, r
@@ -62,3 +62,17 @@ def test_main_job_with_the_distributed_optimizer_names_the_culprit_on_dp2(tmp_pa
         tmp_path, *HUGE_SCALE, "--use-distributed-optimizer", nproc=8, timeout=900,
     )
     _check_culprits(records, stdout, dp=2)
+
+
+def test_main_job_names_the_culprit_under_an_interleaved_schedule(tmp_path):
+    """TP 2 x PP 2 with Interleaved1F1B, 2 model chunks per rank (4 layers): the skip is agreed
+    by every rank, the culprits carry the global names of the one-stage model and the last
+    stage's ranks first, and the tracer armed after the skip reports a finding."""
+    records, _, stdout = run_train(
+        tmp_path, *HUGE_SCALE, "--num-layers", "4", "--pipeline-schedule", "Interleaved1F1B",
+        "--num-layers-per-virtual-pipeline-stage", "1", "--trace-nonfinite", "after-skip",
+        timeout=600,
+    )
+    _check_culprits(records, stdout, dp=1, num_layers=4)
+    found = [r["nonfinite_activation"] for r in records if r.get("nonfinite_activation")]
+    assert found and all(f["phase"] in ("forward", "backward") for f in found), records

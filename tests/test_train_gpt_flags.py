@@ -247,6 +247,7 @@ def _train_gpt():
     return train_gpt
 
 
+PP2 = ["--tensor-model-parallel-size", "1", "--pipeline-model-parallel-size", "2"]
 IN_PROCESS = [
     ("valid-fraction-one", ["--valid-fraction", "1"], ["--valid-fraction", "1.0", "0 < fraction < 1"]),
     ("data-max-bytes-too-small", ["--data-max-bytes", "40"],
@@ -262,6 +263,27 @@ IN_PROCESS = [
     ("tp-not-dividing-the-vocabulary", ["--tensor-model-parallel-size", "3",
                                         "--num-attention-heads", "3", "--hidden-size", "33"],
      ["--tensor-model-parallel-size", "3", "256"]),
+    # torch.distributed.pipelining's schedules (PP 2 x TP 1 on the 2 ranks)
+    ("schedule-unknown", ["--pipeline-schedule", "ZBVZeroBubble"],
+     ["--pipeline-schedule", "ZBVZeroBubble", "1F1B", "Interleaved1F1B"]),
+    ("interleaved-without-virtual-stages", PP2 + ["--pipeline-schedule", "Interleaved1F1B"],
+     ["--num-layers-per-virtual-pipeline-stage", "None", "Interleaved1F1B"]),
+    ("interleaved-with-pipeline-size-1", ["--pipeline-schedule", "LoopedBFS",
+                                          "--num-layers-per-virtual-pipeline-stage", "1"],
+     ["--pipeline-model-parallel-size", "1", ">= 2"]),
+    ("virtual-stages-not-dividing-the-layers", PP2 + [
+        "--pipeline-schedule", "Interleaved1F1B", "--num-layers", "4",
+        "--num-layers-per-virtual-pipeline-stage", "3"],
+     ["--num-layers-per-virtual-pipeline-stage", "3", "--num-layers 4"]),
+    ("virtual-stages-with-a-single-stage-schedule", PP2 + [
+        "--pipeline-schedule", "GPipe", "--num-layers-per-virtual-pipeline-stage", "1"],
+     ["--num-layers-per-virtual-pipeline-stage", "1", "GPipe", "one model chunk"]),
+    ("1f1b-fewer-microbatches-than-stages", PP2 + ["--num-microbatches", "1"],
+     ["--pipeline-schedule", "1F1B", "1 microbatches", "pipeline size 2", "GPipe"]),
+    ("interleaved-microbatches-not-in-rounds", PP2 + [
+        "--pipeline-schedule", "Interleaved1F1B", "--num-layers", "4",
+        "--num-layers-per-virtual-pipeline-stage", "1", "--num-microbatches", "5"],
+     ["--pipeline-schedule", "Interleaved1F1B", "5 microbatches", "max(1, M // 2)"]),
 ]
 
 
