@@ -46,7 +46,7 @@ A forward with no backward (evaluation) leaves FSDP2's root module unsharded: ca
 ``model.reshard()`` after it, before the next ``named_parameters()`` (e.g. a checkpoint).
 
 Not covered: HSDP (a ``Replicate`` DP dim: its replicas would be counted twice) and pipeline
-parallelism (torch.distributed.pipelining hangs on gloo, pytorch#132644; not run here).
+parallelism with FSDP2 (a (pp, dp, tp) mesh is not accepted yet).
 """
 
 from __future__ import annotations
