@@ -1,0 +1,151 @@
+"""Time the optimizer step of this working tree against another git revision, in one run.
+
+A benchmark, not a test. It checks out REV into a scratch directory (``git worktree add
+--detach``), gives it kernels (copied from this tree when REV's csrc/ and setup.py are the same
+as the working tree's, else built there with ``setup.py build_ext --inplace``), and then times
+``MixedPrecisionOptimizer.step()`` in fresh processes, alternating the two trees in ABBA order
+over ``--rounds`` rounds so that drift of the machine hits both. Each process builds the same
+fp16 model (``--numel`` elements in ``--tensors`` tensors of odd sizes), AdamW (lr 1e-4, weight
+decay 0.01) behind a DynamicGradScaler, clip_grad 1.0 and the zero count: the one-pass path of
+both revisions. It prints each round's medians and the paired median of the per-round ratio
+working tree / REV (below 1: the working tree is faster).
+
+Run from the repository root, with the kernels of this tree built (``pip install -e .``)::
+
+    python scripts/bench_revision.py --rev main --numel 2e7 --rounds 8
+    python scripts/bench_revision.py --rev 98824f5 --json out.json
+
+Quote the paired median with the machine, the torch version, the date and the load average
+(docs/benchmarks.md); a busy machine makes the rounds disagree.
+"""
+
+from __future__ import annotations
+
+import argparse
+import glob
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+# The timed child: runs with PYTHONPATH set to one of the two trees.
+CHILD = r"""
+import json, statistics, sys, time
+import torch
+import tpamp
+
+numel, ntensors, steps, warmup = int(float(sys.argv[1])), int(sys.argv[2]), int(sys.argv[3]), 3
+torch.manual_seed(0)
+sizes = [numel // ntensors + (i * 37) % 101 for i in range(ntensors)]
+params = [torch.nn.Parameter(torch.randn(n).half()) for n in sizes]
+grads = [torch.randn(n).half() * 1e-2 for n in sizes]
+opt = tpamp.MixedPrecisionOptimizer(
+    torch.optim.AdamW(params, lr=1e-4, weight_decay=0.01),
+    grad_scaler=tpamp.DynamicGradScaler(initial_scale=1.0), clip_grad=1.0,
+    log_num_zeros_in_grad=True)
+times = []
+for i in range(warmup + steps):
+    for p, g in zip(params, grads):
+        p.grad = g.clone()
+    start = time.perf_counter()
+    opt.step()
+    elapsed = time.perf_counter() - start
+    opt.zero_grad()
+    if i >= warmup:
+        times.append(elapsed * 1e3)
+print(json.dumps({"ms": statistics.median(times), "tpamp": tpamp.__file__}))
+"""
+
+
+def _git(*args, cwd=ROOT) -> str:
+    return subprocess.run(["git", *args], cwd=cwd, check=True, capture_output=True,
+                          text=True).stdout
+
+
+def _kernels_differ(rev: str) -> bool:
+    return bool(_git("diff", "--name-only", rev, "--", "csrc", "setup.py").strip())
+
+
+def prepare(rev: str, scratch: str) -> str:
+    """A checkout of ``rev`` under ``scratch`` with kernels that match its csrc/."""
+    tree = os.path.join(scratch, "rev")
+    _git("worktree", "add", "--detach", tree, rev)
+    built = glob.glob(os.path.join(ROOT, "tpamp", "_C*.so"))
+    if not built:
+        raise SystemExit("this tree has no built kernels: pip install --no-build-isolation -e .")
+    if _kernels_differ(rev):
+        print(f"bench_revision: {rev}'s csrc/ differs from this tree: building its kernels",
+              flush=True)
+        subprocess.run([sys.executable, "setup.py", "build_ext", "--inplace"], cwd=tree,
+                       check=True, env=dict(os.environ, TPAMP_BUILD_EXT="1"),
+                       stdout=subprocess.DEVNULL)
+    else:
+        for so in built:
+            shutil.copy2(so, os.path.join(tree, "tpamp"))
+    return tree
+
+
+def time_tree(tree: str, args) -> float:
+    env = dict(os.environ, PYTHONPATH=tree, OMP_NUM_THREADS=str(args.threads))
+    out = subprocess.run([sys.executable, "-c", CHILD, str(args.numel), str(args.tensors),
+                          str(args.steps)], env=env, check=True, capture_output=True,
+                         text=True).stdout
+    row = json.loads(out.strip().splitlines()[-1])
+    if not row["tpamp"].startswith(tree):
+        raise SystemExit(f"the child imported {row['tpamp']}, not the tree {tree}")
+    return row["ms"]
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--rev", required=True, help="git revision to compare with")
+    p.add_argument("--numel", type=float, default=2e7)
+    p.add_argument("--tensors", type=int, default=196)
+    p.add_argument("--steps", type=int, default=15, help="timed steps per process")
+    p.add_argument("--rounds", type=int, default=8)
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--json", default=None)
+    args = p.parse_args(argv)
+    if args.rounds < 1 or args.steps < 1:
+        p.error(f"--rounds and --steps must be >= 1, got {args.rounds} and {args.steps}")
+    _git("rev-parse", "--verify", args.rev + "^{commit}")
+    scratch = tempfile.mkdtemp(prefix="tpamp-bench-rev-")
+    try:
+        rev_tree = prepare(args.rev, scratch)
+        rounds = []
+        for r in range(args.rounds):
+            order = [("work", ROOT), ("rev", rev_tree)]
+            if r % 2:
+                order.reverse()  # ABBA: neither tree always runs first
+            ms = {name: time_tree(tree, args) for name, tree in order}
+            rounds.append(ms)
+            print(f"round {r + 1}: working tree {ms['work']:.2f} ms, {args.rev} {ms['rev']:.2f} ms,"
+                  f" ratio {ms['work'] / ms['rev']:.3f}", flush=True)
+        ratios = [ms["work"] / ms["rev"] for ms in rounds]
+        summary = {
+            "rev": args.rev, "numel": int(args.numel), "tensors": args.tensors,
+            "threads": args.threads, "rounds": rounds,
+            "median_ms_work": statistics.median(ms["work"] for ms in rounds),
+            "median_ms_rev": statistics.median(ms["rev"] for ms in rounds),
+            "paired_median_ratio": statistics.median(ratios),
+            "load_average": os.getloadavg(),
+        }
+        print(f"paired median working tree / {args.rev}: {summary['paired_median_ratio']:.3f} "
+              f"(medians {summary['median_ms_work']:.2f} vs {summary['median_ms_rev']:.2f} ms; "
+              f"load average {summary['load_average'][0]:.2f})")
+        if args.json:
+            with open(args.json, "w", encoding="utf-8") as f:
+                json.dump(summary, f, indent=1)
+    finally:
+        subprocess.run(["git", "worktree", "remove", "--force", os.path.join(scratch, "rev")],
+                       cwd=ROOT, capture_output=True)
+        shutil.rmtree(scratch, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()
