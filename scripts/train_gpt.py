@@ -49,12 +49,15 @@ What happens:
   model chunk; the others run under its ``no_sync()``); the tied
   word embedding has a bucket of its own that waits for step(), since its two copies' grads
   are summed over the embedding group after backward, before they may be reduced over DP.
-- With ``--use-torch-fsdp2`` (Megatron-LM's flag; pipeline size 1) data parallelism is
-  PyTorch's FSDP2: after TP, each block and the whole model go through ``fully_shard`` on the
-  DP sub-mesh with ``MixedPrecisionPolicy(param_dtype=fp16/bf16, reduce_dtype=float32)``. The
+- With ``--use-torch-fsdp2`` (Megatron-LM's flag; any pipeline size, one model chunk per rank)
+  data parallelism is PyTorch's FSDP2: after TP, each block and the whole stage go through
+  ``fully_shard`` on the DP sub-mesh with ``MixedPrecisionPolicy(param_dtype=fp16/bf16, reduce_dtype=float32)``. The
   sharded fp32 DTensor params are the master weights; ``tpamp.fsdp.fully_shard_optimizer``
   wraps AdamW in ``tpamp.FP32Optimizer`` with the loss scaler, and found_inf, the grad norm,
-  zeros and per-parameter norms are reduced over the whole TP x DP mesh (tpamp/fsdp.py).
+  zeros and per-parameter norms are reduced over the whole PP x DP x TP mesh (tpamp/fsdp.py).
+  Under a pipeline the stage is FSDP2's root inside the schedule (``PipelineStage`` runs FSDP2's
+  no-sync and its post-backward reduce-scatter); the tied head copy's grad, a DTensor placed
+  like the embedding's, is summed with it over the embedding group on the local shards.
 - Learning rate: linear warm-up, then cosine decay (``torch.optim.lr_scheduler.LambdaLR``),
   advanced only after a successful step, as in Megatron-LM's training loop: a skipped step
   (overflow or spike) does not use up the schedule.
@@ -203,7 +206,7 @@ def parse_args(argv=None) -> argparse.Namespace:
            "the last microbatch's backward (the tied embedding's bucket waits for its sum)")
     a("--use-torch-fsdp2", action="store_true",
       help="shard params, grads and optimizer state over DP with torch's fully_shard (FSDP2) "
-           "and a MixedPrecisionPolicy from --fp16/--bf16 (pipeline size 1; tpamp.fsdp)")
+           "and a MixedPrecisionPolicy from --fp16/--bf16 (one model chunk per rank; tpamp.fsdp)")
     a("--seed", type=int, default=1234)
     # optimizer-state storage (Megatron-core's precision-aware optimizer flags; tpamp.state_formats)
     a("--exp-avg-dtype", choices=STATE_DTYPE_CHOICES, default="fp32",
@@ -331,9 +334,9 @@ def validate_args(args) -> None:
     if args.use_torch_fsdp2:
         _check(args, "use_distributed_optimizer", not args.use_distributed_optimizer,
                "--use-torch-fsdp2 and --use-distributed-optimizer exclude each other")
-        _check(args, "pipeline_model_parallel_size", pp == 1,
-               "--use-torch-fsdp2 needs --pipeline-model-parallel-size 1 (this script does "
-               "not combine FSDP2 with a pipeline yet)")
+        _check(args, "pipeline_schedule", args.pipeline_schedule not in MULTI_STAGE_SCHEDULES,
+               f"--use-torch-fsdp2 runs one model chunk per rank: expected a single-stage "
+               f"schedule (GPipe, 1F1B, ...), not {args.pipeline_schedule}")
     virtual = args.num_layers_per_virtual_pipeline_stage
     if args.pipeline_schedule in MULTI_STAGE_SCHEDULES:
         _check(args, "num_layers_per_virtual_pipeline_stage", virtual is not None,
@@ -754,6 +757,8 @@ def fully_shard_stage(stage: GPTStage, st, dtype) -> GPTStage:
     for block in stage.blocks:
         fully_shard(block, mesh=dp_mesh, mp_policy=policy)
     fully_shard(stage, mesh=dp_mesh, mp_policy=policy)
+    if stage.is_last and not stage.is_first:  # fully_shard made new params: mark the tied
+        stage.head_weight.shared = True         # head copy again (counted once, on stage 0)
     return stage
 
 
@@ -791,9 +796,9 @@ def build_optimizer(stage, args, st, dtype):
             args.spike_policy, threshold=args.spike_threshold, window=args.spike_window,
             warmup=args.spike_warmup,
         )
-    if args.use_torch_fsdp2:  # the sharded fp32 params are the masters; stats over TP x DP
+    if args.use_torch_fsdp2:  # the sharded fp32 params are the masters; stats over PP x DP x TP
         del kwargs["grad_stats_group"], kwargs["tensor_parallel_group"]
-        return tpamp.fsdp.fully_shard_optimizer(adamw, st.mesh["dp", "tp"], **kwargs)
+        return tpamp.fsdp.fully_shard_optimizer(adamw, st.mesh, **kwargs)
     if args.use_distributed_optimizer:  # it reduces the grads over DP itself, in step()
         # the tied embedding's grad is summed over the embedding group (first + last stage)
         # after backward, on its main_grad: its bucket must wait for that sum, so it is

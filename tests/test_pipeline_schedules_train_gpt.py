@@ -88,3 +88,19 @@ def test_interleaved_with_the_overlapping_distributed_optimizer_and_its_checkpoi
     )
     assert [r["iteration"] for r in resumed] == list(range(5, ITERS + 1))
     _same_as_reference(resumed, reference, start=4)
+
+
+def test_fsdp2_pp2_dp2_gives_the_losses_and_grad_norms_of_dp_only(reference, tmp_path):
+    """--use-torch-fsdp2 under a pipeline: PP 2 x DP 2 (TP 1), 1F1B, each stage fully_shard'ed
+    on its DP sub-mesh inside the schedule, the tied head copy's DTensor grad summed with the
+    embedding's over the embedding group, tpamp.fsdp.fully_shard_optimizer on the whole
+    (pp, dp, tp) mesh: the reference's losses, grad norms, validation losses and per-parameter
+    norms by global name (the tied copy counted once)."""
+    records, summary, stdout = run_train(
+        tmp_path, *FOUR_LAYERS, *TP1, "--use-torch-fsdp2", "--micro-batch-size", "1",
+        "--num-microbatches", "2", "--pipeline-schedule", "1F1B",
+        "--log-param-grad-norms", "1000",
+    )
+    assert (summary["tp"], summary["pp"], summary["dp"]) == (1, 2, 2)
+    assert summary["torch_fsdp2"] is True and "(FSDP2 fully_shard)" in stdout
+    _same_as_reference(records, reference, param_norms=True)

@@ -45,8 +45,16 @@ Usage (every rank)::
 A forward with no backward (evaluation) leaves FSDP2's root module unsharded: call
 ``model.reshard()`` after it, before the next ``named_parameters()`` (e.g. a checkpoint).
 
-Not covered: HSDP (a ``Replicate`` DP dim: its replicas would be counted twice) and pipeline
-parallelism with FSDP2 (a (pp, dp, tp) mesh is not accepted yet).
+Pipeline parallelism: give the whole ``(pp, dp, tp)`` mesh (``ParallelState.mesh``); each stage
+is fully_shard'ed on its own ``mesh["dp"]`` (TP on ``mesh["tp"]``) and the grad-stats group is
+every rank of the mesh, so an inf on one stage's shard skips the step on every rank and the grad
+norm and zero count cover every stage. Run the stages under ``torch.distributed.pipelining``
+(``PipelineStage`` knows FSDP2's no-sync); a tied copy on another stage (the last stage's head
+copy of the word embedding) is marked ``shared = True`` and its grad summed with its twin's by
+the caller (local shards: both have the same DP x TP placements). scripts/train_gpt.py
+``--use-torch-fsdp2 --pipeline-model-parallel-size 2`` is the worked example.
+
+Not covered: HSDP (a ``Replicate`` DP dim: its replicas would be counted twice).
 """
 
 from __future__ import annotations
@@ -82,24 +90,34 @@ def mixed_precision_policy(dtype: torch.dtype):
     )
 
 
-def _mesh_dims(mesh, tp_dim: str) -> Tuple[str, Optional[str]]:
+def _mesh_dims(mesh, tp_dim: str, pp_dim: str = "pp") -> Tuple[Optional[str], str, Optional[str]]:
+    """(pp dim or None, dp dim, tp dim or None) of a 1-, 2- or 3-D named mesh."""
     from torch.distributed.device_mesh import DeviceMesh
 
     if not isinstance(mesh, DeviceMesh):
         raise TypeError(f"mesh must be a torch.distributed DeviceMesh, got {type(mesh).__name__}")
     names = tuple(mesh.mesh_dim_names or ())
-    if mesh.ndim not in (1, 2) or len(names) != mesh.ndim:
+    expected = (f"a named 1-D DP mesh, a 2-D (dp, {tp_dim!r}) or ({pp_dim!r}, dp) mesh or a 3-D "
+                f"({pp_dim!r}, dp, {tp_dim!r}) mesh")
+    if mesh.ndim not in (1, 2, 3) or len(names) != mesh.ndim or len(set(names)) != len(names):
+        raise ValueError(f"mesh must be {expected}, got {mesh.ndim} dims named {names}")
+    pp = pp_dim if pp_dim in names else None
+    tp = tp_dim if tp_dim in names else None
+    rest = [n for n in names if n not in (pp, tp)]
+    if len(rest) != 1:
         raise ValueError(
-            f"mesh must be a named 1-D DP mesh or a 2-D (dp, {tp_dim!r}) mesh, got {mesh.ndim} "
-            f"dims named {names}"
+            f"mesh must be {expected}, got dims {names}: expected exactly one DP dim besides "
+            f"{pp_dim!r} (pp_dim) and {tp_dim!r} (tp_dim)"
         )
-    if mesh.ndim == 1:
-        if names[0] == tp_dim:
-            raise ValueError(f"a 1-D mesh must be the DP mesh, got the TP dim {tp_dim!r}")
-        return names[0], None
-    if tp_dim not in names:
-        raise ValueError(f"a 2-D mesh needs a dim named {tp_dim!r} (tp_dim), got {names}")
-    return names[1 - names.index(tp_dim)], tp_dim
+    return pp, rest[0], tp
+
+
+def _param_mesh(mesh, pp: Optional[str], dp: str, tp: Optional[str]):
+    """The (sub-)mesh the params of this rank's model are sharded on: ``mesh`` without its PP
+    dim (this rank's pipeline stage), i.e. ``mesh[dp]`` or ``mesh[dp, tp]``."""
+    if pp is None:
+        return mesh
+    return mesh[dp, tp] if tp is not None else mesh[dp]
 
 
 def _mesh_group(mesh):
@@ -123,13 +141,14 @@ def _same_mesh(a, b) -> bool:
             and a.device_type == b.device_type and a.mesh.tolist() == b.mesh.tolist())
 
 
-def _check_fsdp_params(optimizer, dp_dim: str, mesh=None) -> None:
+def _check_fsdp_params(optimizer, dp_dim: str, mesh=None, tp_dim: Optional[str] = None,
+                       given=None) -> None:
     from torch.distributed.tensor import DTensor
 
-    # the meshes a param of a model sharded on ``mesh`` may have: the mesh itself (DP only, or
-    # a TP param sharded over DP too) or, for a 2-D mesh, its DP sub-mesh (a param replicated
-    # over TP that fully_shard shards over mesh[dp] only)
-    allowed = [] if mesh is None else [mesh] + ([mesh[dp_dim]] if mesh.ndim == 2 else [])
+    # the meshes a param of a model sharded on ``mesh`` (without its PP dim) may have: the
+    # mesh itself (DP only, or a TP param sharded over DP too) or, with a TP dim, its DP
+    # sub-mesh (a param replicated over TP that fully_shard shards over mesh[dp] only)
+    allowed = [] if mesh is None else [mesh] + ([mesh[dp_dim]] if tp_dim is not None else [])
 
     for gi, group in enumerate(getattr(optimizer, "param_groups", [])):
         for pi, p in enumerate(group["params"]):
@@ -148,7 +167,9 @@ def _check_fsdp_params(optimizer, dp_dim: str, mesh=None) -> None:
             if allowed and not any(_same_mesh(p.device_mesh, m) for m in allowed):
                 raise ValueError(
                     f"{where} was sharded on {_describe_mesh(p.device_mesh)}, but "
-                    f"fully_shard_optimizer was given {_describe_mesh(mesh)}"
+                    f"fully_shard_optimizer was given {_describe_mesh(given or mesh)}"
+                    + (f" (this stage's sub-mesh {_describe_mesh(mesh)})"
+                       if given is not None and given is not mesh else "")
                     + (f" (DP sub-mesh {_describe_mesh(allowed[1])})" if len(allowed) > 1 else "")
                     + ": pass the mesh the model was fully_shard'ed (and tensor-parallelized) "
                     "on; with another mesh the grad norm, zero count and inf/nan decision would "
@@ -166,17 +187,26 @@ def _check_fsdp_params(optimizer, dp_dim: str, mesh=None) -> None:
 
 
 def fully_shard_optimizer(optimizer: torch.optim.Optimizer, mesh, *, tp_dim: str = "tp",
-                          **kwargs) -> FP32Optimizer:
+                          pp_dim: str = "pp", **kwargs) -> FP32Optimizer:
     """:class:`tpamp.FP32Optimizer` around ``optimizer`` for ``fully_shard``'ed params: the
     fp32 sharded DTensor params are the master weights (no copy is made) and found_inf, the
     grad norm, the zero count and per-parameter norms are reduced over every rank of ``mesh``.
 
     optimizer: a torch.optim.Optimizer over the params of a model already sharded with
         ``fully_shard`` (fp32 DTensors, Shard on the DP dim of ``mesh``).
-    mesh: the DeviceMesh FSDP2 shards over, 1-D (DP only; any dim name but ``tp_dim``) or 2-D
-        with a dim named ``tp_dim`` (TP x FSDP; the other dim is DP). A sub-mesh of a larger
-        mesh is fine (e.g. ``mesh["dp", "tp"]`` of tpamp.parallel's ``(pp, dp, tp)`` mesh).
-    tp_dim: the name of the TP dim.
+    mesh: the DeviceMesh of the model's layout: 1-D (DP only; any dim name but ``tp_dim`` /
+        ``pp_dim``), 2-D with a dim named ``tp_dim`` (TP x FSDP) or ``pp_dim`` (PP x FSDP),
+        or 3-D ``(pp, dp, tp)`` (tpamp.parallel's mesh, ``ParallelState.mesh``); the dim that
+        is neither is DP. Without a PP dim the params must be sharded on ``mesh`` (a sub-mesh
+        of a larger mesh is fine, e.g. ``mesh["dp", "tp"]``); with one, each pipeline stage's
+        params are sharded on its own sub-mesh without the PP dim (``mesh["dp", "tp"]`` /
+        ``mesh["dp"]`` as seen from the rank) and the grad-stats group is every rank of the
+        whole mesh: found_inf, the grad norm, the zero count and per-parameter norms are
+        agreed over PP x DP x TP, each stage's params counted on its own ranks. A tied copy on
+        another stage (the last stage's output head of the word embedding) must carry
+        ``shared = True`` (set it again after ``fully_shard``, which makes new params) so that
+        it is counted once, as in :mod:`tpamp.grad_stats`.
+    tp_dim: the name of the TP dim. pp_dim: the name of the PP dim.
     kwargs: the other arguments of :class:`tpamp.MixedPrecisionOptimizer` (grad_scaler,
         clip_grad, norm_type, log_num_zeros_in_grad, skip_nonfinite, spike_detector,
         fused_step, sync_free), with its guards (step guard, cross-rank settings check).
@@ -185,17 +215,18 @@ def fully_shard_optimizer(optimizer: torch.optim.Optimizer, mesh, *, tp_dim: str
     default group, a ``new_group``: then every rank of the default group).
     Raises TypeError for a mesh that is not a DeviceMesh or a param that is not an fp32
     DTensor; ValueError for a mesh of other dims, a param sharded on another mesh than
-    ``mesh`` (or, for a 2-D mesh, its DP sub-mesh; dims, sizes and ranks compared, both meshes
-    named), a param not sharded over the DP dim, or grad_stats_group / tensor_parallel_group
+    ``mesh`` (or its stage's sub-mesh without the PP dim, and with a TP dim its DP
+    sub-mesh; dims, sizes and ranks compared, both meshes named), a param not sharded over the DP dim, or grad_stats_group / tensor_parallel_group
     given (this function sets them). Nothing is changed when it raises.
     """
     for key in ("grad_stats_group", "tensor_parallel_group"):
         if key in kwargs:
             raise ValueError(f"fully_shard_optimizer sets {key} from the mesh; do not pass it")
-    dp_dim, tp = _mesh_dims(mesh, tp_dim)
-    _check_fsdp_params(optimizer, dp_dim, mesh)
+    pp, dp_dim, tp = _mesh_dims(mesh, tp_dim, pp_dim)
+    param_mesh = _param_mesh(mesh, pp, dp_dim, tp)
+    _check_fsdp_params(optimizer, dp_dim, param_mesh, tp, given=mesh)
     tp_group = mesh[tp].get_group() if tp is not None else None
-    dp_group = mesh[dp_dim].get_group() if mesh.ndim == 2 else mesh.get_group()
+    dp_group = mesh[dp_dim].get_group() if mesh.ndim > 1 else mesh.get_group()
     opt = FP32Optimizer(
         optimizer, grad_stats_group=_mesh_group(mesh), tensor_parallel_group=tp_group, **kwargs
     )
