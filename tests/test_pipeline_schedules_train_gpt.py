@@ -104,3 +104,17 @@ def test_fsdp2_pp2_dp2_gives_the_losses_and_grad_norms_of_dp_only(reference, tmp
     assert (summary["tp"], summary["pp"], summary["dp"]) == (1, 2, 2)
     assert summary["torch_fsdp2"] is True and "(FSDP2 fully_shard)" in stdout
     _same_as_reference(records, reference, param_norms=True)
+
+
+def test_fsdp2_pp2_dp2_tp2_on_8_ranks_gives_the_losses_and_grad_norms_of_dp_only(
+        reference, tmp_path):
+    """The layout of the whole: FSDP2 PP 2 x DP 2 x TP 2 (8 ranks), 1F1B: the reference's
+    losses, grad norms and validation losses (TP-replicated params counted on TP rank 0 only,
+    the vocab-parallel tied copy summed on its local shards)."""
+    records, summary, _ = run_train(
+        tmp_path, *FOUR_LAYERS, "--use-torch-fsdp2", "--tensor-model-parallel-size", "2",
+        "--micro-batch-size", "1", "--num-microbatches", "2", "--pipeline-schedule", "1F1B",
+        "--log-param-grad-norms", "1000", nproc=8, timeout=300,
+    )
+    assert (summary["tp"], summary["pp"], summary["dp"]) == (2, 2, 2)
+    _same_as_reference(records, reference, param_norms=True)
