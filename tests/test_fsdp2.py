@@ -6,7 +6,10 @@ the DP sub-mesh, tpamp.fsdp.fully_shard_optimizer around AdamW. The reference is
 model in float64 in one process (plain autograd, F.cross_entropy, its own clip and AdamW),
 independent of tpamp: the grad norm, zero count, per-parameter norms and the params after
 several steps must agree with it. Also: an inf in one rank's shard skips the step on every rank
-with nothing changed; a torch.distributed.checkpoint resume continues bit-identically.
+with nothing changed; a torch.distributed.checkpoint resume continues bit-identically. Under a
+pipeline (PP 2 x DP 2 on 4 ranks, PP 2 x DP 2 x TP 2 on 8; GPipe from
+torch.distributed.pipelining, fully_shard_optimizer on the whole (pp, dp, tp) mesh): the same
+reference for both stages together, and an inf in one stage's shard skips on every rank.
 """
 
 from __future__ import annotations
@@ -353,6 +356,204 @@ def test_a_mesh_other_than_the_models_is_refused_naming_both():
         assert out["unchanged"] and out["accepted"], rank
         assert "no trainable bf16 param" in out["remainders"], rank
         assert "FSDP2's sharded fp32 params" in out["remainders"], rank
+
+
+# ----------------------------------------------------------------------------- FSDP2 x PP
+
+M_PP = 2  # microbatches per step of the pipeline tests (one row each on DP 2)
+
+
+def _build_pp(tp: int, dtype, device=torch.device("cpu")):
+    """PP 2 x DP 2 (x TP ``tp``): this rank's stage of the GPT (block 0 on stage 0, block 1 and
+    the tied head copy on stage 1, the copy broadcast from the embedding), TP on mesh["tp"],
+    fully_shard on mesh["dp"], fully_shard_optimizer on the whole (pp, dp, tp) mesh, and a
+    GPipe schedule (torch.distributed.pipelining) over the stage."""
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.pipelining import ScheduleGPipe
+
+    from tpamp.parallel import initialize_model_parallel
+    from tpamp.pipelining import NoSyncPipelineStage, PipelineLoss
+
+    st = initialize_model_parallel(tp, 2)
+    model = GPTStage(GPTConfig(**CFG), 2, st.pp_rank)
+    model.init_weights(SEED)
+    tied = model.word_embedding_weight()
+    with torch.no_grad():  # the head copy starts as the embedding
+        torch.distributed.broadcast(tied, src=st.pp_ranks[0], group=st.embedding_group)
+    if tp > 1:
+        parallelize_stage(model, st.tp_mesh)
+    policy = tpamp.fsdp.mixed_precision_policy(dtype)
+    for block in model.blocks:
+        fully_shard(block, mesh=st.mesh["dp"], mp_policy=policy)
+    fully_shard(model, mesh=st.mesh["dp"], mp_policy=policy)
+    if model.is_last:
+        model.head_weight.shared = True  # fully_shard made a new param: counted on stage 0
+    groups = [
+        {"params": [p for p in model.parameters() if p.dim() >= 2], "weight_decay": WD},
+        {"params": [p for p in model.parameters() if p.dim() < 2], "weight_decay": 0.0},
+    ]
+    scaler = None
+    if dtype == torch.float16:
+        scaler = tpamp.DynamicGradScaler(initial_scale=2.0**10, hysteresis=1)
+    opt = tpamp.fsdp.fully_shard_optimizer(
+        torch.optim.AdamW(groups, lr=LR, betas=(0.9, 0.999), eps=1e-8), st.mesh,
+        grad_scaler=scaler, clip_grad=CLIP, log_num_zeros_in_grad=True,
+    )
+    tracker = tpamp.fsdp.track_param_grad_norms(opt, model.global_named_parameters())
+    mb = BATCH // st.dims.dp // M_PP
+    if model.is_first:
+        example_in = torch.zeros(mb, T, dtype=torch.long)
+    else:
+        example_in = torch.empty(mb, T, CFG["hidden_size"], dtype=dtype, requires_grad=True)
+    out_shape = (mb, T, CFG["vocab_size"] // tp) if model.is_last else (mb, T, CFG["hidden_size"])
+    example_out = torch.empty(out_shape, dtype=dtype, requires_grad=True)
+    stage = NoSyncPipelineStage(model, st.pp_rank, 2, device, input_args=(example_in,),
+                                output_args=(example_out,), group=st.pp_group)
+    loss = PipelineLoss(
+        lambda logits, y: tpamp.vocab_parallel_cross_entropy(logits, y, st.tp_group).float().mean(),
+        M_PP, opt)
+    schedule = ScheduleGPipe(stage, n_microbatches=M_PP, loss_fn=loss, scale_grads=False)
+    return st, model, opt, tracker, schedule, loss
+
+
+def _pp_step(st, model, opt, tracker, schedule, loss_fn, step, inject=None):
+    from tpamp.common import local_tensor
+
+    x, y = _batch(step)
+    per_dp = BATCH // st.dims.dp
+    x, y = x[st.dp_rank * per_dp:][:per_dp], y[st.dp_rank * per_dp:][:per_dp]
+    losses = [] if model.is_last else None
+    scale = opt.get_loss_scale().clone()
+    schedule.step(*((x,) if model.is_first else ()), target=y if model.is_last else None,
+                  losses=losses)
+    tied = model.word_embedding_weight()  # the embedding's and the head copy's grads summed
+    grad = local_tensor(tied.grad)          # on the local shards (same DP x TP placements)
+    torch.distributed.all_reduce(grad, group=st.embedding_group)
+    if inject is not None and (st.pp_rank, st.dp_rank, st.tp_rank) == inject:
+        # one element of this rank's own shard of stage 1's block (global blocks.1)
+        model.blocks[0].mlp.fc1.weight.grad.to_local().view(-1)[0] = math.inf
+    result = opt.step(param_grad_norms=True)
+    opt.zero_grad()
+    loss = None
+    if model.is_last:  # this DP rank's mean over its microbatches, then the mean over DP
+        mean = torch.stack(loss_fn.unscale(losses, scale)).mean()
+        torch.distributed.all_reduce(mean, group=st.dp_group)
+        loss = mean.item() / st.dims.dp
+    return dict(ok=result.update_successful, grad_norm=result.grad_norm,
+                zeros=result.num_zeros_in_grad, norms=dict(tracker.norms), loss=loss,
+                scale=scale.item())
+
+
+def _run_pp(rank, world, tp, dtype, steps, inject):
+    st, model, opt, tracker, schedule, loss_fn = _build_pp(tp, dtype)
+    records, snapshots = [], []
+    for step in range(1, steps + 1):
+        records.append(_pp_step(st, model, opt, tracker, schedule, loss_fn, step,
+                                inject=inject[1] if inject and step == inject[0] else None))
+        snapshots.append({n: p.full_tensor().detach().double().clone()
+                          for n, p in model.global_named_parameters()})
+    steps_taken = [int(s["step"]) for s in opt.optimizer.state.values()]
+    return dict(records=records, snapshots=snapshots, steps_taken=steps_taken,
+                pp_rank=st.pp_rank)
+
+
+def _merged(results, i):
+    """The whole model's params after step i + 1 from both stages; the head copy apart."""
+    params, head = {}, None
+    for res in results:
+        snap = dict(res["snapshots"][i])
+        head = snap.pop("head_weight", head)
+        params.update(snap)
+    return params, head
+
+
+PP_LAYOUTS = [pytest.param(1, 4, id="pp2xdp2"), pytest.param(2, 8, id="pp2xdp2xtp2")]
+
+
+@pytest.mark.parametrize("tp,world", PP_LAYOUTS)
+def test_pp_mesh_matches_fp64_unsharded_model(tp, world):
+    """fp32 on the (pp 2, dp 2, tp) mesh: every rank of both stages reports the unsharded
+    model's grad norm, zero count (each element once: DP shards, TP shards, TP-replicated
+    params on TP rank 0, the tied copy not at all) and per-parameter norms of both stages; the
+    last stage's DP-mean loss is the reference's; the params of both stages after 3 steps are
+    the reference's and the tied copy stays equal to the embedding."""
+    steps = 3
+    ref, ref_params = _reference(steps)
+    results = run_workers(_run_pp, world, tp, torch.float32, steps, None, timeout=150)
+    for rank, res in enumerate(results):
+        for step, (got, want) in enumerate(zip(res["records"], ref), start=1):
+            where = f"rank {rank} step {step}"
+            assert got["ok"], where
+            assert got["grad_norm"] == pytest.approx(want["grad_norm"], rel=1e-5), where
+            assert set(got["norms"]) == set(want["norms"]), where
+            for name, norm in want["norms"].items():
+                assert got["norms"][name] == pytest.approx(norm, rel=1e-5, abs=1e-7), (where, name)
+            assert want["zeros"] <= got["zeros"] <= want["near_zeros"], where
+            if got["loss"] is not None:
+                assert got["loss"] == pytest.approx(want["loss"], rel=1e-5), where
+        assert res["steps_taken"] and set(res["steps_taken"]) == {steps}
+    params, head = _merged(results, -1)
+    assert set(params) == set(ref_params)
+    _assert_params_close(params, ref_params, ref, torch.float32)
+    torch.testing.assert_close(head, params["wte.weight"], rtol=0, atol=0)
+
+
+def test_inf_in_one_stage_shard_skips_on_every_rank_of_the_pipeline():
+    """fp16, PP 2 x DP 2: an inf in the shard of stage 1, DP rank 1 skips step 2 on all four
+    ranks (both stages): nothing changed, the scale halved, the culprit named everywhere."""
+    steps, bad = 3, 2
+    results = run_workers(_run_pp, 4, 1, torch.float16, steps, (bad, (1, 1, 0)), timeout=150)
+    scale0 = results[0]["records"][0]["scale"]
+    for rank, res in enumerate(results):
+        rec = res["records"]
+        assert [r["ok"] for r in rec] == [True, False, True], rank
+        assert rec[1]["grad_norm"] is None and rec[1]["zeros"] is None
+        assert rec[1]["scale"] == scale0 and rec[2]["scale"] == scale0 / 2, rank
+        top = next(iter(tpamp.param_norms.top_k(rec[1]["norms"], 1)))
+        assert top == "blocks.1.mlp.fc1.weight", (rank, top)
+        assert set(res["steps_taken"]) == {steps - 1}
+        snaps = res["snapshots"]
+        for name in snaps[0]:  # nothing changed on the skipped step, bit for bit
+            assert torch.equal(snaps[0][name], snaps[1][name]), (rank, name)
+    assert {res["pp_rank"] for res in results} == {0, 1}
+
+
+def _pp_mesh_checks(rank, world):
+    """The (pp, dp) mesh without a TP dim is accepted; the stage's params given with a mesh
+    whose DP dim is not theirs are refused, naming the stage's sub-mesh."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "dp"))
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 4)
+    fully_shard(model, mesh=mesh["dp"])
+    out = {}
+    opt = tpamp.fsdp.fully_shard_optimizer(torch.optim.SGD(model.parameters(), lr=0.1), mesh)
+    model(torch.ones(2, 4)).sum().backward()
+    out["group_size"] = torch.distributed.get_world_size(opt.grad_stats_group)
+    out["ok"] = opt.step().update_successful
+    swapped = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "pp"))
+    try:
+        tpamp.fsdp.fully_shard_optimizer(torch.optim.SGD(model.parameters(), lr=0.1), swapped)
+        out["swapped"] = None
+    except ValueError as e:
+        out["swapped"] = str(e)
+    try:
+        tpamp.fsdp.fully_shard_optimizer(
+            torch.optim.SGD(model.parameters(), lr=0.1),
+            init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "tp")))
+        out["no_dp"] = None
+    except ValueError as e:
+        out["no_dp"] = str(e)
+    return out
+
+
+def test_pp_mesh_is_accepted_and_a_mismatched_one_refused():
+    for rank, out in enumerate(run_workers(_pp_mesh_checks, 4, timeout=60)):
+        assert out["ok"] and out["group_size"] == 4, rank
+        assert "this stage's sub-mesh DeviceMesh(dims ('dp',)" in out["swapped"], rank
+        assert "expected exactly one DP dim" in out["no_dp"], rank
 
 
 # ----------------------------------------------------------------------------- the main job
