@@ -6,7 +6,8 @@ the pipeline runs must log the losses, grad norms and validation losses of the D
 (TP 1 x PP 1: no pipeline at all, the head is the embedding itself) to 1e-5: GPipe on TP 2 x
 PP 2, 1F1B on PP 4, Interleaved1F1B on PP 2 x DP 2 with 2 model chunks per rank (with the
 distributed optimizer overlapping its reduce-scatters with backward, and per-parameter grad
-norms by global layer name), LoopedBFS on TP 2 x PP 2 with 2 chunks. A checkpoint written by
+norms by global layer name), LoopedBFS on TP 2 x PP 2 with 2 chunks, and FSDP2
+(--use-torch-fsdp2) under 1F1B on PP 2 x DP 2 and PP 2 x DP 2 x TP 2 (8 ranks). A checkpoint written by
 the interleaved run resumes under 1F1B on TP 2 x PP 2 and continues the reference.
 """
 
