@@ -96,15 +96,23 @@ def test_fsdp2_pp2_dp2_gives_the_losses_and_grad_norms_of_dp_only(reference, tmp
     on its DP sub-mesh inside the schedule, the tied head copy's DTensor grad summed with the
     embedding's over the embedding group, tpamp.fsdp.fully_shard_optimizer on the whole
     (pp, dp, tp) mesh: the reference's losses, grad norms, validation losses and per-parameter
-    norms by global name (the tied copy counted once)."""
+    norms by global name (the tied copy counted once). Its checkpoint at iteration 4 (FSDP2's
+    DTensors) resumes without FSDP2 under GPipe on TP 2 x PP 2 and continues the reference."""
     records, summary, stdout = run_train(
-        tmp_path, *FOUR_LAYERS, *TP1, "--use-torch-fsdp2", "--micro-batch-size", "1",
+        tmp_path / "fsdp2", *FOUR_LAYERS, *TP1, "--use-torch-fsdp2", "--micro-batch-size", "1",
         "--num-microbatches", "2", "--pipeline-schedule", "1F1B",
-        "--log-param-grad-norms", "1000",
+        "--log-param-grad-norms", "1000", "--save", str(tmp_path / "ckpt"), "--save-interval", "4",
     )
     assert (summary["tp"], summary["pp"], summary["dp"]) == (1, 2, 2)
     assert summary["torch_fsdp2"] is True and "(FSDP2 fully_shard)" in stdout
     _same_as_reference(records, reference, param_norms=True)
+    resumed, summary, _ = run_train(
+        tmp_path / "resumed", *FOUR_LAYERS, "--micro-batch-size", "2", "--num-microbatches", "2",
+        "--pipeline-schedule", "GPipe", "--load", str(tmp_path / "ckpt"), "--ckpt-step", "4",
+    )
+    assert (summary["tp"], summary["pp"], summary["dp"], summary["torch_fsdp2"]) == (2, 2, 1, False)
+    assert [r["iteration"] for r in resumed] == list(range(5, ITERS + 1))
+    _same_as_reference(resumed, reference, start=4)
 
 
 def test_fsdp2_pp2_dp2_tp2_on_8_ranks_gives_the_losses_and_grad_norms_of_dp_only(
