@@ -920,7 +920,7 @@ def build(args, st, device) -> Run:
     )
     tracker = None
     if args.log_param_grad_norms:  # names with the global layer index: unique across stages
-        if args.use_torch_fsdp2:  # every rank of the TP x DP mesh holds a piece of each param
+        if args.use_torch_fsdp2:  # a stage's TP x DP ranks each hold a piece of its params
             tracker = tpamp.fsdp.track_param_grad_norms(optimizer, stage.global_named_parameters())
         else:
             tracker = optimizer.track_param_grad_norms(stage.global_named_parameters())

@@ -14,7 +14,7 @@ not have:
   Megatron-LM's semantics): ``opt.scale_loss(loss).backward()`` runs the fp16 backward on the
   scaled loss; ``step()`` unscales the fp32 sharded grads;
 * the inf/nan decision agreed over the whole mesh: the grad-stats group is every rank of the
-  mesh (TP x DP), so an inf in one DP rank's shard skips the step on every rank, nothing changed;
+  mesh (TP x DP, or PP x DP x TP under a pipeline), so an inf in one DP rank's shard skips the step on every rank, nothing changed;
 * the global grad norm (clipping), zero count and per-parameter grad norms with every element
   counted once: a DP shard counts on its rank, a TP shard on its rank, a param replicated over
   TP (FSDP2 shards it over the DP mesh only, e.g. a LayerNorm weight) on TP rank 0 only
