@@ -93,8 +93,8 @@ def prepare(rev: str, scratch: str) -> str:
 def time_tree(tree: str, args) -> float:
     env = dict(os.environ, PYTHONPATH=tree, OMP_NUM_THREADS=str(args.threads))
     out = subprocess.run([sys.executable, "-c", CHILD, str(args.numel), str(args.tensors),
-                          str(args.steps)], env=env, check=True, capture_output=True,
-                         text=True).stdout
+                          str(args.steps)], env=env, cwd=tree, check=True, capture_output=True,
+                         text=True).stdout  # cwd: `python -c` puts it first on sys.path
     row = json.loads(out.strip().splitlines()[-1])
     if not row["tpamp"].startswith(tree):
         raise SystemExit(f"the child imported {row['tpamp']}, not the tree {tree}")
