@@ -140,3 +140,15 @@ def refused_construction(build, inner, params, exc, words):
         assert w in str(info.value), (w, str(info.value))
     assert _inner_picture(inner, params) == before and wrapped_by(inner) is None
     return str(info.value)
+
+
+def set_in(path, value):
+    """A state-dict edit for the load tables: ``sd[path[0]][path[1]]... = value`` (or
+    ``value(old)`` when ``value`` is callable); returns the edited ``sd``."""
+    def edit(sd):
+        d = sd
+        for k in path[:-1]:
+            d = d[k]
+        d[path[-1]] = value(d[path[-1]]) if callable(value) else value
+        return sd
+    return edit

@@ -17,6 +17,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from dist_utils import freeze, run_workers, tensor_bytes
+from misuse_utils import set_in as _set_in
 
 import tpamp
 from tpamp._guards import wrapped_by
@@ -106,16 +107,6 @@ def _load(edit, on_rank=None, **kw):
         bad = edit(sd) if on_rank is None or rank == on_rank else sd
         return opt, params, lambda: opt.load_state_dict(bad)
     return setup
-
-
-def _set_in(path, value):
-    def edit(sd):
-        d = sd
-        for k in path[:-1]:
-            d = d[k]
-        d[path[-1]] = value(d[path[-1]]) if callable(value) else value
-        return sd
-    return edit
 
 
 def _drop(key):

@@ -18,6 +18,7 @@ import pytest
 import torch
 from dist_utils import freeze, tensor_bytes
 from misuse_utils import Case, assert_every_setup_case_refused_by_tpamp, assert_refused_and_unchanged
+from misuse_utils import set_in as _set_in
 
 import tpamp
 from tpamp import GradSpikeError
@@ -155,16 +156,6 @@ def _with_spikes(edit):
         sd = edit(sd)
         return _watch(opt, params, det), lambda: opt.load_state_dict(sd)
     return setup
-
-
-def _set_in(path, value):
-    def edit(sd):
-        d = sd
-        for k in path[:-1]:
-            d = d[k]
-        d[path[-1]] = value
-        return sd
-    return edit
 
 
 def _sgd_into_adam(sd):
@@ -371,7 +362,6 @@ def test_an_optimizer_class_without_hash_can_still_be_wrapped_once():
     assert opt.step().update_successful
     with pytest.raises(ValueError, match="already wrapped"):
         tpamp.MixedPrecisionOptimizer(inner, grad_scaler=tpamp.ConstantGradScaler(2.0))
-
 
 
 def test_a_step_after_zero_grad_or_a_new_backward_is_accepted():
