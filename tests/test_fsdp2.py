@@ -91,19 +91,13 @@ def _reference(steps: int, skip_steps=()):
 
 
 def _build(tp: int, dtype, *, hysteresis: int = 2, seed: int = SEED):
-    from torch.distributed.fsdp import fully_shard
 
     from tpamp.parallel import initialize_model_parallel
 
     st = initialize_model_parallel(tp, 1)
     model = GPTStage(GPTConfig(**CFG))
     model.init_weights(seed)
-    if tp > 1:
-        parallelize_stage(model, st.tp_mesh)
-    policy = tpamp.fsdp.mixed_precision_policy(dtype)
-    for block in model.blocks:
-        fully_shard(block, mesh=st.mesh["dp"], mp_policy=policy)
-    fully_shard(model, mesh=st.mesh["dp"], mp_policy=policy)
+    _tp_then_fully_shard(model, st, tp, dtype)
     groups = [
         {"params": [p for p in model.parameters() if p.dim() >= 2], "weight_decay": WD},
         {"params": [p for p in model.parameters() if p.dim() < 2], "weight_decay": 0.0},
@@ -142,6 +136,18 @@ def _train_step(st, model, opt, tracker, step: int, inject_rank=None):
 
 def _full_params(model):
     return {n: p.full_tensor().detach().double().clone() for n, p in model.named_parameters()}
+
+
+def _tp_then_fully_shard(model, st, tp, dtype):
+    """torchtitan's order: DTensor TP over st.tp_mesh (when tp > 1), then FSDP2 over the DP
+    mesh, each block and the root, with tpamp's fp16/bf16-compute, fp32-reduce policy."""
+    from torch.distributed.fsdp import fully_shard
+    if tp > 1:
+        parallelize_stage(model, st.tp_mesh)
+    policy = tpamp.fsdp.mixed_precision_policy(dtype)
+    for block in model.blocks:
+        fully_shard(block, mesh=st.mesh["dp"], mp_policy=policy)
+    fully_shard(model, mesh=st.mesh["dp"], mp_policy=policy)
 
 
 def _run(rank, world, tp, dtype, steps, inject):
@@ -374,7 +380,6 @@ def _build_pp(tp: int, dtype, device=torch.device("cpu")):
     the tied head copy on stage 1, the copy broadcast from the embedding), TP on mesh["tp"],
     fully_shard on mesh["dp"], fully_shard_optimizer on the whole (pp, dp, tp) mesh, and a
     GPipe schedule (torch.distributed.pipelining) over the stage."""
-    from torch.distributed.fsdp import fully_shard
     from torch.distributed.pipelining import ScheduleGPipe
 
     from tpamp.parallel import initialize_model_parallel
@@ -386,12 +391,7 @@ def _build_pp(tp: int, dtype, device=torch.device("cpu")):
     tied = model.word_embedding_weight()
     with torch.no_grad():  # the head copy starts as the embedding
         torch.distributed.broadcast(tied, src=st.pp_ranks[0], group=st.embedding_group)
-    if tp > 1:
-        parallelize_stage(model, st.tp_mesh)
-    policy = tpamp.fsdp.mixed_precision_policy(dtype)
-    for block in model.blocks:
-        fully_shard(block, mesh=st.mesh["dp"], mp_policy=policy)
-    fully_shard(model, mesh=st.mesh["dp"], mp_policy=policy)
+    _tp_then_fully_shard(model, st, tp, dtype)
     if model.is_last:
         model.head_weight.shared = True  # fully_shard made a new param: counted on stage 0
     groups = [
