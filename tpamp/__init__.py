@@ -38,6 +38,7 @@ from tpamp.grad_stats import (
     filter_grads_for_norm,
     get_grad_norm_fp32,
 )
+from tpamp.layerwise_optimizer import LayerWiseDistributedOptimizer
 from tpamp.logger import TrainingLogger
 from tpamp.model import (
     NaiveAMPModel,
@@ -68,6 +69,7 @@ __all__ = [
     "get_grad_norm_fp32",
     "GradSpikeError",
     "initialize",
+    "LayerWiseDistributedOptimizer",
     "LossScaleUnderflowError",
     "MegatronGradScaler",
     "MixedPrecisionOptimizer",

@@ -1,0 +1,177 @@
+"""LayerWiseDistributedOptimizer (docs/spec.md section 18): whole params owned by one DP rank
+each. Through it, torch.optim.Muon and torch.optim.Adafactor at DP 2 equal a single-process
+float64 run of the same torch optimizer class on the DP-mean gradients (to fp32 rounding),
+fp32 and fp16 models, with the loss scaler's skip on every rank; state bytes per rank are
+about 1/DP of the replicated wrapper's; a checkpoint saved at DP 2 resumes at DP 1 and DP 4
+(and in a replicated MixedPrecisionOptimizer) bit-identically to the uninterrupted run."""
+
+import math
+
+import numpy as np
+import pytest
+import torch
+import torch.distributed as dist
+from dist_utils import run_workers
+
+import tpamp
+from tpamp.layerwise_optimizer import layerwise_cost, layerwise_owners
+
+checkpoint = pytest.importorskip("tpamp.checkpoint")
+
+MATRICES = {"w1": (8, 6), "w2": (6, 8), "w3": (12, 6), "w4": (6, 6), "w5": (4, 10)}
+VECTORS = {"b1": (6,), "ln": (8,)}
+DP = 2  # the reference's data-parallel size: the mean of this many ranks' grads
+STEPS = 5
+INF_STEP = 2  # DP rank 1 alone gets an inf in w1's grad at this step
+
+
+def _shapes(opt_name):
+    return dict(MATRICES) if opt_name == "muon" else {**MATRICES, **VECTORS}
+
+
+def _inner(opt_name, params):
+    if opt_name == "muon":
+        return torch.optim.Muon(params, lr=0.02, weight_decay=0.1, momentum=0.95)
+    return torch.optim.Adafactor(params, lr=0.01, weight_decay=0.1)
+
+
+def _values(shapes, dtype):
+    g = torch.Generator().manual_seed(0)
+    return {k: torch.randn(s, generator=g, dtype=torch.float64).to(dtype) for k, s in shapes.items()}
+
+
+def _grad(name, shape, rank, step):
+    """float64 grad of one DP rank: multiples of 1/16 with <= 7 significant bits (exact in
+    fp16 and fp32, and so is their sum and mean over ranks); a quarter of the elements are zero
+    on every rank."""
+    i = sorted(MATRICES | VECTORS).index(name)
+    g = torch.Generator().manual_seed(1000 * step + 10 * i + rank)
+    t = torch.round(torch.randn(shape, generator=g, dtype=torch.float64).clamp(-3.9, 3.9) * 16) / 16
+    zeros = torch.rand(shape, generator=torch.Generator().manual_seed(1000 * step + i)) < 0.25
+    return torch.where(zeros, torch.zeros_like(t), t)
+
+
+def _np(t):
+    return t.detach().double().numpy().copy()
+
+
+def _reference(opt_name, dtype, clip_grad):
+    """Single process, float64: the same torch optimizer class on the DP-mean grads, Megatron's
+    clip (coefficient clip / (norm + 1e-6) when < 1), the inf step skipped."""
+    shapes = _shapes(opt_name)
+    params = {k: torch.nn.Parameter(v.double()) for k, v in _values(shapes, dtype).items()}
+    opt = _inner(opt_name, list(params.values()))
+    stats = []
+    for step in range(STEPS):
+        if step == INF_STEP:
+            stats.append((False, None, None))
+            continue
+        grads = {k: sum(_grad(k, s, r, step) for r in range(DP)) / DP for k, s in shapes.items()}
+        flat = torch.cat([g.reshape(-1) for g in grads.values()])
+        norm = float(flat.norm())
+        coeff = clip_grad / (norm + 1e-6) if clip_grad > 0 else 1.0
+        for k, p in params.items():
+            p.grad = grads[k] * min(coeff, 1.0)
+        opt.step()
+        stats.append((True, norm, int((flat == 0).sum())))
+    return {k: _np(p) for k, p in params.items()}, stats
+
+
+def _build(opt_name, dtype, group, kind="layerwise", clip_grad=4.0, offset=0.0):
+    shapes = _shapes(opt_name)
+    params = {k: torch.nn.Parameter(v + offset) for k, v in _values(shapes, dtype).items()}
+    scaler = (tpamp.DynamicGradScaler(initial_scale=2.0**8, hysteresis=1, growth_interval=2)
+              if dtype == torch.float16 else None)
+    kw = dict(grad_scaler=scaler, clip_grad=clip_grad, log_num_zeros_in_grad=True,
+              param_names=params.items())
+    inner = _inner(opt_name, list(params.values()))
+    if kind == "layerwise":
+        opt = tpamp.LayerWiseDistributedOptimizer(inner, data_parallel_group=group, **kw)
+    else:
+        opt = tpamp.MixedPrecisionOptimizer(inner, **kw)
+    return params, opt
+
+
+def _feed(params, opt, rank, world, step, replicated=False):
+    """This rank's loss-scaled grads for ``step``: the DP-2 run's rank ``rank``; at DP 1 the
+    mean of both; at DP 4 ranks 2r and 2r+1 stand for DP-2 rank r (same mean)."""
+    scale = float(opt.get_loss_scale())
+    if replicated or world == 1:
+        mine = range(DP)
+    else:
+        mine = [rank * DP // world]
+    for k, p in params.items():
+        g = sum(_grad(k, p.shape, r, step) for r in mine) / len(mine) * scale
+        if step == INF_STEP and k == "w1" and (DP - 1) in mine:
+            g[0, 0] = math.inf
+        p.grad = g.to(p.dtype)
+
+
+def _steps(params, opt, rank, world, start, n, replicated=False):
+    out = []
+    for step in range(start, start + n):
+        _feed(params, opt, rank, world, step, replicated)
+        out.append(tuple(opt.step()))
+        opt.zero_grad()
+    return out
+
+
+def _train(rank, world, opt_name, dtype):
+    params, opt = _build(opt_name, dtype, dist.group.WORLD)
+    stats = _steps(params, opt, rank, world, 0, STEPS)
+    masters = {k: _np(v) for k, v in opt.sharded_state_dict(params)["main_params"].items()}
+    _, replicated = _build(opt_name, dtype, None, kind="replicated")
+    _steps(_, replicated, rank, world, 0, 1, replicated=True)  # state exists after a step
+    return dict(stats=stats, params={k: _np(p) for k, p in params.items()}, masters=masters,
+                owners=opt.owners(), scale=float(opt.get_loss_scale()),
+                state_bytes=opt.optimizer_state_bytes(),
+                replicated_bytes=replicated.optimizer_state_bytes())
+
+
+def test_owners_balance_newton_schulz_cost_deterministically():
+    # costs 64, 512, 2, 512: 512 (index 1) -> rank 0, 512 (index 3) -> rank 1, 64 -> rank 0
+    # (tie at 512: the lower rank), 2 -> rank 1 (514 < 576)
+    assert layerwise_owners([(4, 4), (8, 8), (2,), (8, 8)], 2) == [0, 0, 1, 1]
+    assert layerwise_cost((12, 6)) == 12 * 6 * 6 and layerwise_cost((4, 2, 5)) == 4 * 10 * 4
+    assert layerwise_cost((7,)) == 7 and layerwise_cost(()) == 1
+    assert layerwise_owners([(3, 3)] * 5, 1) == [0] * 5
+    with pytest.raises(ValueError, match="dp_size"):
+        layerwise_owners([(2, 2)], 0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
+@pytest.mark.parametrize("opt_name", ["muon", "adafactor"])
+def test_dp2_equals_single_process_float64_with_the_same_torch_optimizer(opt_name, dtype):
+    want, want_stats = _reference(opt_name, dtype, clip_grad=4.0)
+    results = run_workers(_train, DP, opt_name, dtype)
+    owners = results[0]["owners"]
+    assert owners == results[1]["owners"] and set(owners.values()) == {0, 1}
+    for rank, res in enumerate(results):
+        # every DP rank takes the same decisions: the inf on rank 1 skips the step everywhere
+        assert [s[0] for s in res["stats"]] == [s[0] for s in want_stats], rank
+        for (ok, norm, zeros), (_, wnorm, wzeros) in zip(res["stats"], want_stats):
+            if ok:  # each param counted once over DP
+                assert math.isclose(norm, wnorm, rel_tol=1e-5) and zeros == wzeros, rank
+        assert res["scale"] == results[0]["scale"]
+        assert set(res["masters"]) == {k for k, o in owners.items() if o == rank}
+        for k, v in res["params"].items():  # the broadcast: every rank has every param
+            assert np.array_equal(v, results[owners[k]]["params"][k]), (rank, k)
+    if dtype == torch.float16:
+        # 2**8, grown after steps 0-1, halved at the skip, grown after steps 3-4
+        assert results[0]["scale"] == 2.0**8 * 2 / 2 * 2
+    masters = {k: v for res in results for k, v in res["masters"].items()}
+    assert set(masters) == set(want)
+    for k in want:  # fp32 main params against the float64 run, to fp32 rounding
+        np.testing.assert_allclose(masters[k], want[k], rtol=2e-5, atol=2e-6, err_msg=k)
+        if dtype == torch.float16:
+            assert np.array_equal(results[0]["params"][k],
+                                  torch.from_numpy(masters[k]).half().double().numpy()), k
+
+
+@pytest.mark.parametrize("opt_name", ["muon", "adafactor"])
+def test_state_bytes_per_rank_are_about_one_over_dp_of_the_replicated(opt_name):
+    results = run_workers(_train, DP, opt_name, torch.float16)
+    replicated = results[0]["replicated_bytes"]
+    mine = [r["state_bytes"] for r in results]
+    assert sum(mine) == replicated  # every param's masters and state on exactly one rank
+    assert max(mine) <= 0.6 * replicated, (mine, replicated)
