@@ -175,3 +175,189 @@ def test_state_bytes_per_rank_are_about_one_over_dp_of_the_replicated(opt_name):
     mine = [r["state_bytes"] for r in results]
     assert sum(mine) == replicated  # every param's masters and state on exactly one rank
     assert max(mine) <= 0.6 * replicated, (mine, replicated)
+
+
+CKPT_CONFIGS = (("muon", torch.float16), ("adafactor", torch.float32))
+
+
+def _everything(params, opt):
+    masters = {k: _np(v) for k, v in opt.sharded_state_dict(params)["main_params"].items()}
+    return {k: _np(p) for k, p in params.items()}, masters, float(opt.get_loss_scale())
+
+
+def _save_and_continue(rank, world, path):
+    out = {}
+    for opt_name, dtype in CKPT_CONFIGS:
+        params, opt = _build(opt_name, dtype, dist.group.WORLD, clip_grad=0.0)
+        _steps(params, opt, rank, world, 0, 3)  # the inf step (2) included
+        checkpoint.save_checkpoint(f"{path}/{opt_name}", params, opt, extra={"iteration": 3})
+        rest = _steps(params, opt, rank, world, 3, 3)
+        out[opt_name] = (rest, *_everything(params, opt))
+    return out
+
+
+def _load_and_continue(rank, world, path, kind):
+    out = {}
+    for opt_name, dtype in CKPT_CONFIGS:
+        group = dist.group.WORLD if kind == "layerwise" else None
+        # another init (offset): everything must come from the checkpoint
+        params, opt = _build(opt_name, dtype, group, kind=kind, clip_grad=0.0, offset=1.0)
+        got = checkpoint.load_checkpoint(f"{path}/{opt_name}", params, opt,
+                                         extra={"iteration": None})
+        assert got["iteration"] == 3
+        rest = _steps(params, opt, rank, world, 3, 3, replicated=kind != "layerwise")
+        out[opt_name] = (rest, *_everything(params, opt))
+    return out
+
+
+def test_checkpoint_saved_at_dp2_resumes_at_dp1_dp4_and_replicated_bit_identically(tmp_path):
+    path = str(tmp_path / "ckpt")
+    saved = run_workers(_save_and_continue, DP, path)
+    runs = {
+        "dp1": run_workers(_load_and_continue, 1, path, "layerwise"),
+        "dp4": run_workers(_load_and_continue, 4, path, "layerwise"),
+        "replicated": run_workers(_load_and_continue, 1, path, "replicated"),
+    }
+    for opt_name, _ in CKPT_CONFIGS:
+        want_rest, want_params, _, want_scale = saved[0][opt_name]
+        want_masters = {k: v for res in saved for k, v in res[opt_name][2].items()}
+        assert all(r[0] for r in want_rest)
+        for run, results in runs.items():
+            masters = {k: v for res in results for k, v in res[opt_name][2].items()}
+            assert set(masters) == set(want_masters), (opt_name, run)
+            for rank, res in enumerate(results):
+                rest, params, _, scale = res[opt_name]
+                assert scale == want_scale, (opt_name, run)
+                for (ok, norm, zeros), (wok, wnorm, wzeros) in zip(rest, want_rest):
+                    # the norm is summed over other partitions: equal to fp32 rounding only
+                    assert ok == wok and zeros == wzeros and math.isclose(norm, wnorm,
+                                                                          rel_tol=1e-6)
+                for k in want_params:
+                    assert np.array_equal(params[k], want_params[k]), (opt_name, run, rank, k)
+            for k in want_masters:
+                assert np.array_equal(masters[k], want_masters[k]), (opt_name, run, k)
+
+
+# -- TP 2 x DP 2: each TP rank holds its shard; TP peers own the same params ------------------
+
+TP_STEPS = 3
+
+
+def _tp_inner(opt_name, params):
+    if opt_name == "muon":
+        return torch.optim.Muon(params, lr=0.02, weight_decay=0.1)
+    return torch.optim.AdamW(params, lr=0.01, weight_decay=0.1)
+
+
+def _tp_names(opt_name):
+    from model_fixture import FULL_MODEL
+
+    return [k for k, (s, _, _) in FULL_MODEL.items() if opt_name != "muon" or len(s) == 2]
+
+
+def _tp_full(params, st, style):
+    """Each param's full value (the TP shards put together), float64 numpy."""
+    from model_fixture import FULL_MODEL
+
+    out = {}
+    for k, p in params.items():
+        kind = FULL_MODEL[k][2]
+        if style == "dtensor":
+            out[k] = _np(p.full_tensor())
+        elif kind == "rep":
+            out[k] = _np(p)
+        else:
+            parts = [torch.empty_like(p.detach()) for _ in range(2)]
+            dist.all_gather(parts, p.detach().contiguous(), group=st.tp_group)
+            out[k] = _np(torch.cat(parts, dim=0 if kind == "col" else 1))
+    return out
+
+
+def _tp_train(rank, world, style):
+    from model_fixture import FULL_MODEL, full_grads, local_slice, shard_params
+    from torch.distributed.tensor import DTensor
+
+    from tpamp.parallel import initialize_model_parallel
+
+    st = initialize_model_parallel(2, 1)  # TP 2 x DP 2
+    out = {}
+    for opt_name in ("adamw", "muon"):
+        runs = {}
+        for kind in ("layerwise", "replicated"):
+            params = shard_params(st, full_grads(0), style=style)
+            params = {k: params[k] for k in _tp_names(opt_name)}
+            common = dict(clip_grad=1.0, tensor_parallel_group=st.tp_group,
+                          log_num_zeros_in_grad=True, param_names=params.items())
+            inner = _tp_inner(opt_name, list(params.values()))
+            if kind == "layerwise":
+                opt = tpamp.LayerWiseDistributedOptimizer(
+                    inner, data_parallel_group=st.dp_group, grad_stats_group=dist.group.WORLD,
+                    **common)
+            else:  # the replicated wrapper on the DP-mean grads, reduced over TP only
+                opt = tpamp.MixedPrecisionOptimizer(inner, grad_stats_group=st.tp_group, **common)
+            stats = []
+            for step in range(TP_STEPS):
+                if kind == "layerwise":
+                    g = full_grads(seed=100 * step + st.dp_rank)
+                else:
+                    gs = [full_grads(seed=100 * step + r) for r in range(2)]
+                    g = {k: (gs[0][k] + gs[1][k]) / 2 for k in gs[0]}
+                for k, p in params.items():
+                    loc = local_slice(g[k], FULL_MODEL[k][2], 2, st.tp_rank).float()
+                    p.grad = (DTensor.from_local(loc, st.tp_mesh, p.placements, run_check=False)
+                              if style == "dtensor" else loc)
+                stats.append(tuple(opt.step()))
+                opt.zero_grad()
+            runs[kind] = (stats, _tp_full(params, st, style))
+            if kind == "layerwise":
+                runs["owners"] = opt.owners()
+        out[opt_name] = runs
+    return out
+
+
+def _tp_reference(opt_name):
+    """float64, one process, the unsharded model: AdamW on the DP-mean grads with the clip."""
+    from model_fixture import FULL_MODEL, full_grads
+
+    names = _tp_names(opt_name)
+    params = {k: torch.nn.Parameter(torch.randn(
+        FULL_MODEL[k][0], generator=torch.Generator().manual_seed(len(k)),
+        dtype=torch.float64).float().double()) for k in names}
+    opt = _tp_inner(opt_name, list(params.values()))
+    norms = []
+    for step in range(TP_STEPS):
+        gs = [full_grads(seed=100 * step + r) for r in range(2)]
+        grads = {k: (gs[0][k] + gs[1][k]) / 2 for k in names}
+        flat = torch.cat([g.reshape(-1) for g in grads.values()])
+        norms.append((float(flat.norm()), int((flat == 0).sum())))
+        coeff = min(1.0, 1.0 / (norms[-1][0] + 1e-6))
+        for k, p in params.items():
+            p.grad = grads[k] * coeff
+        opt.step()
+    return {k: _np(p) for k, p in params.items()}, norms
+
+
+@pytest.mark.parametrize("style", ["megatron", "dtensor"])
+def test_tp2_dp2_equals_float64_and_the_replicated_wrapper_under_tp(style):
+    """AdamW (elementwise) through the layer-wise optimizer at TP 2 x DP 2 equals the unsharded
+    float64 run; Muon equals the replicated wrapper at TP 2 on the DP-mean grads (layer-wise
+    adds no error over DP; what Muon does with a TP shard is the TP wrapper's business)."""
+    results = run_workers(_tp_train, 4, style)
+    for opt_name in ("adamw", "muon"):
+        owners = results[0][opt_name]["owners"]
+        assert all(r[opt_name]["owners"] == owners for r in results)
+        assert set(owners.values()) == {0, 1}
+        want, want_stats = _tp_reference(opt_name)
+        for rank, res in enumerate(results):
+            stats, params = res[opt_name]["layerwise"]
+            for (ok, norm, zeros), (wnorm, wzeros) in zip(stats, want_stats):
+                assert ok and zeros == wzeros and math.isclose(norm, wnorm, rel_tol=1e-5), rank
+            if opt_name == "adamw":
+                for k in want:
+                    np.testing.assert_allclose(params[k], want[k], rtol=1e-5, atol=1e-6,
+                                               err_msg=f"{style} {rank} {k}")
+            else:
+                _, replicated = res[opt_name]["replicated"]
+                for k in params:
+                    np.testing.assert_allclose(params[k], replicated[k], rtol=1e-6, atol=1e-7,
+                                               err_msg=f"{style} {rank} {k}")
