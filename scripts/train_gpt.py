@@ -799,6 +799,19 @@ def build_optimizer(stage, args, st, dtype):
     if args.use_torch_fsdp2:  # the sharded fp32 params are the masters; stats over PP x DP x TP
         del kwargs["grad_stats_group"], kwargs["tensor_parallel_group"]
         return tpamp.fsdp.fully_shard_optimizer(adamw, st.mesh, **kwargs)
+    if args.use_distributed_optimizer and not _is_elementwise(adamw):
+        # Muon, Adafactor: whole params per DP rank (tpamp.LayerWiseDistributedOptimizer,
+        # docs/spec.md section 18); it reduces the grads to their owners in step(), so the
+        # tied embedding's sum before step() needs nothing more (and nothing overlaps)
+        if args.overlap_grad_reduce:
+            raise ValueError("--overlap-grad-reduce does not apply to the layer-wise "
+                             f"distributed optimizer ({type(adamw).__name__}): it reduces "
+                             "the grads in step()")
+        for key in ("exp_avg_dtype", "exp_avg_sq_dtype", "store_param_remainders"):
+            del kwargs[key]  # Adam's storage options (refused for other optimizers before)
+        kwargs.update(data_parallel_group=st.dp_group, grad_stats_group=dist.group.WORLD,
+                      param_names=stage.global_named_parameters(), parallel_state=st)
+        return tpamp.LayerWiseDistributedOptimizer(adamw, **kwargs)
     if args.use_distributed_optimizer:  # it reduces the grads over DP itself, in step()
         # the tied embedding's grad is summed over the embedding group (first + last stage)
         # after backward, on its main_grad: its bucket must wait for that sum, so it is
@@ -814,6 +827,12 @@ def build_optimizer(stage, args, st, dtype):
     if dtype == torch.float32:
         return tpamp.FP32Optimizer(adamw, **kwargs)
     return tpamp.MixedPrecisionOptimizer(adamw, **kwargs)
+
+
+def _is_elementwise(optimizer) -> bool:
+    """Whether ``optimizer`` updates each element from that element alone (the flat shards
+    of tpamp.DistributedOptimizer serve it); Muon and Adafactor need whole matrices."""
+    return type(optimizer) in (torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW)
 
 
 def module_tracer(stage, st):

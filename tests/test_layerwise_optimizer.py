@@ -74,7 +74,8 @@ def _reference(opt_name, dtype, clip_grad):
             p.grad = grads[k] * min(coeff, 1.0)
         opt.step()
         stats.append((True, norm, int((flat == 0).sum())))
-    return {k: _np(p) for k, p in params.items()}, stats
+    last = {k: float(g.norm()) for k, g in grads.items()}  # per param, the last step's
+    return {k: _np(p) for k, p in params.items()}, stats, last
 
 
 def _build(opt_name, dtype, group, kind="layerwise", clip_grad=4.0, offset=0.0):
@@ -107,23 +108,24 @@ def _feed(params, opt, rank, world, step, replicated=False):
         p.grad = g.to(p.dtype)
 
 
-def _steps(params, opt, rank, world, start, n, replicated=False):
+def _steps(params, opt, rank, world, start, n, replicated=False, param_norms=False):
     out = []
     for step in range(start, start + n):
         _feed(params, opt, rank, world, step, replicated)
-        out.append(tuple(opt.step()))
+        out.append(tuple(opt.step(param_grad_norms=param_norms)))
         opt.zero_grad()
     return out
 
 
 def _train(rank, world, opt_name, dtype):
     params, opt = _build(opt_name, dtype, dist.group.WORLD)
-    stats = _steps(params, opt, rank, world, 0, STEPS)
+    tracker = opt.track_param_grad_norms()
+    stats = _steps(params, opt, rank, world, 0, STEPS, param_norms=True)
     masters = {k: _np(v) for k, v in opt.sharded_state_dict(params)["main_params"].items()}
     _, replicated = _build(opt_name, dtype, None, kind="replicated")
     _steps(_, replicated, rank, world, 0, 1, replicated=True)  # state exists after a step
     return dict(stats=stats, params={k: _np(p) for k, p in params.items()}, masters=masters,
-                owners=opt.owners(), scale=float(opt.get_loss_scale()),
+                owners=opt.owners(), scale=float(opt.get_loss_scale()), norms=tracker.norms,
                 state_bytes=opt.optimizer_state_bytes(),
                 replicated_bytes=replicated.optimizer_state_bytes())
 
@@ -142,7 +144,7 @@ def test_owners_balance_newton_schulz_cost_deterministically():
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
 @pytest.mark.parametrize("opt_name", ["muon", "adafactor"])
 def test_dp2_equals_single_process_float64_with_the_same_torch_optimizer(opt_name, dtype):
-    want, want_stats = _reference(opt_name, dtype, clip_grad=4.0)
+    want, want_stats, want_norms = _reference(opt_name, dtype, clip_grad=4.0)
     results = run_workers(_train, DP, opt_name, dtype)
     owners = results[0]["owners"]
     assert owners == results[1]["owners"] and set(owners.values()) == {0, 1}
@@ -153,6 +155,9 @@ def test_dp2_equals_single_process_float64_with_the_same_torch_optimizer(opt_nam
             if ok:  # each param counted once over DP
                 assert math.isclose(norm, wnorm, rel_tol=1e-5) and zeros == wzeros, rank
         assert res["scale"] == results[0]["scale"]
+        assert set(res["norms"]) == set(want_norms)  # per-param norms: each on its owner
+        for k, n in want_norms.items():
+            assert math.isclose(res["norms"][k], n, rel_tol=1e-5), (rank, k)
         assert set(res["masters"]) == {k for k, o in owners.items() if o == rank}
         for k, v in res["params"].items():  # the broadcast: every rank has every param
             assert np.array_equal(v, results[owners[k]]["params"][k]), (rank, k)

@@ -162,8 +162,7 @@ class LayerWiseDistributedOptimizer(MixedPrecisionOptimizer):
     layout: its ``layout`` entry is checked; :mod:`tpamp.checkpoint` changes layouts, also
     from and to MixedPrecisionOptimizer); after ``step()`` no model param has a ``.grad``;
     ``last_nonfinite`` records name the owner's DP rank (the reduce leaves no per-rank grads);
-    no ``sync_free`` and no narrow state options (exp_avg_dtype, store_param_remainders);
-    per-param grad norms (``track_param_grad_norms``) are not supported.
+    no ``sync_free`` and no narrow state options (exp_avg_dtype, store_param_remainders).
 
     Args:
         optimizer: a ``torch.optim.Optimizer`` over the model params (any param groups).
@@ -350,10 +349,23 @@ class LayerWiseDistributedOptimizer(MixedPrecisionOptimizer):
         return [(self._names[id(p)], p) for p, _ in self._entries]
 
     def track_param_grad_norms(self, named_params=None):
-        """Not supported: raises NotImplementedError (each param's gradient lives on its owner
-        only; use MixedPrecisionOptimizer or DistributedOptimizer for per-param norms)."""
-        raise NotImplementedError(
-            "LayerWiseDistributedOptimizer does not track per-parameter grad norms")
+        """Per-parameter grad norms, as :meth:`tpamp.MixedPrecisionOptimizer.track_param_grad_norms`
+        (the norm of each param's full, DP-mean, unscaled gradient before clipping; TP shards
+        combined over TP, TP duplicates once, ``shared`` copies not at all): each param's norm
+        is taken on its owner and the others add nothing to the tracker's one all-reduce over
+        the grad-stats group. named_params: (global name, model param) pairs, the same names on
+        every DP rank; None: the ``param_names`` given at construction. A collective over the
+        grad-stats group and the data-parallel group (every rank calls it once)."""
+        from tpamp.param_norms import ParamGradNormTracker
+
+        if named_params is None:
+            named_params = self.named_model_params()
+        mains = [(main, model) for pairs in self._half_pairs for model, main in pairs]
+        mains += [(p, p) for fp32s in self._fp32_params for p in fp32s]
+        self.param_norm_tracker = ParamGradNormTracker(
+            self, named_params, mains=mains, model_params=[p for p, _ in self._entries],
+            data_parallel_group=self.data_parallel_group)
+        return self.param_norm_tracker
 
     # -- the step: MixedPrecisionOptimizer.step with the hooks of a layer-wise optimizer ---
 
@@ -410,7 +422,7 @@ class LayerWiseDistributedOptimizer(MixedPrecisionOptimizer):
                     main.grad = None
                     continue
                 main.grad = state_formats.dtensor_like(grad, main)
-                srcs.append(grad)
+                srcs.append(local_tensor(main.grad))  # (a DTensor's local view of the same memory)
                 mask.append(counts_toward_norm(main, self._tp_rank, self.tensor_parallel_group))
                 mains.append(main)
         return StepGrads(False, scale, srcs, mask, mains, outs=srcs)
