@@ -30,6 +30,8 @@ def _shapes(opt_name):
 
 
 def _inner(opt_name, params):
+    if opt_name == "adamw":
+        return torch.optim.AdamW(params, lr=0.01, weight_decay=0.1)
     if opt_name == "muon":
         return torch.optim.Muon(params, lr=0.02, weight_decay=0.1, momentum=0.95)
     return torch.optim.Adafactor(params, lr=0.01, weight_decay=0.1)
@@ -88,6 +90,8 @@ def _build(opt_name, dtype, group, kind="layerwise", clip_grad=4.0, offset=0.0):
     inner = _inner(opt_name, list(params.values()))
     if kind == "layerwise":
         opt = tpamp.LayerWiseDistributedOptimizer(inner, data_parallel_group=group, **kw)
+    elif kind == "distributed":
+        opt = tpamp.DistributedOptimizer(inner, data_parallel_group=group, **kw)
     else:
         opt = tpamp.MixedPrecisionOptimizer(inner, **kw)
     return params, opt
@@ -366,3 +370,35 @@ def test_tp2_dp2_equals_float64_and_the_replicated_wrapper_under_tp(style):
                 for k in params:
                     np.testing.assert_allclose(params[k], replicated[k], rtol=1e-6, atol=1e-7,
                                                err_msg=f"{style} {rank} {k}")
+
+
+def _save_one(rank, world, path, opt_name, dtype, kind):
+    group = None if kind == "replicated" else dist.group.WORLD
+    params, opt = _build(opt_name, dtype, group, kind=kind, clip_grad=0.0)
+    _steps(params, opt, rank, world, 0, 3, replicated=kind == "replicated")
+    checkpoint.save_checkpoint(path, params, opt)
+    rest = _steps(params, opt, rank, world, 3, 3, replicated=kind == "replicated")
+    return rest, {k: _np(p) for k, p in params.items()}
+
+
+def _load_one(rank, world, path, opt_name, dtype, kind):
+    group = None if kind == "replicated" else dist.group.WORLD
+    params, opt = _build(opt_name, dtype, group, kind=kind, clip_grad=0.0, offset=1.0)
+    checkpoint.load_checkpoint(path, params, opt)
+    rest = _steps(params, opt, rank, world, 3, 3, replicated=kind == "replicated")
+    return rest, {k: _np(p) for k, p in params.items()}
+
+
+@pytest.mark.parametrize("opt_name,dtype,saver,loader", [
+    ("muon", torch.float16, "replicated", "layerwise"),
+    ("adamw", torch.float16, "layerwise", "distributed"),
+], ids=["replicated-to-layerwise", "layerwise-to-distributed"])
+def test_checkpoint_moves_between_layerwise_and_the_other_wrappers(tmp_path, opt_name, dtype,
+                                                                   saver, loader):
+    path = str(tmp_path / "ckpt")
+    want_rest, want = run_workers(_save_one, 1 if saver == "replicated" else DP, path, opt_name,
+                                  dtype, saver)[0]
+    for rest, params in run_workers(_load_one, DP, path, opt_name, dtype, loader):
+        assert [r[0] for r in rest] == [r[0] for r in want_rest] == [True] * 3
+        for k in want:  # the same DP-mean grads from the same state: the same params
+            assert np.array_equal(params[k], want[k]), k
