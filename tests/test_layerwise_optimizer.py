@@ -402,3 +402,47 @@ def test_checkpoint_moves_between_layerwise_and_the_other_wrappers(tmp_path, opt
         assert [r[0] for r in rest] == [r[0] for r in want_rest] == [True] * 3
         for k in want:  # the same DP-mean grads from the same state: the same params
             assert np.array_equal(params[k], want[k]), k
+
+
+# -- misuse: clear errors, nothing changed -----------------------------------------------------
+
+
+def _misuse(rank, world):
+    out = {}
+    params = {k: torch.nn.Parameter(v) for k, v in _values(MATRICES, torch.float16).items()}
+    inner = _inner("muon", list(params.values()))
+    before = [list(g["params"]) for g in inner.param_groups]
+    for name, kw in (("no_dp_group", dict(data_parallel_group=None)),
+                     ("no_scaler", dict(data_parallel_group=dist.group.WORLD))):
+        try:
+            tpamp.LayerWiseDistributedOptimizer(inner, **kw)
+        except ValueError as e:
+            out[name] = str(e)
+    # a refused construction leaves the inner optimizer's groups as they were
+    out["groups_restored"] = [list(g["params"]) for g in inner.param_groups] == before
+    try:
+        tpamp.LayerWiseDistributedOptimizer("sgd", data_parallel_group=dist.group.WORLD)
+    except TypeError as e:
+        out["not_an_optimizer"] = str(e)
+    # a state_dict resumes on its own layout only: rank 0's dict on rank 1 is refused on every rank
+    p32, opt = _build("muon", torch.float32, dist.group.WORLD)
+    _steps(p32, opt, rank, world, 0, 1)
+    sd = opt.state_dict()
+    assert sd["layout"]["dp_rank"] == rank
+    mine = [None, None]
+    dist.all_gather_object(mine, sd)
+    opt.load_state_dict(mine[rank])  # its own: loads
+    try:
+        opt.load_state_dict(mine[1 - rank])
+    except ValueError as e:
+        out["other_layout"] = str(e)
+    return out
+
+
+def test_bad_arguments_and_another_layouts_state_dict_are_clear_errors():
+    for rank, out in enumerate(run_workers(_misuse, DP)):
+        assert "data_parallel_group" in out["no_dp_group"], out
+        assert "loss scaler" in out["no_scaler"], out
+        assert out["groups_restored"]
+        assert "torch.optim.Optimizer" in out["not_an_optimizer"]
+        assert "layout" in out["other_layout"] or "refused on rank" in out["other_layout"], out
