@@ -424,6 +424,14 @@ def _misuse(rank, world):
         tpamp.LayerWiseDistributedOptimizer("sgd", data_parallel_group=dist.group.WORLD)
     except TypeError as e:
         out["not_an_optimizer"] = str(e)
+    other = {k: torch.nn.Parameter(v.float() + (rank if k == "w3" else 0))
+             for k, v in _values(MATRICES, torch.float16).items()}
+    try:  # DP ranks that start from different params
+        tpamp.LayerWiseDistributedOptimizer(_inner("muon", list(other.values())),
+                                            data_parallel_group=dist.group.WORLD,
+                                            param_names=other.items())
+    except ValueError as e:
+        out["params_differ"] = str(e)
     # a state_dict resumes on its own layout only: rank 0's dict on rank 1 is refused on every rank
     p32, opt = _build("muon", torch.float32, dist.group.WORLD)
     _steps(p32, opt, rank, world, 0, 1)
@@ -445,4 +453,5 @@ def test_bad_arguments_and_another_layouts_state_dict_are_clear_errors():
         assert "loss scaler" in out["no_scaler"], out
         assert out["groups_restored"]
         assert "torch.optim.Optimizer" in out["not_an_optimizer"]
+        assert "first differing param is 'w3'" in out["params_differ"], out
         assert "layout" in out["other_layout"] or "refused on rank" in out["other_layout"], out

@@ -175,13 +175,16 @@ class LayerWiseDistributedOptimizer(MixedPrecisionOptimizer):
         spike_detector, fused_step, param_names, parallel_state: as for
             MixedPrecisionOptimizer (``param_names`` also names the params this rank does not
             own, in error messages).
+        check_params_across_dp: compare a float64 checksum of every param across DP once at
+            construction (one all-gather), as DistributedOptimizer does.
 
     Raises:
         TypeError: optimizer is not a torch.optim.Optimizer; a param is not float32/16/bf16.
         ValueError: data_parallel_group is None or this rank is not in a group; the
             grad_stats_group is not a multiple of DP x TP; the owners differ across the TP
-            group (uneven TP shards); and everything MixedPrecisionOptimizer raises (the inner
-            optimizer's groups are then restored). From ``step()``: the shared step guard, and
+            group (uneven TP shards); params that differ across DP (the first is named); and
+            everything MixedPrecisionOptimizer raises (the inner optimizer's groups are then
+            restored). From ``step()``: the shared step guard, and
             on the first step ValueError when the owned-param layout differs across DP (the
             ranks hold different params).
     """
@@ -202,6 +205,7 @@ class LayerWiseDistributedOptimizer(MixedPrecisionOptimizer):
         fused_step: bool = True,
         param_names=None,
         parallel_state=None,
+        check_params_across_dp: bool = True,
     ):
         check_wrapper_args(optimizer, grad_scaler, clip_grad)
         if data_parallel_group is None:
@@ -239,6 +243,8 @@ class LayerWiseDistributedOptimizer(MixedPrecisionOptimizer):
         owners = layerwise_owners([tuple(local_tensor(p).shape) for p, _ in entries], dp_size)
         if tp_size > 1:
             _check_owners_across_tp(owners, entries, tensor_parallel_group)
+        if check_params_across_dp and dp_size > 1:
+            _check_params_across_dp(entries, names, data_parallel_group)
         dp_rank = dist.get_rank(data_parallel_group)
         others = {id(p) for (p, _), o in zip(entries, owners) if o != dp_rank}
         saved_groups = [list(g["params"]) for g in optimizer.param_groups]
@@ -524,6 +530,31 @@ class LayerWiseDistributedOptimizer(MixedPrecisionOptimizer):
                 "state_dict['fp32_from_fp16_params']", saved, self.main_params_by_group()),
             after_copy=after_copy, before=check_layout, agree_group=self.data_parallel_group,
         )
+
+
+def _check_params_across_dp(entries, names, dp_group) -> None:
+    """ValueError on every DP rank when the DP ranks hold different params (count, shapes or
+    values: a float64 sum and position-weighted sum per param, compared bitwise), naming the
+    first that differs: a non-owner's param is only replaced by its owner's after a step."""
+    rows = [float(len(entries))]
+    for p, _ in entries:
+        x = local_tensor(p).detach().reshape(-1).double()
+        w = torch.arange(1, x.numel() + 1, dtype=torch.float64, device=x.device)
+        rows += [float(x.numel()), float(x.sum()), float(torch.dot(x, w))]
+    sizes = _validation.gather_rows([float(len(rows))], dp_group)
+    if any(r != sizes[0] for r in sizes):
+        raise ValueError(
+            "the model differs across data-parallel ranks: numbers of params "
+            f"{[int((r[0] - 1) / 3) for r in sizes]}; every DP rank must hold the same params")
+    table = _validation.gather_rows(rows, dp_group)
+    for i, (p, gi) in enumerate(entries):
+        col = [tuple(r[1 + 3 * i:4 + 3 * i]) for r in table]
+        if any(c != col[0] for c in col):
+            name = names.get(id(p), f"param {i} (param group {gi})")
+            raise ValueError(
+                f"params differ across data-parallel ranks at construction: first differing "
+                f"param is {name!r} (local shape {tuple(local_tensor(p).shape)}); every DP rank "
+                "must start from the same model (seed alike or broadcast from DP rank 0)")
 
 
 def _check_owners_across_tp(owners: List[int], entries, tp_group) -> None:
