@@ -455,3 +455,56 @@ def test_bad_arguments_and_another_layouts_state_dict_are_clear_errors():
         assert "torch.optim.Optimizer" in out["not_an_optimizer"]
         assert "first differing param is 'w3'" in out["params_differ"], out
         assert "layout" in out["other_layout"] or "refused on rank" in out["other_layout"], out
+
+
+# -- PP 2 x DP 2: each stage's DP group owns its own params; the tied embedding summed first --
+
+
+def _pp_train(rank, world):
+    from model_fixture import full_grads, shard_params
+
+    from tpamp.parallel import initialize_model_parallel
+
+    st = initialize_model_parallel(1, 2)  # PP 2 x DP 2
+    params = shard_params(st, full_grads(0), style="megatron")
+    opt = tpamp.LayerWiseDistributedOptimizer(
+        torch.optim.AdamW(list(params.values()), lr=0.01, weight_decay=0.1),
+        data_parallel_group=st.dp_group, grad_stats_group=dist.group.WORLD, clip_grad=1.0,
+        log_num_zeros_in_grad=True, param_names=params.items())
+    stats = []
+    for step in range(TP_STEPS):
+        g = full_grads(seed=100 * step + st.dp_rank)
+        for k, p in params.items():
+            p.grad = g["embed" if k == "head" else k].float().clone()
+        tied = params.get("embed", params.get("head"))
+        if st.embedding_group is not None and tied is not None:  # as scripts/train_gpt.py
+            dist.all_reduce(tied.grad, group=st.embedding_group)
+        stats.append(tuple(opt.step()))
+        opt.zero_grad()
+    return st.pp_rank, stats, {k: _np(p) for k, p in params.items()}
+
+
+def test_pp2_dp2_equals_float64_with_the_tied_embedding_summed_before_the_step():
+    from model_fixture import FULL_MODEL, full_grads
+
+    params = {k: torch.nn.Parameter(torch.randn(
+        s, generator=torch.Generator().manual_seed(len(k)), dtype=torch.float64).float().double())
+        for k, (s, _, _) in FULL_MODEL.items()}
+    ref = torch.optim.AdamW(list(params.values()), lr=0.01, weight_decay=0.1)
+    want_stats = []
+    for step in range(TP_STEPS):
+        gs = [full_grads(seed=100 * step + r) for r in range(2)]
+        grads = {k: (gs[0][k] + gs[1][k]) / 2 for k in FULL_MODEL}
+        grads["embed"] = grads["embed"] * 2  # the embedding and its tied head copy
+        flat = torch.cat([g.reshape(-1) for g in grads.values()])
+        want_stats.append((float(flat.norm()), int((flat == 0).sum())))
+        coeff = min(1.0, 1.0 / (want_stats[-1][0] + 1e-6))
+        for k, p in params.items():
+            p.grad = grads[k] * coeff
+        ref.step()
+    for pp_rank, stats, got in run_workers(_pp_train, 4):
+        for (ok, norm, zeros), (wnorm, wzeros) in zip(stats, want_stats):
+            assert ok and zeros == wzeros and math.isclose(norm, wnorm, rel_tol=1e-5), pp_rank
+        for k, v in got.items():
+            np.testing.assert_allclose(v, _np(params["embed" if k == "head" else k]),
+                                       rtol=1e-5, atol=1e-6, err_msg=f"{pp_rank} {k}")
