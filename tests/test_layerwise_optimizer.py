@@ -86,7 +86,7 @@ def _build(opt_name, dtype, group, kind="layerwise", clip_grad=4.0, offset=0.0):
     scaler = (tpamp.DynamicGradScaler(initial_scale=2.0**8, hysteresis=1, growth_interval=2)
               if dtype == torch.float16 else None)
     kw = dict(grad_scaler=scaler, clip_grad=clip_grad, log_num_zeros_in_grad=True,
-              param_names=params.items())
+              param_names=iter(params.items()))  # a one-shot iterator, as a generator is
     inner = _inner(opt_name, list(params.values()))
     if kind == "layerwise":
         opt = tpamp.LayerWiseDistributedOptimizer(inner, data_parallel_group=group, **kw)
@@ -124,12 +124,16 @@ def _steps(params, opt, rank, world, start, n, replicated=False, param_norms=Fal
 def _train(rank, world, opt_name, dtype):
     params, opt = _build(opt_name, dtype, dist.group.WORLD)
     tracker = opt.track_param_grad_norms()
-    stats = _steps(params, opt, rank, world, 0, STEPS, param_norms=True)
+    stats = _steps(params, opt, rank, world, 0, INF_STEP + 1, param_norms=True)
+    nonfinite = [(r.name, r.dp_rank, r.num_inf) for r in opt.last_nonfinite]
+    stats += _steps(params, opt, rank, world, INF_STEP + 1, STEPS - INF_STEP - 1,
+                    param_norms=True)
     masters = {k: _np(v) for k, v in opt.sharded_state_dict(params)["main_params"].items()}
     _, replicated = _build(opt_name, dtype, None, kind="replicated")
     _steps(_, replicated, rank, world, 0, 1, replicated=True)  # state exists after a step
     return dict(stats=stats, params={k: _np(p) for k, p in params.items()}, masters=masters,
                 owners=opt.owners(), scale=float(opt.get_loss_scale()), norms=tracker.norms,
+                nonfinite=nonfinite,
                 state_bytes=opt.optimizer_state_bytes(),
                 replicated_bytes=replicated.optimizer_state_bytes())
 
@@ -159,6 +163,8 @@ def test_dp2_equals_single_process_float64_with_the_same_torch_optimizer(opt_nam
             if ok:  # each param counted once over DP
                 assert math.isclose(norm, wnorm, rel_tol=1e-5) and zeros == wzeros, rank
         assert res["scale"] == results[0]["scale"]
+        # the culprit, named on every rank: the owner's DP-summed grad of w1 held the inf
+        assert res["nonfinite"] == [("w1", owners["w1"], 1)], res["nonfinite"]
         assert set(res["norms"]) == set(want_norms)  # per-param norms: each on its owner
         for k, n in want_norms.items():
             assert math.isclose(res["norms"][k], n, rel_tol=1e-5), (rank, k)

@@ -227,8 +227,13 @@ class LayerWiseDistributedOptimizer(MixedPrecisionOptimizer):
                 f"of DP {dp_size} x TP {tp_size} (pass torch.distributed.group.WORLD for "
                 "a tpamp.parallel layout)"
             )
+        if isinstance(param_names, dict):
+            param_names = [(n, p) for p, n in param_names.items()]
+        elif param_names is not None:
+            param_names = list(param_names)  # read twice (a generator would be spent)
         names = param_name_map(param_names)
-        # the params a MixedPrecisionOptimizer steps: fp32 ones, trainable fp16/bf16 ones
+        # the params a MixedPrecisionOptimizer steps: fp32 ones, trainable fp16/bf16 ones, with
+        # MixedPrecisionOptimizer's default names from their positions before any is removed
         entries: List[Tuple[Tensor, int]] = []
         seen = set()
         for gi, group in enumerate(optimizer.param_groups):
@@ -240,6 +245,10 @@ class LayerWiseDistributedOptimizer(MixedPrecisionOptimizer):
                 seen.add(id(p))
                 if p.dtype == torch.float32 or p.requires_grad:
                     entries.append((p, gi))
+                    names.setdefault(id(p), f"group{gi}.param{pi}")
+        given = {id(q) for _, q in param_names or []}
+        named = list(param_names or []) + [(names[id(p)], p) for p, _ in entries
+                                           if id(p) not in given]
         owners = layerwise_owners([tuple(local_tensor(p).shape) for p, _ in entries], dp_size)
         if tp_size > 1:
             _check_owners_across_tp(owners, entries, tensor_parallel_group)
@@ -260,7 +269,7 @@ class LayerWiseDistributedOptimizer(MixedPrecisionOptimizer):
                 log_num_zeros_in_grad=log_num_zeros_in_grad, grad_stats_group=grad_stats_group,
                 tensor_parallel_group=tensor_parallel_group, skip_nonfinite=skip_nonfinite,
                 sync_free=False, spike_detector=spike_detector, fused_step=fused_step,
-                param_names=param_names, parallel_state=parallel_state,
+                param_names=named, parallel_state=parallel_state,
             )
         except BaseException:
             for group, params in zip(optimizer.param_groups, saved_groups):
@@ -277,8 +286,7 @@ class LayerWiseDistributedOptimizer(MixedPrecisionOptimizer):
         self._entries = entries
         self._owners = owners
         self._owner_of = {id(p): o for (p, _), o in zip(entries, owners)}
-        self._names = {id(p): names.get(id(p), f"param_groups.{gi}.{i}")
-                       for i, (p, gi) in enumerate(entries)}
+        self._names = {id(p): names[id(p)] for p, _ in entries}
         if entries:
             self._set_device(local_tensor(entries[0][0]).device)
         self._grad_buckets = self._make_grad_buckets()
@@ -351,7 +359,8 @@ class LayerWiseDistributedOptimizer(MixedPrecisionOptimizer):
 
     def named_model_params(self) -> List[tuple]:
         """(name, model param) of every trainable param (owned or not), in param-group order:
-        the ``param_names`` given at construction, ``param_groups.<g>.<i>`` for the others."""
+        the ``param_names`` given at construction, ``group<g>.param<i>`` for the others (their
+        positions in the groups as given)."""
         return [(self._names[id(p)], p) for p, _ in self._entries]
 
     def track_param_grad_norms(self, named_params=None):
