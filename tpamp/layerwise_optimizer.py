@@ -130,9 +130,9 @@ class LayerWiseDistributedOptimizer(MixedPrecisionOptimizer):
        ``.grad``; any float dtype) is copied as fp32 into its owner's flat bucket (a zero
        slot when it has none), model ``.grad`` is released, and each owner's bucket is
        **reduced** (SUM, ``torch.distributed.reduce``) to the owner over
-       ``data_parallel_group``: one collective per DP rank per step. A reduce to the owner
-       carries (d-1)/d of the gradient bytes per rank, as a reduce-scatter does, half an
-       all-reduce's; the others never need these sums. With each slot goes a has-a-grad
+       ``data_parallel_group``: one collective per DP rank per step. The reduces carry about
+       (d-1)/d of the gradient bytes per rank, as a reduce-scatter does, half an all-reduce's;
+       the other ranks never need these sums. With each slot goes a has-a-grad
        flag: a param that no DP rank has a grad for is not stepped, as in
        MixedPrecisionOptimizer.
     2. ``_grad_scale``: 1/loss scale x 1/d (the DP mean), applied by the unscale pass on the
@@ -148,9 +148,10 @@ class LayerWiseDistributedOptimizer(MixedPrecisionOptimizer):
        (one flat buffer per owner and model dtype). A skipped step broadcasts nothing.
 
     Memory: main params and optimizer state exist for the owned params only (about 1/d of
-    MixedPrecisionOptimizer's, as balanced as the costs allow; :meth:`optimizer_state_bytes`);
-    every rank keeps one fp32 gradient buffer of its owned params' size for the reduce and the
-    broadcast buffers (the model dtype, the whole model). With tensor parallelism each rank
+    MixedPrecisionOptimizer's, as balanced as the costs allow; :meth:`optimizer_state_bytes`).
+    Besides, every rank keeps, allocated once, an fp32 gradient buffer of the whole model (one
+    flat bucket per owner: the reduces' inputs, the owner's sums; as DistributedOptimizer's grad
+    buffer) and a model-dtype broadcast buffer of the whole model. With tensor parallelism each rank
     holds its TP shard and the inner optimizer sees the local shard (a non-elementwise
     optimizer then needs its TP mode, docs/spec.md section 18); ownership is by param index
     and local shape, so TP peers own the same params. Under pipeline parallelism each stage's
