@@ -438,9 +438,16 @@ def _misuse(rank, world):
                                             param_names=other.items())
     except ValueError as e:
         out["params_differ"] = str(e)
-    # a state_dict resumes on its own layout only: rank 0's dict on rank 1 is refused on every rank
+    # a param that no DP rank has a grad for is not stepped and gets no state (section 2)
     p32, opt = _build("muon", torch.float32, dist.group.WORLD)
-    _steps(p32, opt, rank, world, 0, 1)
+    w5 = p32["w5"].detach().clone()
+    _feed(p32, opt, rank, world, 0)
+    p32["w5"].grad = None
+    assert opt.step().update_successful
+    out["untouched"] = torch.equal(p32["w5"], w5) and p32["w5"] not in opt.optimizer.state
+    opt.zero_grad()
+    # a state_dict resumes on its own layout only: rank 0's dict on rank 1 is refused on every rank
+    _steps(p32, opt, rank, world, 1, 1)
     sd = opt.state_dict()
     assert sd["layout"]["dp_rank"] == rank
     mine = [None, None]
@@ -457,7 +464,7 @@ def test_bad_arguments_and_another_layouts_state_dict_are_clear_errors():
     for rank, out in enumerate(run_workers(_misuse, DP)):
         assert "data_parallel_group" in out["no_dp_group"], out
         assert "loss scaler" in out["no_scaler"], out
-        assert out["groups_restored"]
+        assert out["groups_restored"] and out["untouched"]
         assert "torch.optim.Optimizer" in out["not_an_optimizer"]
         assert "first differing param is 'w3'" in out["params_differ"], out
         assert "layout" in out["other_layout"] or "refused on rank" in out["other_layout"], out

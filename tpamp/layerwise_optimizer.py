@@ -390,19 +390,20 @@ class LayerWiseDistributedOptimizer(MixedPrecisionOptimizer):
         remembers this rank's reduced grads (those some DP rank had)."""
         handles = []
         for b in self._grad_buckets:
-            flags = b.data[b.numel:]
-            for i, (p, (s, e)) in enumerate(zip(b.params, b.offsets)):
+            flags = []
+            for p, (s, e) in zip(b.params, b.offsets):
                 grad = getattr(p, "main_grad", None)
                 if grad is None:
                     grad = p.grad
                 slot = b.data[s:e]
                 if grad is None:
                     slot.zero_()
-                    flags[i] = 0.0
                 else:
                     slot.copy_(local_tensor(placed_like(grad, p)).reshape(-1))
-                    flags[i] = 1.0
+                flags.append(0.0 if grad is None else 1.0)
                 p.grad = None
+            if flags:  # one host-to-device copy per bucket
+                b.data[b.numel:].copy_(torch.tensor(flags, dtype=torch.float32))
             if self._dp_size > 1 and b.params:
                 handles.append(dist.reduce(b.data, dst=self._dp_ranks[b.owner], op=dist.ReduceOp.SUM,
                                            group=self.data_parallel_group, async_op=True))
