@@ -79,6 +79,11 @@ What happens:
   imported or any process group, model or optimizer exists (``validate_args``): a bad one ends
   the run with exit status 2 on every rank and one line on stderr from rank 0 naming the flag,
   its value and what is expected.
+- Restart after a failed rank: under ``torchrun --max-restarts N`` with ``--save D --load D``
+  a rank that dies or hangs (the others fail at ``--dist-timeout``) costs the work since the
+  latest checkpoint: torchrun starts every worker again, each attempt builds its process group
+  under a store prefix of its own (``init_process_group_for_attempt``), rank 0 removes the
+  staging directories of killed saves, and the run resumes exactly (docs/guide/restart.md).
 - Logging on one rank (last PP stage, TP rank 0, DP rank 0): a tqdm bar when stderr is a
   terminal, Megatron's line every ``--log-interval`` iterations (``tpamp.TrainingLogger``), a
   JSONL record per iteration and TensorBoard scalars under ``--log-dir``, validation loss every
@@ -567,7 +572,8 @@ def inject_fault(args) -> None:
     if args.inject_exit_at_iteration is not None:
         print(f"[rank {launch_rank()}] injected fault: SIGKILL", file=sys.stderr, flush=True)
         os.kill(os.getpid(), signal.SIGKILL)
-    print(f"[rank {launch_rank()}] injected fault: hang", file=sys.stderr, flush=True)
+    print(f"[rank {launch_rank()}] injected fault: hang at {time.time():.3f}",  # unix time
+          file=sys.stderr, flush=True)
     while True:
         time.sleep(3600)
 

@@ -138,3 +138,60 @@ def test_a_rank_killed_during_a_save_with_the_distributed_optimizer_resumes_exac
     assert leftovers(str(tmp_path / "fault")) == []
     with open(os.path.join(tmp_path, "fault", "ckpt", "latest_checkpointed_iteration.txt")) as f:
         assert f.read().strip() == str(ITERS)
+
+
+# ----------------------------------------------------------------------------- in process
+
+
+def test_clean_up_interrupted_saves_removes_staging_and_puts_a_set_aside_checkpoint_back(tmp_path):
+    from tpamp.checkpoint import clean_up_interrupted_saves
+
+    root = str(tmp_path)
+    for name in ("iter_0000003", ".iter_0000006.saving-0123456789ab",
+                 ".iter_0000003.saving-deadbeef0000", ".iter_0000009.old-00000000cafe",
+                 ".iter_0000003.old-0000000000aa", "keep.saving-0123", ".hidden"):
+        os.makedirs(os.path.join(root, name))
+    with open(os.path.join(root, ".iter_0000009.old-00000000cafe", "marker"), "w") as f:
+        f.write("9")
+    removed = clean_up_interrupted_saves(root)
+    assert removed == sorted([".iter_0000006.saving-0123456789ab", ".iter_0000003.saving-deadbeef0000",
+                              ".iter_0000009.old-00000000cafe", ".iter_0000003.old-0000000000aa"])
+    # iter_0000009 was missing: its set-aside copy is put back; iter_0000003 exists: the old
+    # copy is removed; names that are not a save's leftovers stay
+    assert sorted(os.listdir(root)) == [".hidden", "iter_0000003", "iter_0000009", "keep.saving-0123"]
+    assert open(os.path.join(root, "iter_0000009", "marker")).read() == "9"
+    assert clean_up_interrupted_saves(root) == []
+    assert clean_up_interrupted_saves(str(tmp_path / "missing")) == []
+
+
+def _flag_error(monkeypatch, capsys, *flags):
+    """parse_args of one process (WORLD_SIZE 4 as torchrun would set) with ``flags``: the
+    exit status and the line on stderr."""
+    sys.path.insert(0, os.path.join(ROOT, "scripts"))
+    import train_gpt
+
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    monkeypatch.setenv("RANK", "0")
+    with pytest.raises(SystemExit) as e:
+        train_gpt.parse_args([*TINY, "--save", "unused-dir", "--save-interval", "3", *flags])
+    return e.value.code, capsys.readouterr().err
+
+
+@pytest.mark.parametrize("flags, message", [
+    (("--inject-fault-during-save",),
+     "--inject-fault-during-save True: expected --inject-exit-at-iteration N or "
+     "--inject-hang-at-iteration N with it"),
+    (("--inject-exit-at-iteration", "0"),
+     "--inject-exit-at-iteration 0: expected an iteration from 1 to --train-iters 9"),
+    (("--inject-hang-at-iteration", "10"),
+     "--inject-hang-at-iteration 10: expected an iteration from 1 to --train-iters 9"),
+    (("--inject-exit-at-iteration", "2", "--inject-fault-rank", "4"),
+     "--inject-fault-rank 4: expected a rank from 0 to 3 (WORLD_SIZE 4)"),
+    (("--inject-exit-at-iteration", "4", "--inject-fault-during-save"),
+     "--inject-fault-during-save True: iteration 4 saves no checkpoint"),
+    (("--inject-exit-at-iteration", "2", "--inject-hang-at-iteration", "3"),
+     "not allowed with argument"),
+])
+def test_a_bad_fault_injection_flag_exits_2_naming_it(monkeypatch, capsys, flags, message):
+    code, err = _flag_error(monkeypatch, capsys, *flags)
+    assert code == 2 and message in err and len(err.strip().splitlines()) == 1, err
