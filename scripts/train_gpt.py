@@ -510,7 +510,9 @@ def validate_args(args) -> None:
 #
 # A rank that dies or hangs ends its attempt; torchrun (--max-restarts N) starts every worker
 # again and the job resumes from the latest complete checkpoint (--save D --load D): the cost
-# is the work since the last save (docs/guide/restart.md, docs/spec.md section 21).
+# is the work since the last save (docs/guide/restart.md, docs/spec.md section 21). The flags
+# and their checks run before torch is imported; the functions that use torch.distributed
+# (``dist``, imported below) run after the imports.
 
 
 def restart_attempt() -> int:
@@ -586,8 +588,8 @@ def fault_armed(args, it: int) -> bool:
 
 
 def maybe_inject_fault(run: "Run", it: int) -> None:
-    """Called after iteration ``it``'s step: the injected fault, when it
-    is armed for this rank and iteration and not for the save. For the save, the fault is
+    """Called after iteration ``it``'s step: the injected fault, when it is armed for this
+    rank and iteration (and not for the save). For the save, the fault is
     armed here and fires inside torch.distributed.checkpoint's FileSystemWriter.write_data,
     once this rank's files of the staging directory are written."""
     args = run.args
@@ -615,7 +617,7 @@ def init_process_group_for_attempt(backend: str, timeout: datetime.timedelta) ->
     the workers wrote, from one attempt to the next. Without a prefix, a restarted worker's
     process group reads the previous attempt's keys: gloo's full-mesh connect finds the
     listening addresses of workers that are gone ("connectFullMesh failed ... Connection
-    refused", or "Connect timeout" when the port was reused), NCCL the previous unique id
+    refused" or "Connect timeout"), NCCL the previous unique id
     (pytorch/pytorch#135712). ``torch.distributed.PrefixStore`` with the attempt number
     (``TORCHELASTIC_RESTART_COUNT``, the same on every worker of an attempt when one agent,
     or agents that all restart together, started them) gives every attempt keys of its own.
