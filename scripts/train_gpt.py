@@ -79,6 +79,11 @@ What happens:
   imported or any process group, model or optimizer exists (``validate_args``): a bad one ends
   the run with exit status 2 on every rank and one line on stderr from rank 0 naming the flag,
   its value and what is expected.
+- Restart after a failed rank: under ``torchrun --max-restarts N`` with ``--save D --load D``
+  a rank that dies or hangs (the others fail at ``--dist-timeout``) costs the work since the
+  latest checkpoint: torchrun starts every worker again, each attempt builds its process group
+  under a store prefix of its own (``init_process_group_for_attempt``), rank 0 removes the
+  staging directories of killed saves, and the run resumes exactly (docs/guide/restart.md).
 - Logging on one rank (last PP stage, TP rank 0, DP rank 0): a tqdm bar when stderr is a
   terminal, Megatron's line every ``--log-interval`` iterations (``tpamp.TrainingLogger``), a
   JSONL record per iteration and TensorBoard scalars under ``--log-dir``, validation loss every
@@ -264,6 +269,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     a("--no-progress", action="store_true", help="no tqdm bar")
     a("--dist-timeout", type=float, default=300.0, help="seconds before a collective fails")
     gpt_checkpoint.add_arguments(p)  # --save, --save-interval, --load, --ckpt-step
+    add_restart_arguments(p)  # --inject-exit-at-iteration ... (testing the restart path)
     args = p.parse_args(argv)
     try:
         validate_args(args)
@@ -489,6 +495,7 @@ def validate_args(args) -> None:
         if it is not None and it >= args.train_iters:
             raise FlagError(flag, value, f"the checkpoint is at iteration {it}, not before "
                             f"--train-iters {args.train_iters}: nothing to train")
+    validate_restart_args(args)
     # the devices: the last check, as it imports torch (which the run imports next anyway)
     import torch
 
@@ -497,6 +504,153 @@ def validate_args(args) -> None:
         raise FlagError("--nproc-per-node", local_world,
                         f"NCCL needs one GPU per rank and this node has "
                         f"{torch.cuda.device_count()} (run on CPU with CUDA_VISIBLE_DEVICES=\"\")")
+
+
+# ----------------------------------------------------------------------------- restart
+#
+# A rank that dies or hangs ends its attempt; torchrun (--max-restarts N) starts every worker
+# again and the job resumes from the latest complete checkpoint (--save D --load D): the cost
+# is the work since the last save (docs/guide/restart.md, docs/spec.md section 21). The flags
+# and their checks run before torch is imported; the functions that use torch.distributed
+# (``dist``, imported below) run after the imports.
+
+
+def restart_attempt() -> int:
+    """torchrun's attempt number of this worker (``TORCHELASTIC_RESTART_COUNT``: 0 for the
+    first start, N after N restarts; 0 for a lone process or without torchrun)."""
+    try:
+        return max(0, int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")))
+    except ValueError:
+        return 0
+
+
+def add_restart_arguments(parser) -> None:
+    """The test-only fault injection of the restart path (docs/guide/restart.md): one rank
+    of the first attempt (never a restarted one) is killed or hangs at one iteration."""
+    a = parser.add_argument
+    fault = parser.add_mutually_exclusive_group()
+    fault.add_argument(
+        "--inject-exit-at-iteration", type=int, default=None, metavar="N",
+        help="testing: --inject-fault-rank SIGKILLs itself after iteration N's step (first "
+             "torchrun attempt only)")
+    fault.add_argument(
+        "--inject-hang-at-iteration", type=int, default=None, metavar="N",
+        help="testing: --inject-fault-rank sleeps forever after iteration N's step, so the "
+             "others fail at --dist-timeout (first torchrun attempt only)")
+    a("--inject-fault-rank", type=int, default=0, metavar="R",
+      help="testing: the global rank the injected fault happens on (default 0)")
+    a("--inject-fault-during-save", action="store_true",
+      help="testing: the fault happens inside iteration N's checkpoint save instead, once "
+           "that rank's files are written into the staging directory, before it is published")
+
+
+def validate_restart_args(args) -> None:
+    """The fault-injection flags (:func:`add_restart_arguments`): FlagError for a bad one."""
+    n = args.inject_exit_at_iteration
+    flag = "inject_exit_at_iteration"
+    if n is None:
+        n, flag = args.inject_hang_at_iteration, "inject_hang_at_iteration"
+    if n is None:
+        _check(args, "inject_fault_during_save", not args.inject_fault_during_save,
+               "expected --inject-exit-at-iteration N or --inject-hang-at-iteration N with it")
+        return
+    _check(args, flag, 1 <= n <= args.train_iters,
+           f"expected an iteration from 1 to --train-iters {args.train_iters}")
+    world = launch_world_size()
+    _check(args, "inject_fault_rank", 0 <= args.inject_fault_rank < world,
+           f"expected a rank from 0 to {world - 1} (WORLD_SIZE {world})")
+    if args.inject_fault_during_save:
+        _check(args, "inject_fault_during_save", gpt_checkpoint.should_save(args, n),
+               f"iteration {n} saves no checkpoint: expected --save DIR and an iteration that "
+               "--save-interval (or --train-iters) saves at")
+
+
+def inject_fault(args) -> None:
+    """The injected fault, on this process: SIGKILL (nothing runs after it, as for a rank
+    killed by the kernel), or a sleep that never ends (the process holds its sockets open,
+    as for a rank stuck in a kernel or a deadlock)."""
+    import signal
+
+    if args.inject_exit_at_iteration is not None:
+        print(f"[rank {launch_rank()}] injected fault: SIGKILL", file=sys.stderr, flush=True)
+        os.kill(os.getpid(), signal.SIGKILL)
+    print(f"[rank {launch_rank()}] injected fault: hang at {time.time():.3f}",  # unix time
+          file=sys.stderr, flush=True)
+    while True:
+        time.sleep(3600)
+
+
+def fault_armed(args, it: int) -> bool:
+    """Whether the injected fault happens on this rank at iteration ``it`` (first attempt)."""
+    n = args.inject_exit_at_iteration if args.inject_exit_at_iteration is not None \
+        else args.inject_hang_at_iteration
+    return (n == it and restart_attempt() == 0 and launch_rank() == args.inject_fault_rank)
+
+
+def maybe_inject_fault(run: "Run", it: int) -> None:
+    """Called after iteration ``it``'s step: the injected fault, when it is armed for this
+    rank and iteration (and not for the save). For the save, the fault is
+    armed here and fires inside torch.distributed.checkpoint's FileSystemWriter.write_data,
+    once this rank's files of the staging directory are written."""
+    args = run.args
+    if not fault_armed(args, it):
+        return
+    if not args.inject_fault_during_save:
+        inject_fault(args)
+    from torch.distributed.checkpoint import FileSystemWriter
+
+    write_data = FileSystemWriter.write_data
+
+    def write_data_then_fault(self, plan, planner):
+        future = write_data(self, plan, planner)
+        future.wait()  # this rank's files are on disk, .metadata and the publish are not
+        inject_fault(args)
+
+    FileSystemWriter.write_data = write_data_then_fault
+
+
+def init_process_group_for_attempt(backend: str, timeout: datetime.timedelta) -> None:
+    """``init_process_group`` on torchrun's store, under a key prefix of this attempt.
+
+    torchrun's agent hosts the TCPStore the workers rendezvous on (``TORCHELASTIC_USE_AGENT_STORE``;
+    the static rendezvous, the default, and c10d's shared store) and keeps it, with every key
+    the workers wrote, from one attempt to the next. Without a prefix, a restarted worker's
+    process group reads the previous attempt's keys: gloo's full-mesh connect finds the
+    listening addresses of workers that are gone ("connectFullMesh failed ... Connection
+    refused" or "Connect timeout"), NCCL the previous unique id
+    (pytorch/pytorch#135712). ``torch.distributed.PrefixStore`` with the attempt number
+    (``TORCHELASTIC_RESTART_COUNT``, the same on every worker of an attempt when one agent,
+    or agents that all restart together, started them) gives every attempt keys of its own.
+    The store comes from torch's own ``env://`` rendezvous (MASTER_ADDR, MASTER_PORT, RANK,
+    WORLD_SIZE; rank 0 hosts the store when no agent does), so nothing else changes."""
+    from torch.distributed.rendezvous import rendezvous
+
+    store, rank, world_size = next(rendezvous("env://", timeout=timeout))
+    store.set_timeout(timeout)
+    store = dist.PrefixStore(f"train_gpt/attempt_{restart_attempt()}", store)
+    dist.init_process_group(backend, store=store, rank=rank, world_size=world_size,
+                            timeout=timeout)
+
+
+def resume_after_restart(run: "Run") -> None:
+    """On rank 0, before anything is loaded or saved: remove the staging directories that
+    saves killed part-way (a rank that died in a save) left in --save and --load
+    (tpamp.checkpoint.clean_up_interrupted_saves); a load reads only the iteration the tracker
+    names, so they are never loaded. Says when this is a restarted attempt and where it
+    resumes from, or that a restart without --load trains from scratch."""
+    from tpamp.checkpoint import clean_up_interrupted_saves
+
+    args = run.args
+    if dist.get_rank() == 0:
+        for root in dict.fromkeys(d for d in (args.save, args.load) if d):
+            for name in clean_up_interrupted_saves(root):
+                print(f" removed {os.path.join(root, name)} (left by a save that was killed)",
+                      flush=True)
+    attempt = restart_attempt()
+    if attempt:
+        where = (f"resuming from the latest checkpoint in {args.load}" if args.load else
+                 "no --load: training from scratch (pass --load with --save to resume)")
+        run.say(f" restarted by torchrun (attempt {attempt}): {where}", flush=True)
 
 
 if __name__ == "__main__":  # a bad flag exits here, before the imports below
@@ -700,7 +854,7 @@ def setup_distributed(args):
     else:
         torch.set_num_threads(1)  # several ranks share the cores
         device = torch.device("cpu")
-    dist.init_process_group(
+    init_process_group_for_attempt(  # keys of its own for each torchrun attempt
         "nccl" if use_cuda else "gloo", timeout=datetime.timedelta(seconds=args.dist_timeout)
     )
     st = initialize_model_parallel(
@@ -1006,6 +1160,7 @@ def resume(run: Run) -> int:
     """The training generator, and with --load the checkpoint's state (model, optimizer,
     scaler, data position, RNG, log counters); returns the iteration to continue after."""
     args = run.args
+    resume_after_restart(run)
     run.train_gen = torch.Generator().manual_seed(args.seed)
     if not args.load:
         return 0
@@ -1094,6 +1249,7 @@ def train(run: Run, start_iter: int):
         traced = tracer is not None and trace_next
         log_now = run.tracker is not None and it % args.log_interval == 0
         loss, result = train_step(run, tracer if traced else None, log_now)
+        maybe_inject_fault(run, it)  # testing the restart path only
 
         extra = {"elapsed_ms": round(1000 * (time.time() - t0), 1)}
         if traced:  # every rank took part: agree on the earliest finding along the pipeline

@@ -127,7 +127,9 @@ box) lies in the memory of one tensor of one of the inner optimizer's param grou
 
 Megatron-LM's iteration directories (``iter_0000100``) and ``latest_checkpointed_iteration.txt``
 tracker (:data:`TRACKER_FILENAME`): :func:`iteration_dir`, :func:`read_latest_iteration`,
-:func:`write_latest_iteration`.
+:func:`write_latest_iteration`; :func:`clean_up_interrupted_saves` removes the staging
+directories that saves killed part-way left in such a directory (a job restarting after a
+failed rank, docs/spec.md section 21).
 
 The package, by job: :mod:`~tpamp.checkpoint.keys` (the entries' names),
 :mod:`~tpamp.checkpoint.layout` (global views, flat ranges as boxes),
@@ -141,6 +143,7 @@ The package, by job: :mod:`~tpamp.checkpoint.keys` (the entries' names),
 
 from tpamp.checkpoint.directories import (
     TRACKER_FILENAME,
+    clean_up_interrupted_saves,
     iteration_dir,
     read_latest_iteration,
     write_latest_iteration,
@@ -161,4 +164,5 @@ __all__ = [
     "read_latest_iteration",
     "write_latest_iteration",
     "TRACKER_FILENAME",
+    "clean_up_interrupted_saves",
 ]

@@ -9,14 +9,15 @@ from __future__ import annotations
 import ctypes
 import errno
 import os
+import re
 import shutil
 import uuid
-from typing import Optional
+from typing import List, Optional
 
 from tpamp.checkpoint.storage import MANIFEST, METADATA, fsync_dir
 
 __all__ = [
-    "looks_like_checkpoint", "clean_up_after_killed_saves", "publish", "rename_exchange", "TRACKER_FILENAME",
+    "looks_like_checkpoint", "clean_up_after_killed_saves", "clean_up_interrupted_saves", "publish", "rename_exchange", "TRACKER_FILENAME",
     "iteration_dir", "read_latest_iteration", "write_latest_iteration",
 ]
 
@@ -41,6 +42,31 @@ def clean_up_after_killed_saves(parent: str, base: str) -> None:
             os.rename(path, os.path.join(parent, base))
         elif name.startswith(f".{base}.saving-") or name.startswith(f".{base}.old-"):
             shutil.rmtree(path, ignore_errors=True)
+
+
+# the hidden names save_checkpoint and publish use beside a checkpoint NAME (uuid4 hex tokens)
+_LEFTOVER = re.compile(r"^\.(?P<base>.+)\.(?:saving|old)-[0-9a-f]+$")
+
+
+def clean_up_interrupted_saves(root: str) -> List[str]:
+    """Remove what saves into ``root`` that were killed part-way left behind, for every
+    checkpoint name in it: the hidden staging directories (``.NAME.saving-TOKEN``), never
+    loaded, and a previous checkpoint set aside by a publish killed between its two renames
+    (``.NAME.old-TOKEN``, only where the OS has no atomic exchange), which is put back as
+    ``NAME`` when ``NAME`` is missing (else removed). What :func:`clean_up_after_killed_saves`
+    does for one name at the next save of that name, done for all of them at once: call it on
+    one rank when a job (re)starts, before any save into ``root`` begins (docs/spec.md
+    section 21). Returns the sorted names removed or put back; [] when ``root`` does not
+    exist. Raises OSError when ``root`` cannot be listed or a set-aside checkpoint cannot be
+    renamed back."""
+    if not os.path.isdir(root):
+        return []
+    bases = sorted({m.group("base") for m in map(_LEFTOVER.match, os.listdir(root)) if m})
+    before = set(os.listdir(root))
+    for base in bases:
+        clean_up_after_killed_saves(root, base)
+    after = set(os.listdir(root))
+    return sorted(n for n in before - after if _LEFTOVER.match(n))
 
 
 def rename_exchange(a: str, b: str) -> bool:

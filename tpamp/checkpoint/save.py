@@ -82,7 +82,8 @@ def save_checkpoint(checkpoint_dir: str, model_params: Mapping[str, Tensor], opt
     ``checkpoint_dir`` (an existing checkpoint there is swapped out atomically, then deleted),
     before this returns on any rank. A save that raises or is killed part-way leaves
     ``checkpoint_dir`` as it was (a previous checkpoint there still loads); its staging
-    directory is removed, or, after a kill, by the next save of the same name. Write the
+    directory is removed, or, after a kill, by the next save of the same name (or by
+    :func:`~tpamp.checkpoint.clean_up_interrupted_saves` when a job restarts). Write the
     latest-iteration marker (:func:`write_latest_iteration`) only after this returned.
 
     Args:
