@@ -14,12 +14,14 @@ import torch.distributed as dist
 from tpamp._checks import check_mapping
 from tpamp._guards import gather_rows, reset_step_guard
 from tpamp.common import local_tensor
+from tpamp.param_groups import OVERRIDE_KEY, match_saved_groups
 from tpamp.state_formats import check_saved_scales
 
 Tensor = torch.Tensor
 
 __all__ = [
     "NARROW_STATE_KEYS",
+    "align_saved_groups",
     "check_finite",
     "check_inner_optimizer_state",
     "check_optimizer_state_dict",
@@ -208,6 +210,79 @@ def check_finite(named: Sequence[Tuple[str, Tensor]]) -> None:
             )
 
 
+def align_saved_groups(wrapper, state_dict, *, mains_key: str, per_group_mains: bool = True):
+    """``state_dict`` with its inner optimizer's param groups in this optimizer's order,
+    matched by override key (:func:`tpamp.param_groups.match_saved_groups`, docs/spec.md
+    section 16), and the params of each group in this group's order, matched by
+    ``param_names`` when both groups have them; with ``per_group_mains`` the per-group lists
+    under ``mains_key`` (MixedPrecisionOptimizer's ``fp32_from_fp16_params``) are reordered
+    alike. A new dict (the caller's is not changed); ``state_dict`` itself when there is
+    nothing to reorder or either side has a group without an override key (positional, as
+    before overrides existed). A malformed state dict is returned as it is, for the checks
+    that follow to name. Raises ValueError naming the key for a changed override (see
+    match_saved_groups), for a group whose saved names differ from the live ones, and,
+    without ``per_group_mains`` (DistributedOptimizer: main shards per bucket, not per
+    group), for any reordering."""
+    if not isinstance(state_dict, dict) or not isinstance(state_dict.get("optimizer"), dict):
+        return state_dict
+    inner_sd = state_dict["optimizer"]
+    saved = inner_sd.get("param_groups")
+    if not isinstance(saved, (list, tuple)) or not all(isinstance(g, dict) for g in saved):
+        return state_dict
+    live = wrapper.optimizer.param_groups
+    perm = match_saved_groups(saved, live, "the state_dict")
+    if perm is None:
+        return state_dict
+    orders = []
+    for j, g in zip(perm, live):
+        s_names, l_names = saved[j].get("param_names"), g.get("param_names")
+        if not isinstance(s_names, (list, tuple)) or l_names is None or list(s_names) == list(l_names):
+            orders.append(None)
+            continue
+        if sorted(s_names) != sorted(l_names) or len(set(l_names)) != len(l_names):
+            raise ValueError(
+                f"param group {g[OVERRIDE_KEY]!r}: the state_dict's params "
+                f"{sorted(set(s_names) - set(l_names))[:4]} are not in this group, its params "
+                f"{sorted(set(l_names) - set(s_names))[:4]} are not in the state_dict's"
+            )
+        orders.append([list(s_names).index(n) for n in l_names])
+    if perm == list(range(len(perm))) and all(o is None for o in orders):
+        return state_dict
+    if not per_group_mains:
+        raise ValueError(
+            f"the state_dict's param groups or their params are in another order (override "
+            f"keys {[saved[j][OVERRIDE_KEY] for j in range(len(saved))]} there, "
+            f"{[g[OVERRIDE_KEY] for g in live]} here): {type(wrapper).__name__}.state_dict loads "
+            "on the same layout only; load a sharded checkpoint (tpamp.checkpoint), which maps "
+            "by name"
+        )
+    new_groups = []
+    for j, o in zip(perm, orders):
+        s = dict(saved[j])
+        ids = s.get("params")
+        if o is not None and isinstance(ids, (list, tuple)) and len(ids) == len(o):
+            s["params"] = [ids[k] for k in o]
+            s["param_names"] = [saved[j]["param_names"][k] for k in o]
+        new_groups.append(s)
+    out = {**state_dict, "optimizer": {**inner_sd, "param_groups": new_groups}}
+    mains = state_dict.get(mains_key)
+    if isinstance(mains, (list, tuple)) and len(mains) == len(saved) and \
+            all(isinstance(m, (list, tuple)) for m in mains):
+        by_group = wrapper.main_params_by_group()
+        new_mains = []
+        for gi, (j, o, g) in enumerate(zip(perm, orders, live)):
+            m = list(mains[j])
+            if o is not None:  # the group's main params are those of its fp16/bf16 params
+                half = {id(x) for x in by_group[gi]}
+                live_pos = [p for p, x in enumerate(g["params"]) if id(x) in half]
+                rank = {sp: r for r, sp in enumerate(sorted(o[p] for p in live_pos))}
+                if len(m) == len(rank):
+                    m = [m[rank[o[p]]] for p in live_pos]
+            new_mains.append(m)
+        out[mains_key] = new_mains
+    return out
+
+
 def check_wrapper_state(wrapper, state_dict, *, mains_key: str, match_mains,
                         extra_keys: Sequence[str] = ()) -> List[Tuple[str, Tensor, Tensor]]:
     """Everything a wrapper's ``load_state_dict`` will load, checked before it changes
@@ -237,7 +312,8 @@ def check_wrapper_state(wrapper, state_dict, *, mains_key: str, match_mains,
 
 
 def load_wrapper_state(wrapper, state_dict, *, mains_key: str, match_mains, after_copy,
-                       extra_keys: Sequence[str] = (), before=None, agree_group=None) -> None:
+                       extra_keys: Sequence[str] = (), before=None, agree_group=None,
+                       per_group_mains: bool = True) -> None:
     """The one all-or-nothing load of the optimizer wrappers: ``before()`` (the wrapper's own
     checks, e.g. a layout), :func:`check_wrapper_state`; with ``agree_group`` (a group whose
     ranks load together and run a collective in ``after_copy``) one all-gather of a refused
@@ -245,11 +321,16 @@ def load_wrapper_state(wrapper, state_dict, *, mains_key: str, match_mains, afte
     ValueError naming it); then (nothing can fail any more) the spike detector, the inner
     optimizer, the loss scaler (a RuntimeWarning when one side has no scaler state) and the
     main params, then ``after_copy()`` (main params -> model params). The step guard is reset
-    and the settings are compared across ranks again at the next step."""
+    and the settings are compared across ranks again at the next step. Param groups with
+    override keys are matched by key, not by position (:func:`align_saved_groups`; ``match_mains``
+    then gets the realigned main params); entries of a live group that the saved group lacks
+    (e.g. an ``override_key`` added since) are kept."""
     error = None
     try:
         if before is not None:
             before()
+        state_dict = align_saved_groups(wrapper, state_dict, mains_key=mains_key,
+                                        per_group_mains=per_group_mains)
         pairs = check_wrapper_state(wrapper, state_dict, mains_key=mains_key,
                                     match_mains=match_mains, extra_keys=extra_keys)
     except (TypeError, KeyError, ValueError) as e:
@@ -269,7 +350,11 @@ def load_wrapper_state(wrapper, state_dict, *, mains_key: str, match_mains, afte
     detector = getattr(wrapper, "spike_detector", None)
     if detector is not None and state_dict.get("spike_detector") is not None:
         detector.load_state_dict(state_dict["spike_detector"])
+    live_entries = [dict(g) for g in wrapper.optimizer.param_groups]
     wrapper.optimizer.load_state_dict(state_dict["optimizer"])
+    for g, before_load in zip(wrapper.optimizer.param_groups, live_entries):
+        for k, v in before_load.items():  # torch.optim keeps only the saved group's entries
+            g.setdefault(k, v)
     scaler = getattr(wrapper, "grad_scaler", None)
     scaler_state = state_dict.get("grad_scaler")
     if scaler is not None:
@@ -293,6 +378,7 @@ def load_wrapper_state(wrapper, state_dict, *, mains_key: str, match_mains, afte
 def check_optimizer_state_dict(wrapper, state_dict) -> None:
     """:meth:`MixedPrecisionOptimizer.load_state_dict`'s checks (:func:`check_wrapper_state`
     with its ``fp32_from_fp16_params``), without loading."""
+    state_dict = align_saved_groups(wrapper, state_dict, mains_key="fp32_from_fp16_params")
     check_wrapper_state(
         wrapper, state_dict, mains_key="fp32_from_fp16_params",
         match_mains=lambda saved: match_saved_tensors(

@@ -28,7 +28,12 @@ from tpamp.checkpoint.errors import (
 )
 from tpamp.checkpoint.keys import EXTRA, GROUPS, MAIN, META, MODEL, SCALER, SPIKES, STATE, state_key
 from tpamp.checkpoint.layout import global_view, local_part, local_parts
-from tpamp.checkpoint.optimizers import check_optimizer_meta, group_value_problem, optimizer_hooks
+from tpamp.checkpoint.optimizers import (
+    check_optimizer_meta,
+    group_value_problem,
+    optimizer_hooks,
+    saved_groups_in_live_order,
+)
 from tpamp.checkpoint.plan import ReadPlan, files_of
 from tpamp.checkpoint.rollback import Rollback
 from tpamp.checkpoint.storage import open_checkpoint, verify_data_files
@@ -264,7 +269,15 @@ def _check_loaded(got, views, osd, scaler, detector, optimizer, reset) -> List[s
                     problems.append(f"optimizer state {key[len(STATE):]!r} holds inf/nan")
             groups = got[GROUPS]
             live_groups = osd["param_groups"]
-            if not isinstance(groups, tuple) or len(groups) != len(live_groups):
+            if isinstance(groups, tuple) and all(isinstance(g, dict) for g in groups):
+                try:  # by override key when the groups have one (docs/spec.md section 16)
+                    groups = saved_groups_in_live_order(groups, live_groups)
+                except ValueError as e:
+                    problems.append(str(e))
+                    groups = None
+            if groups is None:
+                pass
+            elif not isinstance(groups, tuple) or len(groups) != len(live_groups):
                 count = len(groups) if isinstance(groups, tuple) else type(groups).__name__
                 problems.append(
                     f"the checkpoint has {count} param groups, the optimizer has {len(live_groups)}"
@@ -302,7 +315,7 @@ def _commit(got, plan, model_params, hooks, osd, optimizer, scaler, detector, re
     if reset:
         groups = [dict(g) for g in osd["param_groups"]]
     else:
-        groups = list(got[GROUPS])
+        groups = list(saved_groups_in_live_order(got[GROUPS], osd["param_groups"]))
     state = {
         "main_params": {n: got[MAIN + n] for n in osd["main_params"]},
         "state": {},
