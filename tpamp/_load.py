@@ -233,6 +233,19 @@ def align_saved_groups(wrapper, state_dict, *, mains_key: str, per_group_mains: 
     perm = match_saved_groups(saved, live, "the state_dict")
     if perm is None:
         return state_dict
+    if not per_group_mains:
+        same = perm == list(range(len(perm))) and all(
+            list(saved[j].get("param_names") or []) == list(g.get("param_names") or [])
+            for j, g in zip(perm, live))
+        if same:
+            return state_dict
+        raise ValueError(
+            f"the state_dict's param groups or their params are in another order (override "
+            f"keys {[saved[j][OVERRIDE_KEY] for j in range(len(saved))]} there, "
+            f"{[g[OVERRIDE_KEY] for g in live]} here): {type(wrapper).__name__}.state_dict loads "
+            "on the same layout only; load a sharded checkpoint (tpamp.checkpoint), which maps "
+            "by name"
+        )
     orders = []
     for j, g in zip(perm, live):
         s_names, l_names = saved[j].get("param_names"), g.get("param_names")
@@ -248,14 +261,6 @@ def align_saved_groups(wrapper, state_dict, *, mains_key: str, per_group_mains: 
         orders.append([list(s_names).index(n) for n in l_names])
     if perm == list(range(len(perm))) and all(o is None for o in orders):
         return state_dict
-    if not per_group_mains:
-        raise ValueError(
-            f"the state_dict's param groups or their params are in another order (override "
-            f"keys {[saved[j][OVERRIDE_KEY] for j in range(len(saved))]} there, "
-            f"{[g[OVERRIDE_KEY] for g in live]} here): {type(wrapper).__name__}.state_dict loads "
-            "on the same layout only; load a sharded checkpoint (tpamp.checkpoint), which maps "
-            "by name"
-        )
     new_groups = []
     for j, o in zip(perm, orders):
         s = dict(saved[j])

@@ -404,11 +404,19 @@ def match_saved_groups(saved: Sequence[Mapping], live: Sequence[Mapping],
             + " (a changed override: build the groups as when it was saved)"
         )
     perm = [saved_keys.index(k) for k in live_keys]
+    changed = []
     for k, i, g in zip(live_keys, perm, live):
         s_ov, l_ov = saved[i].get("override"), g.get("override")
-        if s_ov != l_ov:
-            raise ValueError(
-                f"the override {k!r} is {s_ov!r} in {where}, {l_ov!r} here (a changed "
-                "override: its hyperparameters differ)"
-            )
+        if s_ov == l_ov:
+            continue
+        if not (isinstance(s_ov, Mapping) and isinstance(l_ov, Mapping)):
+            changed.append(f"the override {k!r} is {s_ov!r} in {where}, {l_ov!r} here")
+            continue
+        for f in sorted(set(s_ov) | set(l_ov)):
+            if s_ov.get(f) != l_ov.get(f):
+                changed.append(f"the override {k!r} has {f}={s_ov.get(f)!r} in {where}, "
+                               f"{f}={l_ov.get(f)!r} here")
+    if changed:
+        raise ValueError("; ".join(changed) + " (a changed override: its hyperparameters differ "
+                         "from the saved ones)")
     return perm
