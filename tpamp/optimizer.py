@@ -32,7 +32,7 @@ from tpamp.grad_scaler import MegatronGradScaler
 from tpamp.grad_stats import clip_coefficient, counts_toward_norm
 from tpamp.nonfinite import gather_nonfinite, local_records, rank_coords
 from tpamp.nonfinite import param_name_map as nonfinite_names
-from tpamp.param_groups import group_hyperparameters
+from tpamp.param_groups import group_hyperparameters, match_saved_groups
 from tpamp.spikes import GradSpikeError
 
 __all__ = ["StepResult", "MixedPrecisionOptimizer", "FP32Optimizer"]
@@ -1148,6 +1148,16 @@ class MixedPrecisionOptimizer(OptimizerWrapper):
             if mains:
                 ops.scale_and_copy(mains, models)
             self._convert_state()  # moments into this optimizer's configured dtypes
+
+    def align_param_groups(self, saved_groups, where: str = "the checkpoint") -> tuple:
+        """The hook of ``tpamp.checkpoint`` (and any loader of saved param groups): the saved
+        groups (dicts with ``override_key``, one per inner param group) in the order of this
+        optimizer's inner groups, matched by override key (docs/spec.md section 16); as given
+        (by position) when either side has a group without one. Raises ValueError naming the
+        key for a key that is new or gone, or an override whose values differ (a changed
+        override); :func:`tpamp.param_groups.match_saved_groups`."""
+        perm = match_saved_groups(list(saved_groups), self.optimizer.param_groups, where)
+        return tuple(saved_groups) if perm is None else tuple(saved_groups[j] for j in perm)
 
     def _ckpt_named_mains(self, model_params) -> List[tuple]:
         """[(global name, main param)] in param-group order."""

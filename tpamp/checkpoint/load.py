@@ -271,7 +271,7 @@ def _check_loaded(got, views, osd, scaler, detector, optimizer, reset) -> List[s
             live_groups = osd["param_groups"]
             if isinstance(groups, tuple) and all(isinstance(g, dict) for g in groups):
                 try:  # by override key when the groups have one (docs/spec.md section 16)
-                    groups = saved_groups_in_live_order(groups, live_groups)
+                    groups = saved_groups_in_live_order(optimizer, groups)
                 except ValueError as e:
                     problems.append(str(e))
                     groups = None
@@ -315,7 +315,7 @@ def _commit(got, plan, model_params, hooks, osd, optimizer, scaler, detector, re
     if reset:
         groups = [dict(g) for g in osd["param_groups"]]
     else:
-        groups = list(saved_groups_in_live_order(got[GROUPS], osd["param_groups"]))
+        groups = list(saved_groups_in_live_order(optimizer, got[GROUPS]))
     state = {
         "main_params": {n: got[MAIN + n] for n in osd["main_params"]},
         "state": {},

@@ -16,7 +16,6 @@ import torch
 from tpamp.checkpoint.keys import MAIN, META
 from tpamp.checkpoint.layout import local_part, local_parts
 from tpamp.checkpoint.plan import ReadPlan
-from tpamp.param_groups import OVERRIDE_KEY, match_saved_groups
 
 __all__ = [
     "optimizer_hooks", "inner_optimizer", "class_name", "optimizer_record", "param_group_index",
@@ -89,20 +88,21 @@ def optimizer_record(optimizer, group_of: Mapping[str, int]) -> dict:
         "param_groups": [
             {"keys": sorted(k for k in g if k not in ("params", "param_names")),
              "params": sorted(n for n, gi in group_of.items() if gi == i),
-             **({OVERRIDE_KEY: g[OVERRIDE_KEY], "override": g.get("override")}
-                if OVERRIDE_KEY in g else {})}
+             # the override key of docs/spec.md section 16, when the group has one
+             **({"override_key": g["override_key"], "override": g.get("override")}
+                if "override_key" in g else {})}
             for i, g in enumerate(inner.param_groups if inner is not None else [])
         ],
     }
 
 
-def saved_groups_in_live_order(saved, live) -> tuple:
+def saved_groups_in_live_order(optimizer, saved) -> tuple:
     """The saved param groups (hyperparameters, or the records of ``optimizer.meta``) in the
-    order of the live ones: matched by override key when both sides have them
-    (:func:`tpamp.param_groups.match_saved_groups`, docs/spec.md section 16), else as saved
-    (by position). Raises ValueError naming the key of a changed override."""
-    perm = match_saved_groups(list(saved), list(live), "the checkpoint")
-    return tuple(saved) if perm is None else tuple(saved[j] for j in perm)
+    order of the optimizer's inner groups, through its public ``align_param_groups`` (by
+    override key, docs/spec.md section 16); as saved (by position) for an optimizer without
+    that method. Raises ValueError naming the key of a changed override."""
+    align = getattr(optimizer, "align_param_groups", None)
+    return tuple(saved) if align is None else tuple(align(saved))
 
 
 def param_group_index(mains: Mapping[str, Any], inner, optimizer=None,
@@ -167,7 +167,7 @@ def check_optimizer_meta(plan: ReadPlan, optimizer, osd, shared, model_params=No
         return
     saved_groups = meta["param_groups"]
     try:  # by override key when the groups have one, else by position
-        saved_groups = saved_groups_in_live_order(saved_groups, inner.param_groups)
+        saved_groups = saved_groups_in_live_order(optimizer, saved_groups)
     except ValueError as e:
         plan.problems.append(f"{e}{fix}")
         return
