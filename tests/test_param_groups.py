@@ -329,6 +329,11 @@ def _dist_worker(rank, world, path):
         out["changed"] = "loaded"
     except CheckpointError as e:
         out["changed"] = str(e)
+    # pipeline stages with different params: with process_group every rank gets every group
+    stage = {"emb.weight": params["emb.weight"]} if rank == 0 else {"norm.bias": params["norm.bias"]}
+    aligned = tpamp.build_param_groups(stage.items(), lr=LR, decoupled_lr=DECOUPLED_LR,
+                                       process_group=dist.group.WORLD)
+    out["aligned"] = [(g["override_key"], g["param_names"], g["lr"]) for g in aligned]
     return out
 
 
@@ -339,3 +344,41 @@ def test_distributed_optimizer_resumes_by_override_key(tmp_path):
         assert "same layout only" in out["reordered_state_dict"], out["reordered_state_dict"]
         assert "tpamp.checkpoint" in out["reordered_state_dict"]
         assert "'name=lin.weight + name=lin.*'" in out["changed"] and "lr_mult" in out["changed"]
+        mine = ["emb.weight"] if rank == 0 else ["norm.bias"]
+        assert out["aligned"] == [
+            ("attr=is_embedding_or_output_parameter", mine if rank == 0 else [], DECOUPLED_LR),
+            ("name=*.bias|ndim=1", mine if rank == 1 else [], LR)]
+
+
+# ---- the main job's schedule ------------------------------------------------------------------
+
+
+def test_the_main_jobs_schedule_gives_the_decoupled_group_its_own_peak_and_end():
+    import argparse
+    import math
+    import os
+    import sys
+
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                                    "scripts"))
+    import train_gpt
+
+    args = argparse.Namespace(lr=1e-2, min_lr=1e-3, lr_warmup_iters=2, train_iters=10)
+    groups = _groups(_params(ORDER_A), min_lr=1e-3, decoupled_min_lr=2e-4)
+    opt = torch.optim.AdamW(groups)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, train_gpt.lr_lambdas(opt, args))
+
+    def cosine(it, hi, lo):  # warm-up to hi over 2 iterations, cosine to lo at iteration 10
+        if it <= 2:
+            return hi * it / 2
+        return lo + 0.5 * (hi - lo) * (1 + math.cos(math.pi * (it - 2) / 8))
+
+    for it in range(1, 11):  # the lr of iteration it (the scheduler advanced it - 1 times)
+        want = {"default": cosine(it, 1e-2, 1e-3),
+                "attr=is_embedding_or_output_parameter": cosine(it, 3e-2, 2e-4),
+                "name=lin.weight + name=lin.*": 0.25 * cosine(it, 1e-2, 1e-3)}
+        for g in opt.param_groups:
+            if g["override_key"] in want:
+                assert g["lr"] == pytest.approx(want[g["override_key"]], rel=1e-12), (it, g)
+        opt.step()
+        sched.step()
