@@ -382,3 +382,36 @@ def test_the_main_jobs_schedule_gives_the_decoupled_group_its_own_peak_and_end()
                 assert g["lr"] == pytest.approx(want[g["override_key"]], rel=1e-12), (it, g)
         opt.step()
         sched.step()
+
+
+# ---- torch.amp's path (TorchAMPOptimizer): the same realignment -------------------------------
+
+
+def _torch_amp(order, reverse=False, offset=0.0):
+    params = _params(order, torch.float32, offset)
+    groups = _groups(params)
+    inner = torch.optim.AdamW(groups[::-1] if reverse else groups, betas=(0.9, 0.95), eps=1e-8)
+    return params, tpamp.TorchAMPOptimizer(inner, tpamp.ModelParallelGradScaler("cpu"))
+
+
+def _torch_amp_run(params, opt, steps):
+    for step in steps:
+        loss = sum((p * _grad(n, step).float()).sum() for n, p in params.items())
+        opt.scale_loss(loss).backward()
+        opt.step()
+        opt.zero_grad()
+    return {n: tensor_bytes(p) for n, p in params.items()}
+
+
+def test_torch_amp_optimizer_resumes_on_a_reordered_model():
+    params, opt = _torch_amp(ORDER_A)
+    want = _torch_amp_run(params, opt, range(6))
+    params, opt = _torch_amp(ORDER_A)
+    _torch_amp_run(params, opt, range(3))
+    saved = _roundtrip(opt.state_dict())
+    params_b, opt_b = _torch_amp(ORDER_B, reverse=True, offset=1.0)
+    with torch.no_grad():  # torch.amp keeps no fp32 copy: the params come with the model
+        for n, p in params_b.items():
+            p.copy_(params[n])
+    opt_b.load_state_dict(saved)
+    assert _torch_amp_run(params_b, opt_b, range(3, 6)) == want
