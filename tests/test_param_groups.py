@@ -415,3 +415,28 @@ def test_torch_amp_optimizer_resumes_on_a_reordered_model():
             p.copy_(params[n])
     opt_b.load_state_dict(saved)
     assert _torch_amp_run(params_b, opt_b, range(3, 6)) == want
+
+
+def test_a_checkpoint_written_before_override_keys_loads_by_position(tmp_path):
+    import json
+    import os
+    import shutil
+
+    fixtures = os.path.join(os.path.dirname(os.path.abspath(__file__)), "fixtures")
+    path = str(tmp_path / "mpo_fp16")
+    shutil.copytree(os.path.join(fixtures, "mpo_fp16"), path)
+    with open(os.path.join(fixtures, "mpo_fp16.json")) as f:
+        rec = json.load(f)
+    params = {n: torch.nn.Parameter(torch.full(rec["shapes"][n], 0.25, dtype=dtype))
+              for n, dtype in (("w", torch.float16), ("v", torch.float32), ("b", torch.float16))}
+    groups = tpamp.build_param_groups(params.items(), lr=1.0, weight_decay=0.5)
+    assert [g["param_names"] for g in groups] == [["w", "v"], ["b"]]  # the saved structure
+    opt = tpamp.MixedPrecisionOptimizer(torch.optim.AdamW(groups),
+                                        grad_scaler=tpamp.DynamicGradScaler(initial_scale=2.0**8))
+    load_checkpoint(path, params, opt, extra={"iteration": None})
+    for n, p in params.items():
+        want = torch.tensor(rec["model"][n]["values"], dtype=torch.float64).to(p.dtype)
+        assert torch.equal(p.detach().reshape(-1), want.reshape(-1)), n
+    assert [{"lr": g["lr"], "weight_decay": g["weight_decay"]} for g in opt.param_groups] == \
+        rec["groups"]  # the saved hyperparameters, by position
+    assert [g["override_key"] for g in opt.param_groups] == ["default", "name=*.bias|ndim=1"]
