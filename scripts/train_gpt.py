@@ -251,6 +251,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     a("--log-num-zeros-in-grad", action="store_true")
     a("--log-param-grad-norms", type=int, default=0, metavar="K",
       help="at each log interval, log the K largest per-parameter grad norms (0: off)")
+    # param-group overrides (Megatron's flags; tpamp.build_param_groups, docs/spec.md section 16)
+    a("--decoupled-lr", type=float, default=None,
+      help="peak lr of the word embedding and output layer (default: --lr)")
+    a("--decoupled-min-lr", type=float, default=None,
+      help="with --decoupled-lr: the end of their cosine decay (default: --min-lr)")
     # spike detection (tpamp.SpikeDetector)
     spike = p.add_mutually_exclusive_group()
     spike.add_argument("--spike-policy", choices=("off", "log", "skip", "raise"), default="log",
@@ -416,6 +421,15 @@ def validate_args(args) -> None:
            f"expected at most --initial-loss-scale {args.initial_loss_scale}")
     for dest in ("loss_scale_window", "hysteresis"):
         _check(args, dest, 1 <= getattr(args, dest) <= 2**31 - 1, "expected an int >= 1")
+    # param-group overrides (tpamp.build_param_groups)
+    if args.decoupled_lr is not None:
+        _check(args, "decoupled_lr", math.isfinite(args.decoupled_lr) and args.decoupled_lr > 0,
+               "expected a finite lr > 0")
+    if args.decoupled_min_lr is not None:
+        _check(args, "decoupled_min_lr", args.decoupled_lr is not None,
+               "expected it only with --decoupled-lr")
+        _check(args, "decoupled_min_lr", math.isfinite(args.decoupled_min_lr)
+               and args.decoupled_min_lr >= 0, "expected a finite lr >= 0")
     # spike detection (tpamp.SpikeDetector)
     _check(args, "spike_threshold", math.isfinite(args.spike_threshold)
            and args.spike_threshold > 0, "expected a finite number > 0")
@@ -917,13 +931,21 @@ def fully_shard_stage(stage: GPTStage, st, dtype) -> GPTStage:
 
 
 def build_optimizer(stage, args, st, dtype):
-    """AdamW (weight decay on matrices only) inside tpamp's wrapper for ``dtype``."""
-    params = [p for p in stage.parameters() if p.requires_grad]
-    groups = [
-        {"params": [p for p in params if p.dim() >= 2], "weight_decay": args.weight_decay},
-        {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
-    ]
-    adamw = torch.optim.AdamW(groups, lr=args.lr, betas=(0.9, 0.95), eps=1e-8)
+    """AdamW inside tpamp's wrapper for ``dtype``, its groups from tpamp.build_param_groups:
+    Megatron's default of no weight decay for biases and 1-D params (norm weights), and with
+    --decoupled-lr the word embedding and output layer (Megatron's
+    ``is_embedding_or_output_parameter``: the tied weight's copy on this stage) at their own
+    lr. The groups are aligned over the world, so every stage has the same groups (some
+    empty)."""
+    tied = stage.word_embedding_weight() if args.decoupled_lr is not None else None
+    if tied is not None:
+        tied.is_embedding_or_output_parameter = True
+    groups = tpamp.build_param_groups(
+        stage.named_parameters(), lr=args.lr, min_lr=args.min_lr, weight_decay=args.weight_decay,
+        decoupled_lr=args.decoupled_lr, decoupled_min_lr=args.decoupled_min_lr,
+        process_group=dist.group.WORLD,
+    )
+    adamw = torch.optim.AdamW(groups, betas=(0.9, 0.95), eps=1e-8)
     if args.loss_scale is not None:
         scaler = tpamp.ConstantGradScaler(args.loss_scale)
     elif dtype == torch.float16:
@@ -1010,12 +1032,30 @@ def module_tracer(stage, st):
     return tpamp.NonFiniteTracer(stage, names=name, parallel_state=st)
 
 
-def lr_at(it: int, args) -> float:
-    """Linear warmup to --lr, then cosine decay to --min-lr at --train-iters."""
+def lr_at(it: int, args, max_lr=None, min_lr=None) -> float:
+    """Linear warmup to --lr (or ``max_lr``), then cosine decay to --min-lr (or ``min_lr``) at
+    --train-iters."""
+    max_lr = args.lr if max_lr is None else max_lr
+    min_lr = args.min_lr if min_lr is None else min_lr
     if it <= args.lr_warmup_iters:
-        return args.lr * it / max(1, args.lr_warmup_iters)
+        return max_lr * it / max(1, args.lr_warmup_iters)
     frac = (it - args.lr_warmup_iters) / max(1, args.train_iters - args.lr_warmup_iters)
-    return args.min_lr + 0.5 * (args.lr - args.min_lr) * (1 + math.cos(math.pi * min(frac, 1.0)))
+    return min_lr + 0.5 * (max_lr - min_lr) * (1 + math.cos(math.pi * min(frac, 1.0)))
+
+
+def lr_lambdas(optimizer, args) -> list:
+    """One LambdaLR factor per param group: the group's own schedule from its ``max_lr`` and
+    ``min_lr`` (tpamp.build_param_groups; Megatron's decoupled lr) over its initial lr
+    (``max_lr * lr_mult``)."""
+    out = []
+    for g in optimizer.param_groups:
+        max_lr, min_lr = g.get("max_lr", args.lr), g.get("min_lr", args.min_lr)
+        if max_lr == args.lr and min_lr == args.min_lr:
+            out.append(lambda steps_done: lr_at(steps_done + 1, args) / args.lr)
+        else:
+            out.append(lambda steps_done, hi=max_lr, lo=min_lr:
+                       lr_at(steps_done + 1, args, hi, lo) / hi)
+    return out
 
 
 # ----------------------------------------------------------------------------- the run
@@ -1088,9 +1128,8 @@ def build(args, st, device) -> Run:
                         virtual=virtual_stages(args))
     optimizer = build_optimizer(stage, args, st, dtype)
     # Megatron-LM: the schedule advances only on successful steps (scheduler.step() in the loop)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(
-        optimizer.optimizer, lambda steps_done: lr_at(steps_done + 1, args) / args.lr
-    )
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer.optimizer,
+                                                  lr_lambdas(optimizer.optimizer, args))
     tracker = None
     if args.log_param_grad_norms:  # names with the global layer index: unique across stages
         if args.use_torch_fsdp2:  # a stage's TP x DP ranks each hold a piece of its params

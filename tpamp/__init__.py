@@ -50,6 +50,7 @@ from tpamp.model import (
 )
 from tpamp.nonfinite import NonFiniteActivation, NonFiniteGrad, NonFiniteTracer
 from tpamp.optimizer import FP32Optimizer, MixedPrecisionOptimizer, StepResult
+from tpamp.param_groups import ParamGroupOverride, ParamKey, build_param_groups
 from tpamp.param_norms import ParamGradNormTracker
 from tpamp.spikes import GradSpikeError, SpikeDecision, SpikeDetector
 
@@ -57,6 +58,7 @@ __all__ = [
     "AMPComponents",
     "ApexAMPConfig",
     "ApexAMPOptimizer",
+    "build_param_groups",
     "checkpoint",
     "clip_grad_by_total_norm_fp32",
     "ConstantGradScaler",
@@ -83,6 +85,8 @@ __all__ = [
     "parallel",
     "ParallelAMPConfig",
     "ParamGradNormTracker",
+    "ParamGroupOverride",
+    "ParamKey",
     "parse_amp_config",
     "parse_dtype",
     "residual_add",

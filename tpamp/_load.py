@@ -6,7 +6,7 @@ the key, the bad value and what was expected.
 from __future__ import annotations
 
 import warnings
-from typing import List, Sequence, Tuple
+from typing import List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
@@ -14,12 +14,16 @@ import torch.distributed as dist
 from tpamp._checks import check_mapping
 from tpamp._guards import gather_rows, reset_step_guard
 from tpamp.common import local_tensor
+from tpamp.param_groups import OVERRIDE_KEY, match_saved_groups
 from tpamp.state_formats import check_saved_scales
 
 Tensor = torch.Tensor
 
 __all__ = [
     "NARROW_STATE_KEYS",
+    "align_inner_state",
+    "align_saved_groups",
+    "load_inner_state",
     "check_finite",
     "check_inner_optimizer_state",
     "check_optimizer_state_dict",
@@ -208,6 +212,122 @@ def check_finite(named: Sequence[Tuple[str, Tensor]]) -> None:
             )
 
 
+def _group_alignment(optimizer, inner_sd, fixed_layout: Optional[str] = None):
+    """(for each live group the index of its saved group, for each live group the saved index
+    of each of its params or None for the same order), or None when there is nothing to
+    reorder or the groups load by position (either side has a group without an override key,
+    or the state dict is malformed: the checks that follow name it). ``fixed_layout``: the
+    wrapper's name when it cannot reorder (any reordering is then a ValueError)."""
+    if not isinstance(inner_sd, dict):
+        return None
+    saved = inner_sd.get("param_groups")
+    if not isinstance(saved, (list, tuple)) or not all(isinstance(g, dict) for g in saved):
+        return None
+    live = optimizer.param_groups
+    perm = match_saved_groups(saved, live, "the state_dict")
+    if perm is None:
+        return None
+    if fixed_layout is not None:
+        if perm == list(range(len(perm))) and all(
+                list(saved[j].get("param_names") or []) == list(g.get("param_names") or [])
+                for j, g in zip(perm, live)):
+            return None
+        raise ValueError(
+            f"the state_dict's param groups or their params are in another order (override "
+            f"keys {[g[OVERRIDE_KEY] for g in saved]} there, {[g[OVERRIDE_KEY] for g in live]} "
+            f"here): {fixed_layout}.state_dict loads on the same layout only; load a sharded "
+            "checkpoint (tpamp.checkpoint), which maps by name"
+        )
+    orders: List[Optional[List[int]]] = []
+    for j, g in zip(perm, live):
+        s_names, l_names = saved[j].get("param_names"), g.get("param_names")
+        if not isinstance(s_names, (list, tuple)) or l_names is None or list(s_names) == list(l_names):
+            orders.append(None)
+            continue
+        if sorted(s_names) != sorted(l_names) or len(set(l_names)) != len(l_names):
+            raise ValueError(
+                f"param group {g[OVERRIDE_KEY]!r}: the state_dict's params "
+                f"{sorted(set(s_names) - set(l_names))[:4]} are not in this group, its params "
+                f"{sorted(set(l_names) - set(s_names))[:4]} are not in the state_dict's"
+            )
+        orders.append([list(s_names).index(n) for n in l_names])
+    if perm == list(range(len(perm))) and all(o is None for o in orders):
+        return None
+    return perm, orders
+
+
+def _reordered_inner(inner_sd, perm, orders) -> dict:
+    saved = inner_sd["param_groups"]
+    new_groups = []
+    for j, o in zip(perm, orders):
+        s = dict(saved[j])
+        ids = s.get("params")
+        if o is not None and isinstance(ids, (list, tuple)) and len(ids) == len(o):
+            s["params"] = [ids[k] for k in o]
+            s["param_names"] = [saved[j]["param_names"][k] for k in o]
+        new_groups.append(s)
+    return {**inner_sd, "param_groups": new_groups}
+
+
+def align_inner_state(optimizer, inner_sd):
+    """A ``torch.optim`` state dict with its param groups in ``optimizer``'s order, matched by
+    override key (:func:`tpamp.param_groups.match_saved_groups`, docs/spec.md section 16), and
+    the params of each group in the live group's order, matched by ``param_names`` when both
+    groups have them (the state follows its params' ids). A new dict; ``inner_sd`` itself
+    when there is nothing to reorder, when either side has a group without an override key
+    (by position, as before overrides existed) or when it is malformed (the checks that follow
+    name it). Raises ValueError naming the key for a changed override or a group whose saved
+    names differ from the live ones."""
+    al = _group_alignment(optimizer, inner_sd)
+    return inner_sd if al is None else _reordered_inner(inner_sd, *al)
+
+
+def align_saved_groups(wrapper, state_dict, *, mains_key: str, per_group_mains: bool = True):
+    """A wrapper's state dict with the inner optimizer's state realigned by
+    :func:`align_inner_state`; with ``per_group_mains`` the per-group lists under
+    ``mains_key`` (MixedPrecisionOptimizer's ``fp32_from_fp16_params``, the main params of a
+    group's fp16/bf16 params in group order) are reordered alike. A new dict (the caller's is
+    not changed), or ``state_dict`` itself as align_inner_state. Without ``per_group_mains``
+    (DistributedOptimizer: main shards per bucket, not per group) any reordering is a
+    ValueError that points to tpamp.checkpoint."""
+    if not isinstance(state_dict, dict):
+        return state_dict
+    inner_sd = state_dict.get("optimizer")
+    al = _group_alignment(wrapper.optimizer, inner_sd,
+                          None if per_group_mains else type(wrapper).__name__)
+    if al is None:
+        return state_dict
+    perm, orders = al
+    out = {**state_dict, "optimizer": _reordered_inner(inner_sd, perm, orders)}
+    mains = state_dict.get(mains_key)
+    if isinstance(mains, (list, tuple)) and len(mains) == len(inner_sd["param_groups"]) and \
+            all(isinstance(m, (list, tuple)) for m in mains):
+        by_group = wrapper.main_params_by_group()
+        new_mains = []
+        for gi, (j, o, g) in enumerate(zip(perm, orders, wrapper.optimizer.param_groups)):
+            m = list(mains[j])
+            if o is not None:  # the group's main params are those of its fp16/bf16 params
+                half = {id(x) for x in by_group[gi]}
+                live_pos = [p for p, x in enumerate(g["params"]) if id(x) in half]
+                rank = {sp: r for r, sp in enumerate(sorted(o[p] for p in live_pos))}
+                if len(m) == len(rank):
+                    m = [m[rank[o[p]]] for p in live_pos]
+            new_mains.append(m)
+        out[mains_key] = new_mains
+    return out
+
+
+def load_inner_state(optimizer, inner_sd) -> None:
+    """``optimizer.load_state_dict(inner_sd)`` (checked and aligned before), keeping the
+    entries of a live group that the saved group lacks (torch.optim keeps only the saved
+    group's: an ``override_key`` added since, say)."""
+    live_entries = [dict(g) for g in optimizer.param_groups]
+    optimizer.load_state_dict(inner_sd)
+    for g, before_load in zip(optimizer.param_groups, live_entries):
+        for k, v in before_load.items():
+            g.setdefault(k, v)
+
+
 def check_wrapper_state(wrapper, state_dict, *, mains_key: str, match_mains,
                         extra_keys: Sequence[str] = ()) -> List[Tuple[str, Tensor, Tensor]]:
     """Everything a wrapper's ``load_state_dict`` will load, checked before it changes
@@ -237,7 +357,8 @@ def check_wrapper_state(wrapper, state_dict, *, mains_key: str, match_mains,
 
 
 def load_wrapper_state(wrapper, state_dict, *, mains_key: str, match_mains, after_copy,
-                       extra_keys: Sequence[str] = (), before=None, agree_group=None) -> None:
+                       extra_keys: Sequence[str] = (), before=None, agree_group=None,
+                       per_group_mains: bool = True) -> None:
     """The one all-or-nothing load of the optimizer wrappers: ``before()`` (the wrapper's own
     checks, e.g. a layout), :func:`check_wrapper_state`; with ``agree_group`` (a group whose
     ranks load together and run a collective in ``after_copy``) one all-gather of a refused
@@ -245,11 +366,16 @@ def load_wrapper_state(wrapper, state_dict, *, mains_key: str, match_mains, afte
     ValueError naming it); then (nothing can fail any more) the spike detector, the inner
     optimizer, the loss scaler (a RuntimeWarning when one side has no scaler state) and the
     main params, then ``after_copy()`` (main params -> model params). The step guard is reset
-    and the settings are compared across ranks again at the next step."""
+    and the settings are compared across ranks again at the next step. Param groups with
+    override keys are matched by key, not by position (:func:`align_saved_groups`; ``match_mains``
+    then gets the realigned main params); entries of a live group that the saved group lacks
+    (e.g. an ``override_key`` added since) are kept."""
     error = None
     try:
         if before is not None:
             before()
+        state_dict = align_saved_groups(wrapper, state_dict, mains_key=mains_key,
+                                        per_group_mains=per_group_mains)
         pairs = check_wrapper_state(wrapper, state_dict, mains_key=mains_key,
                                     match_mains=match_mains, extra_keys=extra_keys)
     except (TypeError, KeyError, ValueError) as e:
@@ -269,7 +395,7 @@ def load_wrapper_state(wrapper, state_dict, *, mains_key: str, match_mains, afte
     detector = getattr(wrapper, "spike_detector", None)
     if detector is not None and state_dict.get("spike_detector") is not None:
         detector.load_state_dict(state_dict["spike_detector"])
-    wrapper.optimizer.load_state_dict(state_dict["optimizer"])
+    load_inner_state(wrapper.optimizer, state_dict["optimizer"])
     scaler = getattr(wrapper, "grad_scaler", None)
     scaler_state = state_dict.get("grad_scaler")
     if scaler is not None:
@@ -293,6 +419,7 @@ def load_wrapper_state(wrapper, state_dict, *, mains_key: str, match_mains, afte
 def check_optimizer_state_dict(wrapper, state_dict) -> None:
     """:meth:`MixedPrecisionOptimizer.load_state_dict`'s checks (:func:`check_wrapper_state`
     with its ``fp32_from_fp16_params``), without loading."""
+    state_dict = align_saved_groups(wrapper, state_dict, mains_key="fp32_from_fp16_params")
     check_wrapper_state(
         wrapper, state_dict, mains_key="fp32_from_fp16_params",
         match_mains=lambda saved: match_saved_tensors(

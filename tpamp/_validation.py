@@ -48,10 +48,13 @@ from tpamp._guards import (  # noqa: F401
 )
 from tpamp._load import (  # noqa: F401
     NARROW_STATE_KEYS,
+    align_inner_state,
+    align_saved_groups,
     check_finite,
     check_inner_optimizer_state,
     check_optimizer_state_dict,
     check_wrapper_state,
+    load_inner_state,
     load_wrapper_state,
     match_saved_tensors,
 )

@@ -401,15 +401,19 @@ class TorchAMPOptimizer(OptimizerWrapper):
 
     def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
         """Restore {'optimizer': inner state, 'grad_scaler': scaler state}; all or nothing:
-        both are checked (TypeError/KeyError/ValueError naming the key) before either loads."""
+        both are checked (TypeError/KeyError/ValueError naming the key) before either loads.
+        Param groups with override keys are matched by key and their params by name
+        (``tpamp._load.align_inner_state``, docs/spec.md section 16)."""
         _validation.check_mapping("state_dict", state_dict)
         if "optimizer" not in state_dict:
             raise KeyError("optimizer state_dict has no 'optimizer' entry")
-        _validation.check_inner_optimizer_state(self.optimizer, state_dict["optimizer"])
+        # param groups with override keys by key, not by position (docs/spec.md section 16)
+        inner = _validation.align_inner_state(self.optimizer, state_dict["optimizer"])
+        _validation.check_inner_optimizer_state(self.optimizer, inner)
         scaler_state = state_dict.get("grad_scaler")
         if scaler_state:
             _check_torch_scaler_state(scaler_state)
-        self.optimizer.load_state_dict(state_dict["optimizer"])
+        _validation.load_inner_state(self.optimizer, inner)
         if scaler_state:
             self.scaler.load_state_dict(scaler_state)
 

@@ -46,6 +46,7 @@ from tpamp.optimizer import (
     clear_grad,
     param_dtype_error,
 )
+from tpamp.param_groups import group_hyperparameters
 
 __all__ = ["DistributedOptimizer"]
 
@@ -491,7 +492,11 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
                 new_groups[gi].append(piece.main)
                 if old:
                     state[piece.main] = _slice_state(old, p, piece.param_range)
+        param_of = {id(q.main): q.param for b in self._buckets for q in b.pieces}
         for group, params in zip(self.optimizer.param_groups, new_groups):
+            if "param_names" in group:  # torch.optim's names: one per piece (its param's)
+                name_of = {id(p): n for p, n in zip(group["params"], group["param_names"])}
+                group["param_names"] = [name_of[id(param_of[id(m)])] for m in params]
             group["params"] = params
         self._pieces = [q for b in self._buckets for q in b.pieces]
 
@@ -832,8 +837,7 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
                     for k, v in st.items()
                 }
         self._ckpt_pieces = by_name
-        groups = [{k: v for k, v in g.items() if k != "params"}
-                  for g in self.optimizer.param_groups]
+        groups = [group_hyperparameters(g) for g in self.optimizer.param_groups]
         return {"main_params": mains, "state": state, "param_groups": groups}
 
     def load_sharded_state_dict(self, state: Dict) -> None:
@@ -860,8 +864,8 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
                     inner.state[q.main] = new
                 else:
                     inner.state.pop(q.main, None)
-            for g, saved in zip(inner.param_groups, state["param_groups"]):
-                g.update({k: v for k, v in saved.items() if k != "params"})
+            for g, saved in zip(inner.param_groups, state["param_groups"]):  # in live order
+                g.update(group_hyperparameters(saved))
             self._convert_state()  # moments into this optimizer's configured dtypes
             self._gather_model_params()
         # as after load_state_dict: a fresh step guard, settings compared again at the next step
@@ -985,6 +989,7 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
                 unit="bucket", item="main shard"),
             after_copy=after_copy,
             before=check_layout, agree_group=self.data_parallel_group,
+            per_group_mains=False,  # main shards per bucket: same layout, same group order
         )
 
 

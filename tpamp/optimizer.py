@@ -32,6 +32,7 @@ from tpamp.grad_scaler import MegatronGradScaler
 from tpamp.grad_stats import clip_coefficient, counts_toward_norm
 from tpamp.nonfinite import gather_nonfinite, local_records, rank_coords
 from tpamp.nonfinite import param_name_map as nonfinite_names
+from tpamp.param_groups import group_hyperparameters, match_saved_groups
 from tpamp.spikes import GradSpikeError
 
 __all__ = ["StepResult", "MixedPrecisionOptimizer", "FP32Optimizer"]
@@ -1098,8 +1099,7 @@ class MixedPrecisionOptimizer(OptimizerWrapper):
                 st = state_formats.layout_free_state(st)  # 8-bit moments as float32 values
                 state[name] = {k: self._ckpt_state_view(v, main, view) for k, v in st.items()}
         self._ckpt_named = named
-        groups = [{k: v for k, v in g.items() if k != "params"}
-                  for g in self.optimizer.param_groups]
+        groups = [group_hyperparameters(g) for g in self.optimizer.param_groups]
         return {"main_params": mains, "state": state, "param_groups": groups}
 
     def load_sharded_state_dict(self, state: Dict) -> None:
@@ -1141,13 +1141,23 @@ class MixedPrecisionOptimizer(OptimizerWrapper):
                 inner.state[main] = new
             else:
                 inner.state.pop(main, None)
-        for g, saved in zip(inner.param_groups, state["param_groups"]):
-            g.update({k: v for k, v in saved.items() if k != "params"})
+        for g, saved in zip(inner.param_groups, state["param_groups"]):  # in live order
+            g.update(group_hyperparameters(saved))
         with torch.no_grad():  # the model params are fp16/bf16 of the loaded main params
             mains, models = self._pair_locals()
             if mains:
                 ops.scale_and_copy(mains, models)
             self._convert_state()  # moments into this optimizer's configured dtypes
+
+    def align_param_groups(self, saved_groups, where: str = "the checkpoint") -> tuple:
+        """The hook of ``tpamp.checkpoint`` (and any loader of saved param groups): the saved
+        groups (dicts with ``override_key``, one per inner param group) in the order of this
+        optimizer's inner groups, matched by override key (docs/spec.md section 16); as given
+        (by position) when either side has a group without one. Raises ValueError naming the
+        key for a key that is new or gone, or an override whose values differ (a changed
+        override); :func:`tpamp.param_groups.match_saved_groups`."""
+        perm = match_saved_groups(list(saved_groups), self.optimizer.param_groups, where)
+        return tuple(saved_groups) if perm is None else tuple(saved_groups[j] for j in perm)
 
     def _ckpt_named_mains(self, model_params) -> List[tuple]:
         """[(global name, main param)] in param-group order."""

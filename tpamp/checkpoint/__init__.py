@@ -120,7 +120,12 @@ TP group (the ``tensor_parallel_group`` argument, else the optimizer's own)::
 The loss scaler (``optimizer.grad_scaler``, None: none) and a spike detector
 (``optimizer.spike_detector``, if any) are saved and loaded here, and so are the model params
 from ``model_params`` (copied in before ``load_sharded_state_dict`` is called). Param-group
-hyperparameters are restored by group index; the group counts must match.
+hyperparameters are restored by group index; the group counts must match. An optimizer with a
+third, optional hook ``align_param_groups(saved_groups) -> saved groups in its own order``
+(MixedPrecisionOptimizer's, :mod:`tpamp.param_groups`) has the saved groups matched to its
+own by override key first (docs/spec.md section 16): groups built in another order, or for a
+model whose params are declared in another order, load into the right groups; a changed
+override (a key that is new or gone, or other values) is refused, naming the key.
 
 The param-group structure is found without the hook's help: each main param (or DP shard
 box) lies in the memory of one tensor of one of the inner optimizer's param groups.

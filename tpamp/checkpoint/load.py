@@ -28,7 +28,12 @@ from tpamp.checkpoint.errors import (
 )
 from tpamp.checkpoint.keys import EXTRA, GROUPS, MAIN, META, MODEL, SCALER, SPIKES, STATE, state_key
 from tpamp.checkpoint.layout import global_view, local_part, local_parts
-from tpamp.checkpoint.optimizers import check_optimizer_meta, group_value_problem, optimizer_hooks
+from tpamp.checkpoint.optimizers import (
+    check_optimizer_meta,
+    group_value_problem,
+    optimizer_hooks,
+    saved_groups_in_live_order,
+)
 from tpamp.checkpoint.plan import ReadPlan, files_of
 from tpamp.checkpoint.rollback import Rollback
 from tpamp.checkpoint.storage import open_checkpoint, verify_data_files
@@ -248,6 +253,30 @@ def _plan_reads(plan, path, model_params, optimizer, hooks, tp_group, extra, res
     return views, osd, scaler, detector
 
 
+def _check_groups(groups, live_groups, optimizer) -> List[str]:
+    """Faults of the saved param groups' hyperparameters against the live ones, the saved
+    groups matched by override key when they have one (docs/spec.md section 16)."""
+    if isinstance(groups, tuple) and all(isinstance(g, dict) for g in groups):
+        try:
+            groups = saved_groups_in_live_order(optimizer, groups)
+        except ValueError as e:
+            return [str(e)]
+    if not isinstance(groups, tuple) or len(groups) != len(live_groups):
+        count = len(groups) if isinstance(groups, tuple) else type(groups).__name__
+        return [f"the checkpoint has {count} param groups, the optimizer has {len(live_groups)}"]
+    problems = []
+    for i, (saved, live) in enumerate(zip(groups, live_groups)):
+        if not isinstance(saved, dict):
+            problems.append(f"param group {i} is a {type(saved).__name__} in the checkpoint")
+            continue
+        for k, v in saved.items():
+            if k != "params" and k in live:
+                msg = group_value_problem(i, k, v, live[k])
+                if msg:
+                    problems.append(msg)
+    return problems
+
+
 def _check_loaded(got, views, osd, scaler, detector, optimizer, reset) -> List[str]:
     """Faults in the values read (nothing live has been touched yet)."""
     problems = []
@@ -262,23 +291,7 @@ def _check_loaded(got, views, osd, scaler, detector, optimizer, reset) -> List[s
             for key, v in got.items():
                 if key.startswith(STATE) and isinstance(v, Tensor) and _nonfinite(v):
                     problems.append(f"optimizer state {key[len(STATE):]!r} holds inf/nan")
-            groups = got[GROUPS]
-            live_groups = osd["param_groups"]
-            if not isinstance(groups, tuple) or len(groups) != len(live_groups):
-                count = len(groups) if isinstance(groups, tuple) else type(groups).__name__
-                problems.append(
-                    f"the checkpoint has {count} param groups, the optimizer has {len(live_groups)}"
-                )
-            else:
-                for i, (saved, live) in enumerate(zip(groups, live_groups)):
-                    if not isinstance(saved, dict):
-                        problems.append(f"param group {i} is a {type(saved).__name__} in the checkpoint")
-                        continue
-                    for k, v in saved.items():
-                        if k != "params" and k in live:
-                            msg = group_value_problem(i, k, v, live[k])
-                            if msg:
-                                problems.append(msg)
+            problems += _check_groups(got[GROUPS], osd["param_groups"], optimizer)
     if scaler is not None:
         trial = copy.deepcopy(scaler)
         try:
@@ -302,7 +315,7 @@ def _commit(got, plan, model_params, hooks, osd, optimizer, scaler, detector, re
     if reset:
         groups = [dict(g) for g in osd["param_groups"]]
     else:
-        groups = list(got[GROUPS])
+        groups = list(saved_groups_in_live_order(optimizer, got[GROUPS]))
     state = {
         "main_params": {n: got[MAIN + n] for n in osd["main_params"]},
         "state": {},

@@ -19,7 +19,7 @@ from tpamp.checkpoint.plan import ReadPlan
 
 __all__ = [
     "optimizer_hooks", "inner_optimizer", "class_name", "optimizer_record", "param_group_index",
-    "check_optimizer_meta", "group_value_problem",
+    "check_optimizer_meta", "group_value_problem", "saved_groups_in_live_order",
 ]
 
 Tensor = torch.Tensor
@@ -86,11 +86,23 @@ def optimizer_record(optimizer, group_of: Mapping[str, int]) -> dict:
     return {
         "optimizer": class_name(inner) if inner is not None else class_name(optimizer),
         "param_groups": [
-            {"keys": sorted(k for k in g if k != "params"),
-             "params": sorted(n for n, gi in group_of.items() if gi == i)}
+            {"keys": sorted(k for k in g if k not in ("params", "param_names")),
+             "params": sorted(n for n, gi in group_of.items() if gi == i),
+             # the override key of docs/spec.md section 16, when the group has one
+             **({"override_key": g["override_key"], "override": g.get("override")}
+                if "override_key" in g else {})}
             for i, g in enumerate(inner.param_groups if inner is not None else [])
         ],
     }
+
+
+def saved_groups_in_live_order(optimizer, saved) -> tuple:
+    """The saved param groups (hyperparameters, or the records of ``optimizer.meta``) in the
+    order of the optimizer's inner groups, through its public ``align_param_groups`` (by
+    override key, docs/spec.md section 16); as saved (by position) for an optimizer without
+    that method. Raises ValueError naming the key of a changed override."""
+    align = getattr(optimizer, "align_param_groups", None)
+    return tuple(saved) if align is None else tuple(align(saved))
 
 
 def param_group_index(mains: Mapping[str, Any], inner, optimizer=None,
@@ -154,6 +166,11 @@ def check_optimizer_meta(plan: ReadPlan, optimizer, osd, shared, model_params=No
         )
         return
     saved_groups = meta["param_groups"]
+    try:  # by override key when the groups have one, else by position
+        saved_groups = saved_groups_in_live_order(optimizer, saved_groups)
+    except ValueError as e:
+        plan.problems.append(f"{e}{fix}")
+        return
     if len(saved_groups) != len(inner.param_groups):
         plan.problems.append(
             f"the checkpoint has {len(saved_groups)} param groups, the optimizer has "
