@@ -39,6 +39,16 @@ from tpamp.grad_stats import (
     get_grad_norm_fp32,
 )
 from tpamp.logger import TrainingLogger
+from tpamp.matrix_optimizers import (  # Muon / Adafactor under TP: docs/spec.md section 17
+    CombinedOptimizer,
+    TensorParallelAdafactor,
+    TensorParallelMuon,
+    check_sharded_math,
+    declare_elementwise,
+    is_elementwise_optimizer,
+    muon_with_adamw,
+    split_muon_params,
+)
 from tpamp.model import (
     NaiveAMPModel,
     TF32Flags,
@@ -57,6 +67,14 @@ __all__ = [
     "ApexAMPConfig",
     "ApexAMPOptimizer",
     "checkpoint",
+    "check_sharded_math",
+    "CombinedOptimizer",
+    "declare_elementwise",
+    "is_elementwise_optimizer",
+    "muon_with_adamw",
+    "split_muon_params",
+    "TensorParallelAdafactor",
+    "TensorParallelMuon",
     "clip_grad_by_total_norm_fp32",
     "ConstantGradScaler",
     "count_zeros_fp32",

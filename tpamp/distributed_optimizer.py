@@ -256,7 +256,8 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
         parallel_state=None,
     ):
         options = (exp_avg_dtype, exp_avg_sq_dtype, store_param_remainders)
-        state_options = self._check_core_args(optimizer, grad_scaler, clip_grad, fused_step, *options)
+        state_options = self._check_core_args(optimizer, grad_scaler, clip_grad, fused_step, *options,
+                                              flat_pieces=True)
         _validation.check_int("bucket_size", bucket_size, low=1, allow_none=True)
         if data_parallel_group is None:
             raise ValueError(

@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 import torch.optim.optimizer as _torch_optimizer
 
-from tpamp import _validation, ops, state_formats
+from tpamp import _validation, matrix_optimizers, ops, state_formats
 from tpamp.common import FUSED_KINDS, collective_device, is_dtensor, local_tensor, placed_like
 from tpamp.grad_scaler import MegatronGradScaler
 from tpamp.grad_stats import clip_coefficient, counts_toward_norm
@@ -300,12 +300,16 @@ class MixedPrecisionOptimizer(OptimizerWrapper):
 
     @staticmethod
     def _check_core_args(optimizer, grad_scaler, clip_grad, fused_step, exp_avg_dtype,
-                         exp_avg_sq_dtype, store_param_remainders) -> tuple:
+                         exp_avg_sq_dtype, store_param_remainders, *,
+                         flat_pieces: bool = False) -> tuple:
         """The arguments every wrapper checks first, before anything changes: those of
-        :func:`check_wrapper_args` and the narrow-state options; returns the options
-        (exp_avg_dtype, exp_avg_sq_dtype, store_param_remainders) as tpamp.state_formats
-        normalises them."""
+        :func:`check_wrapper_args`, that the inner optimizer does the unsharded math over
+        sharded params (:func:`tpamp.matrix_optimizers.check_sharded_math`; ``flat_pieces``:
+        the wrapper steps it over flat pieces of the params, as DistributedOptimizer does) and
+        the narrow-state options; returns the options (exp_avg_dtype, exp_avg_sq_dtype,
+        store_param_remainders) as tpamp.state_formats normalises them."""
         check_wrapper_args(optimizer, grad_scaler, clip_grad)
+        matrix_optimizers.check_sharded_math(optimizer, flat_pieces=flat_pieces)
         options = state_formats.check_state_options(
             optimizer, FUSED_KINDS.get(type(optimizer)), bool(fused_step), exp_avg_dtype,
             exp_avg_sq_dtype, store_param_remainders,
