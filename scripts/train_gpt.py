@@ -216,6 +216,7 @@ def parse_args(argv=None) -> argparse.Namespace:
       help="storage of Adam's exp_avg_sq (as --exp-avg-dtype)")
     a("--store-param-remainders", action="store_true",
       help="--bf16 only: keep bf16 params + int16 remainders instead of fp32 master params")
+    add_optimizer_arguments(p)  # --optimizer {adam,muon} and the --muon-* flags
     # precision and loss scaling (Megatron's flags)
     prec = p.add_mutually_exclusive_group()
     prec.add_argument("--fp16", action="store_true", help="the default")
@@ -270,6 +271,52 @@ def parse_args(argv=None) -> argparse.Namespace:
     except FlagError as e:
         exit_with_flag_error(str(e))
     return args
+
+
+def add_optimizer_arguments(p) -> None:
+    """Megatron-LM's optimizer flags (arguments.py): ``--optimizer muon`` steps the hidden
+    layers' 2-D weights with tpamp.TensorParallelMuon and the rest (embeddings, output head,
+    biases, LayerNorms) with AdamW, in one tpamp wrapper (docs/spec.md section 17)."""
+    g = p.add_argument_group("optimizer")
+    g.add_argument("--optimizer", choices=("adam", "muon"), default="adam",
+                   help="adam: AdamW everywhere (the default); muon: Muon for the hidden "
+                        "matrices, AdamW for the rest")
+    g.add_argument("--muon-momentum", type=float, default=0.95, help="Muon's momentum")
+    g.add_argument("--muon-use-nesterov", action="store_true", help="Nesterov momentum")
+    g.add_argument("--muon-num-ns-steps", type=int, default=5, help="Newton-Schulz iterations")
+    g.add_argument("--muon-tp-mode", choices=("duplicated", "distributed", "blockwise"),
+                   default="duplicated",
+                   help="Newton-Schulz of TP-sharded weights: duplicated (all-gather, the "
+                        "unsharded math; default), distributed (all-reduce the Gram matrix, "
+                        "the unsharded math), blockwise (each shard alone: other math)")
+    g.add_argument("--muon-scale-mode", choices=("spectral", "match_rms_adamw"),
+                   default="spectral",
+                   help="lr adjustment by the global shape: spectral sqrt(max(1, rows/cols)) "
+                        "(torch's 'original'), or match_rms_adamw 0.2 sqrt(max(rows, cols))")
+    g.add_argument("--muon-no-split-qkv", dest="muon_split_qkv", action="store_false",
+                   help="orthogonalise the fused QKV weight whole (default: Q, K, V apart)")
+
+
+def validate_optimizer_args(args) -> None:
+    """The --optimizer / --muon-* checks of :func:`validate_args` (FlagError)."""
+    if args.optimizer != "muon":
+        return
+    _check(args, "muon_momentum", math.isfinite(args.muon_momentum) and args.muon_momentum >= 0,
+           "expected a finite momentum >= 0")
+    _check(args, "muon_num_ns_steps", 1 <= args.muon_num_ns_steps < 100,
+           "expected an int from 1 to 99")
+    narrow = (args.exp_avg_dtype != "fp32" or args.exp_avg_sq_dtype != "fp32"
+              or args.store_param_remainders)
+    _check(args, "optimizer", not narrow,
+           "--optimizer muon: narrow optimizer state (--exp-avg-dtype, --exp-avg-sq-dtype, "
+           "--store-param-remainders) needs the one-pass Adam step: expected fp32 state")
+    _check(args, "optimizer", not args.use_distributed_optimizer,
+           "--optimizer muon with --use-distributed-optimizer needs the layer-wise distributed "
+           "optimizer (whole matrices per DP rank), not available in this build yet: expected "
+           "--optimizer adam, or no --use-distributed-optimizer")
+    _check(args, "optimizer", not args.use_torch_fsdp2,
+           "--optimizer muon with --use-torch-fsdp2: FSDP2 shards each matrix over DP, which "
+           "Muon cannot step piece by piece: expected no --use-torch-fsdp2")
 
 
 def _flag(dest: str) -> str:
@@ -439,6 +486,7 @@ def validate_args(args) -> None:
             _check(args, "min_loss_scale", args.min_loss_scale >= 1,
                    f"narrow optimizer state ({state}) needs the one-pass step, which needs a "
                    "loss scale that never drops below 1: expected --min-loss-scale >= 1")
+    validate_optimizer_args(args)
     # data
     _check(args, "valid_fraction", 0 < args.valid_fraction < 1, "expected 0 < fraction < 1")
     _check(args, "data_max_bytes", args.data_max_bytes >= 1, "expected an int >= 1")
@@ -762,14 +810,32 @@ def fully_shard_stage(stage: GPTStage, st, dtype) -> GPTStage:
     return stage
 
 
-def build_optimizer(stage, args, st, dtype):
-    """AdamW (weight decay on matrices only) inside tpamp's wrapper for ``dtype``."""
+def build_inner_optimizer(stage, args, st):
+    """The torch optimizer the wrapper steps: AdamW (weight decay on matrices only), or with
+    ``--optimizer muon`` tpamp.muon_with_adamw (Muon for the hidden 2-D weights, Q/K/V apart
+    unless --muon-no-split-qkv; AdamW for the rest)."""
+    if args.optimizer == "muon":
+        named = [(n, p) for n, p in stage.global_named_parameters() if p.requires_grad]
+        head_dim = args.hidden_size // args.num_attention_heads
+        qkv = ({n: (head_dim,) * 3 for n, _ in named if n.endswith("attn.qkv.weight")}
+               if args.muon_split_qkv else None)  # per head [q, k, v] rows (gpt_model.py)
+        return tpamp.muon_with_adamw(
+            named, lr=args.lr, weight_decay=args.weight_decay, momentum=args.muon_momentum,
+            nesterov=args.muon_use_nesterov, ns_steps=args.muon_num_ns_steps,
+            adjust_lr_fn="original" if args.muon_scale_mode == "spectral" else "match_rms_adamw",
+            tp_mode=args.muon_tp_mode, tensor_parallel_group=st.tp_group,
+            adamw_betas=(0.9, 0.95), adamw_eps=1e-8, qkv_split_sizes=qkv)
     params = [p for p in stage.parameters() if p.requires_grad]
     groups = [
         {"params": [p for p in params if p.dim() >= 2], "weight_decay": args.weight_decay},
         {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
     ]
-    adamw = torch.optim.AdamW(groups, lr=args.lr, betas=(0.9, 0.95), eps=1e-8)
+    return torch.optim.AdamW(groups, lr=args.lr, betas=(0.9, 0.95), eps=1e-8)
+
+
+def build_optimizer(stage, args, st, dtype):
+    """:func:`build_inner_optimizer` inside tpamp's wrapper for ``dtype``."""
+    adamw = build_inner_optimizer(stage, args, st)
     if args.loss_scale is not None:
         scaler = tpamp.ConstantGradScaler(args.loss_scale)
     elif dtype == torch.float16:
@@ -1136,6 +1202,7 @@ def summarize(run: Run, history, val_loss: float, elapsed: float) -> None:
         "virtual_pipeline_stages": virtual_stages(args),
         "distributed_optimizer": args.use_distributed_optimizer,
         "torch_fsdp2": args.use_torch_fsdp2,
+        "optimizer": args.optimizer,
     }
     run.say(
         f"done: {summary['iterations']} iterations in {elapsed:.1f} s "

@@ -110,7 +110,9 @@ def _combined_and_reference(dtype=torch.float32):
     ref = {n: torch.nn.Parameter(p.detach().clone()) for n, p in named}
     combined = tpamp.muon_with_adamw(named, lr=0.02, adamw_weight_decay=0.01)
     muon, adamw = tpamp.split_muon_params(list(ref.items()))
-    refs = [torch.optim.Muon(muon, lr=0.02), torch.optim.AdamW(adamw, lr=0.02, weight_decay=0.01)]
+    decayed = [{"params": [p for p in adamw if p.dim() == 2], "weight_decay": 0.01},
+               {"params": [p for p in adamw if p.dim() == 1], "weight_decay": 0.0}]
+    refs = [torch.optim.Muon(muon, lr=0.02), torch.optim.AdamW(decayed, lr=0.02)]
     return named, combined, ref, refs
 
 

@@ -103,7 +103,8 @@ def _reference(kind, qkv, dtype):
     else:
         mats = [p["w0"], p["w1"], p["w2"]]
     if kind == "muon":
-        opts = [torch.optim.Muon(mats, lr=LR), torch.optim.AdamW([p["b1"], p["b2"]], lr=LR)]
+        opts = [torch.optim.Muon(mats, lr=LR),  # biases: AdamW without weight decay
+                torch.optim.AdamW([p["b1"], p["b2"]], lr=LR, weight_decay=0.0)]
     else:
         opts = [torch.optim.Adafactor(mats + [p["b1"], p["b2"]], lr=LR, eps=(1e-10, 1e-3),
                                       weight_decay=0.1)]

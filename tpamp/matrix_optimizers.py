@@ -625,8 +625,8 @@ class CombinedOptimizer(torch.optim.Optimizer):
 
 # Megatron-core (megatron/core/optimizer/__init__.py, get_megatron_muon_optimizer): Muon for the
 # linear weights of the hidden layers; AdamW for embeddings, the output layer and non-2-D params.
-_ADAMW_NAMES = ("*embedding*", "*wte*", "*wpe*", "*output_layer*", "*lm_head*", "*head.*",
-                "*head")
+_ADAMW_NAMES = ("*embedding*", "*wte*", "*wpe*", "*output_layer*", "*lm_head*", "head*",
+                "*.head*")
 
 
 def split_muon_params(named_params: Iterable[Tuple[str, Tensor]], *,
@@ -637,7 +637,7 @@ def split_muon_params(named_params: Iterable[Tuple[str, Tensor]], *,
 
     AdamW gets every param that is not 2-D, every param whose name matches a glob of
     ``adamw_names`` (default: embeddings ``*embedding*``, ``*wte*``, ``*wpe*``, the output layer
-    ``*output_layer*``, ``*lm_head*``, ``*head``), and every param for which ``is_adamw(name,
+    ``*output_layer*``, ``*lm_head*``, ``head*``, ``*.head*``), and every param for which ``is_adamw(name,
     param)`` is True; Muon gets the rest (the hidden layers' linear weights). Params without
     requires_grad are left out. Order is kept.
 
@@ -670,7 +670,8 @@ def muon_with_adamw(named_params: Iterable[Tuple[str, Tensor]], *, lr: float,
     """A :class:`CombinedOptimizer` of :class:`TensorParallelMuon` (the hidden 2-D matrices,
     :func:`split_muon_params`) and ``torch.optim.AdamW`` (the rest), to wrap once in a tpamp
     wrapper. AdamW takes ``adamw_lr`` (default ``lr``) and ``adamw_weight_decay`` (default
-    ``weight_decay``). ``qkv_split_sizes``: param name -> Q/K/V row sizes of a fused QKV weight
+    ``weight_decay``) for its params of >= 2 dims (embeddings, output layer) and no weight
+    decay for the 1-D ones (biases, norms: Megatron's default), in two param groups. ``qkv_split_sizes``: param name -> Q/K/V row sizes of a fused QKV weight
     (:class:`TensorParallelMuon`); each such weight gets its own Muon param group.
 
     Raises:
@@ -695,9 +696,12 @@ def muon_with_adamw(named_params: Iterable[Tuple[str, Tensor]], *, lr: float,
             groups, lr=lr, weight_decay=weight_decay, momentum=momentum, nesterov=nesterov,
             ns_steps=ns_steps, adjust_lr_fn=adjust_lr_fn, tp_mode=tp_mode,
             tensor_parallel_group=tensor_parallel_group))
-    if adamw_params:
+    wd = weight_decay if adamw_weight_decay is None else adamw_weight_decay
+    adamw_groups = [{"params": [p for p in adamw_params if p.dim() >= 2], "weight_decay": wd},
+                    {"params": [p for p in adamw_params if p.dim() < 2], "weight_decay": 0.0}]
+    adamw_groups = [g for g in adamw_groups if g["params"]]
+    if adamw_groups:
         parts.append(torch.optim.AdamW(
-            adamw_params, lr=lr if adamw_lr is None else adamw_lr, betas=tuple(adamw_betas),
-            eps=adamw_eps,
-            weight_decay=weight_decay if adamw_weight_decay is None else adamw_weight_decay))
+            adamw_groups, lr=lr if adamw_lr is None else adamw_lr, betas=tuple(adamw_betas),
+            eps=adamw_eps))
     return CombinedOptimizer(parts)
