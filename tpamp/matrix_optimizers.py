@@ -394,8 +394,8 @@ class TensorParallelMuon(torch.optim.Muon):
                                  f"TensorParallelMuon param {pi} of group {gi}")
                 param, grad = local_tensor(p), local_tensor(p.grad)
                 state = self.state[p]
-                if "momentum_buffer" not in state:
-                    state["momentum_buffer"] = torch.zeros_like(grad)
+                if "momentum_buffer" not in state:  # a DTensor like the param's for a DTensor
+                    state["momentum_buffer"] = torch.zeros_like(p.grad)
                 buf = local_tensor(state["momentum_buffer"])
                 buf.lerp_(grad, 1 - mu)
                 update = grad.lerp(buf, mu) if group["nesterov"] else buf
@@ -507,10 +507,14 @@ class TensorParallelAdafactor(torch.optim.Adafactor):
         if len(state) == 0:
             state["step"] = torch.tensor(0.0, dtype=torch.float32)
             if grad.dim() > 1:
-                state["row_var"] = grad.new_zeros(grad.shape[:-1] + (1,))
-                state["col_var"] = grad.new_zeros(grad.shape[:-2] + (1,) + grad.shape[-1:])
+                state["row_var"] = _placed(p, grad.new_zeros(grad.shape[:-1] + (1,)))
+                state["col_var"] = _placed(p, grad.new_zeros(grad.shape[:-2] + (1,)
+                                                             + grad.shape[-1:]))
             else:
-                state["variance"] = torch.zeros_like(grad)
+                state["variance"] = torch.zeros_like(p.grad)
+        elif grad.dim() > 1:
+            for key in ("row_var", "col_var"):
+                state[key] = _own_factor(p, layout, state[key], grad, key)
         if eps1 is None:
             eps1 = torch.finfo(param.dtype).eps
         step_t = state["step"]
@@ -550,6 +554,37 @@ class TensorParallelAdafactor(torch.optim.Adafactor):
             layout.all_reduce(usq)
         denom = max(1.0, usq.sqrt().item() / ((numel ** 0.5) * group["d"]))
         param.add_(update, alpha=-alpha / denom)
+
+
+def _placed(p: Tensor, local: Tensor) -> Tensor:
+    """A factored state of this rank's shard: for a DTensor param, a DTensor with the param's
+    placements along the dims where it has the shard's size, else replicated (so that a
+    checkpoint holds its global shape)."""
+    if not is_dtensor(p):
+        return local
+    from torch.distributed.tensor import DTensor, Replicate
+
+    shard = local_tensor(p)
+    placements = [pl if not pl.is_shard() or local.shape[pl.dim] == shard.shape[pl.dim]
+                  else Replicate() for pl in p.placements]
+    return DTensor.from_local(local, p.device_mesh, placements, run_check=False)
+
+
+def _own_factor(p: Tensor, layout: _Layout, factor: Tensor, grad: Tensor, key: str) -> Tensor:
+    """A factored state loaded whole (a checkpoint gives the global row factor of a row-split
+    param): this rank's slice of it; as it is when it already has the local shape."""
+    local = local_tensor(factor)
+    want = list(grad.shape)
+    want[-1 if key == "row_var" else -2] = 1
+    if list(local.shape) == want or layout.dim is None:
+        return factor
+    whole = list(want)
+    whole[layout.dim] = layout.shape[layout.dim] if want[layout.dim] != 1 else 1
+    if list(local.shape) != whole:
+        raise ValueError(f"TensorParallelAdafactor: state {key!r} of shape "
+                         f"{tuple(local.shape)}, expected {tuple(want)} (this shard) or "
+                         f"{tuple(whole)} (the whole param)")
+    return _placed(p, layout.own(local).clone())
 
 
 # -- one optimizer of several parts (Muon + AdamW) ------------------------------------------

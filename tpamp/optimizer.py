@@ -1170,9 +1170,14 @@ class MixedPrecisionOptimizer(OptimizerWrapper):
 
     @staticmethod
     def _ckpt_state_view(v, main, view):
-        """A param-shaped state tensor placed like the main param's global view."""
+        """A state tensor placed like the main param's global view when it is param-shaped, or
+        has the param's dims and its local size along every split dim (a factored state such
+        as Adafactor's row factor of a row-split param: docs/spec.md section 17); any other
+        as it is (replicated)."""
         if isinstance(v, Tensor) and not _is_dtensor(v) and view is not main \
-                and _is_dtensor(view) and tuple(v.shape) == tuple(main.shape):
+                and _is_dtensor(view) and v.dim() == main.dim() and v.dim() > 0 \
+                and all(v.shape[pl.dim] == main.shape[pl.dim]
+                        for pl in view.placements if pl.is_shard()):
             from torch.distributed.tensor import DTensor
 
             return DTensor.from_local(v, view.device_mesh, view.placements, run_check=False)
