@@ -212,7 +212,9 @@ class MixedPrecisionOptimizer(OptimizerWrapper):
             float32/float16/bfloat16 (checked for every group before anything is converted).
         ValueError: fp16 params without a grad_scaler; bad clip_grad or norm_type; a group that
             this rank is not a member of; an inner optimizer that is already wrapped; a
-            spike_detector already used by another optimizer. TypeError for param_names that
+            spike_detector already used by another optimizer; an inner optimizer not known to
+            be elementwise over sharded params (TP attributes, DTensor shards), unless it is
+            tensor-parallel aware (:func:`tpamp.check_sharded_math`, docs/spec.md section 17). TypeError for param_names that
             are not (str, Tensor) pairs or a dict, or a parallel_state that is not a
             ParallelState.
         From ``step()``, the step guard shared with DistributedOptimizer
