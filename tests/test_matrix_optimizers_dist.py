@@ -327,9 +327,16 @@ def test_tp2_pp2_with_one_clip_equals_the_unsharded_run(kind, mode, style, dtype
 
 def _plain_muon_over_shards(rank, world, style, declare):
     full, _ = _full_init()
-    w = full["w1"].float().chunk(world)[rank].clone()
-    p = torch.nn.Parameter(w)
-    p.tensor_model_parallel, p.partition_dim, p.partition_stride = True, 0, 1
+    if style.endswith("dtensor"):
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.tensor import Shard, distribute_tensor
+
+        mesh = init_device_mesh("cpu", (world,))
+        p = torch.nn.Parameter(distribute_tensor(full["w1"].float(), mesh, [Shard(1)]))
+    else:
+        w = full["w1"].float().chunk(world)[rank].clone()
+        p = torch.nn.Parameter(w)
+        p.tensor_model_parallel, p.partition_dim, p.partition_stride = True, 0, 1
 
     class MySGD(torch.optim.Optimizer):  # elementwise, but unknown to tpamp
         def __init__(self, params):
@@ -340,7 +347,7 @@ def _plain_muon_over_shards(rank, world, style, declare):
                 for q in g["params"]:
                     q.data.add_(q.grad, alpha=-g["lr"])
 
-    inner = torch.optim.Muon([p]) if style == "muon" else MySGD([p])
+    inner = torch.optim.Muon([p]) if style.startswith("muon") else MySGD([p])
     if declare:
         tpamp.declare_elementwise(MySGD)
     try:
@@ -364,8 +371,9 @@ def test_a_matrix_optimizer_over_flat_pieces_is_refused():
     assert msg is not None and "flat pieces" in msg and "declare_elementwise" in msg
 
 
-def test_a_matrix_optimizer_over_tp_shards_is_refused():
-    msg = run_workers(_plain_muon_over_shards, 2, "muon", False)[0]
+@pytest.mark.parametrize("style", ["muon", "muon-dtensor"])
+def test_a_matrix_optimizer_over_tp_shards_is_refused(style):
+    msg = run_workers(_plain_muon_over_shards, 2, style, False)[0]
     assert msg is not None and "Muon" in msg and "TensorParallelMuon" in msg
     assert "declare_elementwise" in msg
 
