@@ -281,7 +281,8 @@ def add_optimizer_arguments(p) -> None:
     g.add_argument("--optimizer", choices=("adam", "muon"), default="adam",
                    help="adam: AdamW everywhere (the default); muon: Muon for the hidden "
                         "matrices, AdamW for the rest")
-    g.add_argument("--muon-momentum", type=float, default=0.95, help="Muon's momentum")
+    g.add_argument("--muon-momentum", type=float, default=0.95,
+                   help="Muon's momentum (torch's default 0.95; Megatron-LM's is 0.9)")
     g.add_argument("--muon-use-nesterov", action="store_true", help="Nesterov momentum")
     g.add_argument("--muon-num-ns-steps", type=int, default=5, help="Newton-Schulz iterations")
     g.add_argument("--muon-tp-mode", choices=("duplicated", "distributed", "blockwise"),

@@ -22,6 +22,11 @@ needs, so that the result equals the torch class stepping the unsharded param:
   the param and of the update are reduced over the TP group (small all-reduces); the factored
   state stays sharded along the split dim.
 
+torch's Newton-Schulz and lr adjustment are private to torch/optim/_muon.py, so the same ops
+are written here (``_newton_schulz``, ``_adjust_lr``); tests/test_matrix_optimizers.py holds
+them bit-identical to torch.optim.Muon on whole params. Adafactor's step is re-done with the
+reductions and tested against torch.optim.Adafactor.
+
 :func:`is_elementwise_optimizer` / :func:`declare_elementwise` say which inner optimizers work
 on any slice of a param alone (SGD, Adam, ...); :func:`check_sharded_math` (called by every
 tpamp wrapper at construction) refuses any other optimizer over sharded params unless it is
