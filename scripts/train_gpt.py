@@ -221,6 +221,7 @@ def parse_args(argv=None) -> argparse.Namespace:
       help="storage of Adam's exp_avg_sq (as --exp-avg-dtype)")
     a("--store-param-remainders", action="store_true",
       help="--bf16 only: keep bf16 params + int16 remainders instead of fp32 master params")
+    add_optimizer_arguments(p)  # --optimizer {adam,muon} and the --muon-* flags
     # precision and loss scaling (Megatron's flags)
     prec = p.add_mutually_exclusive_group()
     prec.add_argument("--fp16", action="store_true", help="the default")
@@ -281,6 +282,53 @@ def parse_args(argv=None) -> argparse.Namespace:
     except FlagError as e:
         exit_with_flag_error(str(e))
     return args
+
+
+def add_optimizer_arguments(p) -> None:
+    """Megatron-LM's optimizer flags (arguments.py): ``--optimizer muon`` steps the hidden
+    layers' 2-D weights with tpamp.TensorParallelMuon and the rest (embeddings, output head,
+    biases, LayerNorms) with AdamW, in one tpamp wrapper (docs/spec.md section 17)."""
+    g = p.add_argument_group("optimizer")
+    g.add_argument("--optimizer", choices=("adam", "muon"), default="adam",
+                   help="adam: AdamW everywhere (the default); muon: Muon for the hidden "
+                        "matrices, AdamW for the rest")
+    g.add_argument("--muon-momentum", type=float, default=0.95,
+                   help="Muon's momentum (torch's default 0.95; Megatron-LM's is 0.9)")
+    g.add_argument("--muon-use-nesterov", action="store_true", help="Nesterov momentum")
+    g.add_argument("--muon-num-ns-steps", type=int, default=5, help="Newton-Schulz iterations")
+    g.add_argument("--muon-tp-mode", choices=("duplicated", "distributed", "blockwise"),
+                   default="duplicated",
+                   help="Newton-Schulz of TP-sharded weights: duplicated (all-gather, the "
+                        "unsharded math; default), distributed (all-reduce the Gram matrix, "
+                        "the unsharded math), blockwise (each shard alone: other math)")
+    g.add_argument("--muon-scale-mode", choices=("spectral", "match_rms_adamw"),
+                   default="spectral",
+                   help="lr adjustment by the global shape: spectral sqrt(max(1, rows/cols)) "
+                        "(torch's 'original'), or match_rms_adamw 0.2 sqrt(max(rows, cols))")
+    g.add_argument("--muon-no-split-qkv", dest="muon_split_qkv", action="store_false",
+                   help="orthogonalise the fused QKV weight whole (default: Q, K, V apart)")
+
+
+def validate_optimizer_args(args) -> None:
+    """The --optimizer / --muon-* checks of :func:`validate_args` (FlagError)."""
+    if args.optimizer != "muon":
+        return
+    _check(args, "muon_momentum", math.isfinite(args.muon_momentum) and args.muon_momentum >= 0,
+           "expected a finite momentum >= 0")
+    _check(args, "muon_num_ns_steps", 1 <= args.muon_num_ns_steps < 100,
+           "expected an int from 1 to 99")
+    narrow = (args.exp_avg_dtype != "fp32" or args.exp_avg_sq_dtype != "fp32"
+              or args.store_param_remainders)
+    _check(args, "optimizer", not narrow,
+           "--optimizer muon: narrow optimizer state (--exp-avg-dtype, --exp-avg-sq-dtype, "
+           "--store-param-remainders) needs the one-pass Adam step: expected fp32 state")
+    _check(args, "optimizer", not args.overlap_grad_reduce,
+           "--optimizer muon with --overlap-grad-reduce: the layer-wise distributed optimizer "
+           "(whole matrices per DP rank) reduces the grads in step(), so nothing overlaps "
+           "backward: expected no --overlap-grad-reduce")
+    _check(args, "optimizer", not args.use_torch_fsdp2,
+           "--optimizer muon with --use-torch-fsdp2: FSDP2 shards each matrix over DP, which "
+           "Muon cannot step piece by piece: expected no --use-torch-fsdp2")
 
 
 def _flag(dest: str) -> str:
@@ -459,6 +507,7 @@ def validate_args(args) -> None:
             _check(args, "min_loss_scale", args.min_loss_scale >= 1,
                    f"narrow optimizer state ({state}) needs the one-pass step, which needs a "
                    "loss scale that never drops below 1: expected --min-loss-scale >= 1")
+    validate_optimizer_args(args)
     # data
     _check(args, "valid_fraction", 0 < args.valid_fraction < 1, "expected 0 < fraction < 1")
     _check(args, "data_max_bytes", args.data_max_bytes >= 1, "expected an int >= 1")
@@ -930,13 +979,25 @@ def fully_shard_stage(stage: GPTStage, st, dtype) -> GPTStage:
     return stage
 
 
-def build_optimizer(stage, args, st, dtype):
-    """AdamW inside tpamp's wrapper for ``dtype``, its groups from tpamp.build_param_groups:
+def build_inner_optimizer(stage, args, st):
+    """The torch optimizer the wrapper steps. AdamW: its groups from tpamp.build_param_groups,
     Megatron's default of no weight decay for biases and 1-D params (norm weights), and with
     --decoupled-lr the word embedding and output layer (Megatron's
     ``is_embedding_or_output_parameter``: the tied weight's copy on this stage) at their own
-    lr. The groups are aligned over the world, so every stage has the same groups (some
-    empty)."""
+    lr; the groups are aligned over the world, so every stage has the same groups (some
+    empty). ``--optimizer muon``: tpamp.muon_with_adamw (Muon for the hidden 2-D weights, Q/K/V
+    apart unless --muon-no-split-qkv; AdamW for the rest)."""
+    if args.optimizer == "muon":
+        named = [(n, p) for n, p in stage.global_named_parameters() if p.requires_grad]
+        head_dim = args.hidden_size // args.num_attention_heads
+        qkv = ({n: (head_dim,) * 3 for n, _ in named if n.endswith("attn.qkv.weight")}
+               if args.muon_split_qkv else None)  # per head [q, k, v] rows (gpt_model.py)
+        return tpamp.muon_with_adamw(
+            named, lr=args.lr, weight_decay=args.weight_decay, momentum=args.muon_momentum,
+            nesterov=args.muon_use_nesterov, ns_steps=args.muon_num_ns_steps,
+            adjust_lr_fn="original" if args.muon_scale_mode == "spectral" else "match_rms_adamw",
+            tp_mode=args.muon_tp_mode, tensor_parallel_group=st.tp_group,
+            adamw_betas=(0.9, 0.95), adamw_eps=1e-8, qkv_split_sizes=qkv)
     tied = stage.word_embedding_weight() if args.decoupled_lr is not None else None
     if tied is not None:
         tied.is_embedding_or_output_parameter = True
@@ -945,7 +1006,12 @@ def build_optimizer(stage, args, st, dtype):
         decoupled_lr=args.decoupled_lr, decoupled_min_lr=args.decoupled_min_lr,
         process_group=dist.group.WORLD,
     )
-    adamw = torch.optim.AdamW(groups, betas=(0.9, 0.95), eps=1e-8)
+    return torch.optim.AdamW(groups, betas=(0.9, 0.95), eps=1e-8)
+
+
+def build_optimizer(stage, args, st, dtype):
+    """:func:`build_inner_optimizer` inside tpamp's wrapper for ``dtype``."""
+    adamw = build_inner_optimizer(stage, args, st)
     if args.loss_scale is not None:
         scaler = tpamp.ConstantGradScaler(args.loss_scale)
     elif dtype == torch.float16:
@@ -975,14 +1041,11 @@ def build_optimizer(stage, args, st, dtype):
     if args.use_torch_fsdp2:  # the sharded fp32 params are the masters; stats over PP x DP x TP
         del kwargs["grad_stats_group"], kwargs["tensor_parallel_group"]
         return tpamp.fsdp.fully_shard_optimizer(adamw, st.mesh, **kwargs)
-    if args.use_distributed_optimizer and not _is_elementwise(adamw):
+    if args.use_distributed_optimizer and not tpamp.is_elementwise_optimizer(adamw):
         # Muon, Adafactor: whole params per DP rank (tpamp.LayerWiseDistributedOptimizer,
         # docs/spec.md section 18); it reduces the grads to their owners in step(), so the
-        # tied embedding's sum before step() needs nothing more (and nothing overlaps)
-        if args.overlap_grad_reduce:
-            raise ValueError("--overlap-grad-reduce does not apply to the layer-wise "
-                             f"distributed optimizer ({type(adamw).__name__}): it reduces "
-                             "the grads in step()")
+        # tied embedding's sum before step() needs nothing more (and nothing overlaps:
+        # validate_args refuses --overlap-grad-reduce with --optimizer muon)
         for key in ("exp_avg_dtype", "exp_avg_sq_dtype", "store_param_remainders"):
             del kwargs[key]  # Adam's storage options (refused for other optimizers before)
         kwargs.update(data_parallel_group=st.dp_group, grad_stats_group=dist.group.WORLD,
@@ -1003,12 +1066,6 @@ def build_optimizer(stage, args, st, dtype):
     if dtype == torch.float32:
         return tpamp.FP32Optimizer(adamw, **kwargs)
     return tpamp.MixedPrecisionOptimizer(adamw, **kwargs)
-
-
-def _is_elementwise(optimizer) -> bool:
-    """Whether ``optimizer`` updates each element from that element alone (the flat shards
-    of tpamp.DistributedOptimizer serve it); Muon and Adafactor need whole matrices."""
-    return type(optimizer) in (torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW)
 
 
 def module_tracer(stage, st):
@@ -1350,6 +1407,7 @@ def summarize(run: Run, history, val_loss: float, elapsed: float) -> None:
         "virtual_pipeline_stages": virtual_stages(args),
         "distributed_optimizer": args.use_distributed_optimizer,
         "torch_fsdp2": args.use_torch_fsdp2,
+        "optimizer": args.optimizer,
     }
     run.say(
         f"done: {summary['iterations']} iterations in {elapsed:.1f} s "

@@ -40,6 +40,16 @@ from tpamp.grad_stats import (
 )
 from tpamp.layerwise_optimizer import LayerWiseDistributedOptimizer
 from tpamp.logger import TrainingLogger
+from tpamp.matrix_optimizers import (  # Muon / Adafactor under TP: docs/spec.md section 17
+    CombinedOptimizer,
+    TensorParallelAdafactor,
+    TensorParallelMuon,
+    check_sharded_math,
+    declare_elementwise,
+    is_elementwise_optimizer,
+    muon_with_adamw,
+    split_muon_params,
+)
 from tpamp.model import (
     NaiveAMPModel,
     TF32Flags,
@@ -60,6 +70,14 @@ __all__ = [
     "ApexAMPOptimizer",
     "build_param_groups",
     "checkpoint",
+    "check_sharded_math",
+    "CombinedOptimizer",
+    "declare_elementwise",
+    "is_elementwise_optimizer",
+    "muon_with_adamw",
+    "split_muon_params",
+    "TensorParallelAdafactor",
+    "TensorParallelMuon",
     "clip_grad_by_total_norm_fp32",
     "ConstantGradScaler",
     "count_zeros_fp32",

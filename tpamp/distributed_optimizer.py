@@ -219,7 +219,9 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
         ValueError: data_parallel_group is None or this rank is not in a group; the
             grad_stats_group is smaller than DP x TP; fp16 params without a grad_scaler; bad
             clip_grad, norm_type or bucket_size; an inner optimizer already wrapped or a
-            spike_detector used by another optimizer; params that differ across DP ranks at
+            spike_detector used by another optimizer; an inner optimizer not known to be
+            elementwise (it steps flat pieces, not matrices: :func:`tpamp.check_sharded_math`,
+            docs/spec.md section 17); params that differ across DP ranks at
             construction (the first differing param is named); settings that differ across
             the grad-stats group or a bucket layout that differs across DP (checked at
             construction, a collective over both groups, and again at the first step after a
@@ -257,7 +259,8 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
         parallel_state=None,
     ):
         options = (exp_avg_dtype, exp_avg_sq_dtype, store_param_remainders)
-        state_options = self._check_core_args(optimizer, grad_scaler, clip_grad, fused_step, *options)
+        state_options = self._check_core_args(optimizer, grad_scaler, clip_grad, fused_step, *options,
+                                              flat_pieces=True)
         _validation.check_int("bucket_size", bucket_size, low=1, allow_none=True)
         if data_parallel_group is None:
             raise ValueError(

@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 import torch.optim.optimizer as _torch_optimizer
 
-from tpamp import _validation, ops, state_formats
+from tpamp import _validation, matrix_optimizers, ops, state_formats
 from tpamp.common import FUSED_KINDS, collective_device, is_dtensor, local_tensor, placed_like
 from tpamp.grad_scaler import MegatronGradScaler
 from tpamp.grad_stats import clip_coefficient, counts_toward_norm
@@ -213,7 +213,9 @@ class MixedPrecisionOptimizer(OptimizerWrapper):
             float32/float16/bfloat16 (checked for every group before anything is converted).
         ValueError: fp16 params without a grad_scaler; bad clip_grad or norm_type; a group that
             this rank is not a member of; an inner optimizer that is already wrapped; a
-            spike_detector already used by another optimizer. TypeError for param_names that
+            spike_detector already used by another optimizer; an inner optimizer not known to
+            be elementwise over sharded params (TP attributes, DTensor shards), unless it is
+            tensor-parallel aware (:func:`tpamp.check_sharded_math`, docs/spec.md section 17). TypeError for param_names that
             are not (str, Tensor) pairs or a dict, or a parallel_state that is not a
             ParallelState.
         From ``step()``, the step guard shared with DistributedOptimizer
@@ -301,12 +303,16 @@ class MixedPrecisionOptimizer(OptimizerWrapper):
 
     @staticmethod
     def _check_core_args(optimizer, grad_scaler, clip_grad, fused_step, exp_avg_dtype,
-                         exp_avg_sq_dtype, store_param_remainders) -> tuple:
+                         exp_avg_sq_dtype, store_param_remainders, *,
+                         flat_pieces: bool = False) -> tuple:
         """The arguments every wrapper checks first, before anything changes: those of
-        :func:`check_wrapper_args` and the narrow-state options; returns the options
-        (exp_avg_dtype, exp_avg_sq_dtype, store_param_remainders) as tpamp.state_formats
-        normalises them."""
+        :func:`check_wrapper_args`, that the inner optimizer does the unsharded math over
+        sharded params (:func:`tpamp.matrix_optimizers.check_sharded_math`; ``flat_pieces``:
+        the wrapper steps it over flat pieces of the params, as DistributedOptimizer does) and
+        the narrow-state options; returns the options (exp_avg_dtype, exp_avg_sq_dtype,
+        store_param_remainders) as tpamp.state_formats normalises them."""
         check_wrapper_args(optimizer, grad_scaler, clip_grad)
+        matrix_optimizers.check_sharded_math(optimizer, flat_pieces=flat_pieces)
         options = state_formats.check_state_options(
             optimizer, FUSED_KINDS.get(type(optimizer)), bool(fused_step), exp_avg_dtype,
             exp_avg_sq_dtype, store_param_remainders,
@@ -1176,9 +1182,14 @@ class MixedPrecisionOptimizer(OptimizerWrapper):
 
     @staticmethod
     def _ckpt_state_view(v, main, view):
-        """A param-shaped state tensor placed like the main param's global view."""
+        """A state tensor placed like the main param's global view when it is param-shaped, or
+        has the param's dims and its local size along every split dim (a factored state such
+        as Adafactor's row factor of a row-split param: docs/spec.md section 17); any other
+        as it is (replicated)."""
         if isinstance(v, Tensor) and not _is_dtensor(v) and view is not main \
-                and _is_dtensor(view) and tuple(v.shape) == tuple(main.shape):
+                and _is_dtensor(view) and v.dim() == main.dim() and v.dim() > 0 \
+                and all(v.shape[pl.dim] == main.shape[pl.dim]
+                        for pl in view.placements if pl.is_shard()):
             from torch.distributed.tensor import DTensor
 
             return DTensor.from_local(v, view.device_mesh, view.placements, run_check=False)
