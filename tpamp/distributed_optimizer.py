@@ -37,7 +37,7 @@ from tpamp import _validation, ops, state_formats
 from tpamp.common import local_tensor, placed_like
 from tpamp.dp_collectives import all_gather_tensor, start_all_gather, start_reduce_scatter, uses_ring
 from tpamp.grad_scaler import MegatronGradScaler
-from tpamp.grad_stats import counts_toward_norm
+from tpamp.grad_stats import is_expert_param
 from tpamp.nonfinite import param_name_map, rank_coords
 from tpamp.optimizer import (
     MixedPrecisionOptimizer,
@@ -273,7 +273,7 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
             log_num_zeros_in_grad=log_num_zeros_in_grad, grad_stats_group=grad_stats_group,
             tensor_parallel_group=tensor_parallel_group, skip_nonfinite=skip_nonfinite,
             sync_free=False, spike_detector=spike_detector, fused_step=fused_step,
-            state_options=state_options,
+            state_options=state_options, parallel_state=parallel_state,
         )
         self.data_parallel_group = data_parallel_group
         self.grad_reduce_in_fp32 = bool(grad_reduce_in_fp32)
@@ -309,6 +309,7 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
                     continue
                 has_fp16 |= p.dtype == torch.float16
                 entries.append((p, names.get(id(p), f"param_groups.{gi}.{pi}"), gi))
+        self._check_experts(entries, parallel_state)
         self._deferred = self._check_deferred(deferred_reduce_params, entries)
         check_fp16_scaler(has_fp16, grad_scaler)
         self._names = {id(p): n for p, n, _ in entries}
@@ -375,6 +376,29 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
                 f"params differ across data-parallel ranks at construction: first differing "
                 f"param is {name!r} (local shape {tuple(local_tensor(p).shape)}); every DP rank "
                 "must start from the same model (seed alike or broadcast from DP rank 0)"
+            )
+
+    def _check_experts(self, entries, parallel_state) -> None:
+        """Expert params (docs/spec.md section 19) are sharded like dense ones only where their
+        expert-data-parallel group is the data-parallel group; otherwise their grads would be
+        reduced over the wrong ranks: refused, naming the first."""
+        experts = [name for p, name, _ in entries if is_expert_param(p)]
+        if not experts:
+            return
+        if parallel_state is None:
+            raise ValueError(
+                f"DistributedOptimizer got expert params ({experts[0]!r} and "
+                f"{len(experts) - 1} more) but no parallel_state: pass parallel_state= so their "
+                "expert-data-parallel group is known"
+            )
+        edp = dist.get_process_group_ranks(parallel_state.expert_data_parallel_group)
+        dp = dist.get_process_group_ranks(self.data_parallel_group)
+        if edp != dp:
+            raise ValueError(
+                f"DistributedOptimizer cannot shard expert param {experts[0]!r} over its "
+                f"expert-data-parallel group {edp}: it differs from data_parallel_group {dp} "
+                "(expert parallelism with the distributed optimizer is not supported yet; use "
+                "tpamp.MixedPrecisionOptimizer with parallel_state=)"
             )
 
     @staticmethod
@@ -465,7 +489,7 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
                     continue
                 name, gi = info[id(p)]
                 piece = _Piece(p, name, gi, (s - a, t - a), (s - lo, t - lo), (a, e))
-                piece.counts = counts_toward_norm(p, self._tp_rank, self.tensor_parallel_group)
+                piece.counts = self._counts(p)
                 with torch.no_grad():
                     flat = local_tensor(p).detach().reshape(-1)
                     if b.main_shard.dtype == torch.int16:  # remainders 0: master = bf16 value
