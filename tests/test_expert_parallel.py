@@ -188,3 +188,64 @@ def _dtensor_expert(rank, world):
 
 def test_dtensor_on_the_ep_mesh_is_an_expert_param():
     assert all(r == (True, False) for r in run_workers(_dtensor_expert, 4))
+
+
+# ---- checkpoints: saved at EP 2, resumed at EP 1 (tpamp.checkpoint) ---------------------------
+
+
+def _ckpt_model(st, ref_params):
+    named = []
+    for name in _stage_params(st):
+        p = torch.nn.Parameter(_local(name, ref_params[name], st).float().clone())
+        if name.startswith("moe."):
+            tpamp.mark_expert_param(p, expert_dim=0, expert_mesh=st.expert_mesh)
+        named.append((name, p))
+    opt = tpamp.FP32Optimizer(torch.optim.AdamW([p for _, p in named], lr=0.01),
+                              grad_stats_group=st.model_parallel_group, parallel_state=st,
+                              param_names=named)
+    return opt, named
+
+
+def _save_at_ep(rank, world, path, ep):
+    from tpamp.checkpoint import save_checkpoint
+
+    st = initialize_model_parallel(1, 1, expert_model_parallel_size=ep)
+    ref_params, ref_grads = _reference(st.dims.dp)
+    opt, named = _ckpt_model(st, ref_params)
+    for name, p in named:
+        p.grad = _local(name, ref_grads[name], st).float().clone()
+    assert opt.step().update_successful
+    save_checkpoint(path, dict(named), opt)
+    state = {n: {k: v.clone() for k, v in opt.optimizer.state[p].items() if k != "step"}
+             for n, p in named}
+    return {n: p.detach().clone() for n, p in named}, state, st.ep_rank
+
+
+def _load_at_ep1(rank, world, path):
+    from tpamp.checkpoint import load_checkpoint
+
+    st = initialize_model_parallel(1, 1)
+    ref_params, _ = _reference(1)
+    opt, named = _ckpt_model(st, {k: torch.zeros_like(v) for k, v in ref_params.items()})
+    load_checkpoint(path, dict(named), opt)
+    state = {n: {k: v.clone() for k, v in opt.optimizer.state[p].items() if k != "step"}
+             for n, p in named}
+    return {n: p.detach().clone() for n, p in named}, state
+
+
+def test_checkpoint_saved_at_ep2_resumes_at_ep1(tmp_path):
+    path = str(tmp_path / "ep2")
+    saved = run_workers(_save_at_ep, 2, path, 2)
+    (params, state), = run_workers(_load_at_ep1, 1, path)
+    by_ep = {ep: (p, s) for p, s, ep in saved}
+    for name in params:
+        if name.startswith("moe."):  # the experts of EP ranks 0 and 1, at their global index
+            want = torch.cat([by_ep[0][0][name], by_ep[1][0][name]])
+            want_state = {k: torch.cat([by_ep[0][1][name][k], by_ep[1][1][name][k]])
+                          for k in state[name]}
+        else:
+            want, want_state = by_ep[0][0][name], by_ep[0][1][name]
+        torch.testing.assert_close(params[name], want, rtol=0, atol=0, msg=name)
+        assert set(state[name]) == {"exp_avg", "exp_avg_sq"}
+        for k, v in state[name].items():
+            torch.testing.assert_close(v, want_state[k], rtol=0, atol=0, msg=f"{name} {k}")
