@@ -17,10 +17,7 @@ from tpamp.parallel import initialize_model_parallel
 H, E, N, D_MAX = 4, 4, 6, 4  # hidden, experts, tokens per data shard, data shards
 
 
-def _reference(num_data):
-    """The unsharded model in float64: params and the gradient of the global loss (mean over the
-    data shards of each shard's loss). Token i of data shard d goes to expert (d + i) % (E - 1),
-    so expert E - 1 gets no token (a zero gradient: counted zeros)."""
+def _params_and_data():
     g = torch.Generator().manual_seed(0)
     params = {
         "dense.w1": torch.randn(H, H, generator=g, dtype=torch.float64),
@@ -29,16 +26,30 @@ def _reference(num_data):
         "moe.experts.bias": torch.randn(E, H, generator=g, dtype=torch.float64),
         "head.w2": torch.randn(H, generator=g, dtype=torch.float64),
     }
-    data = [torch.randn(N, H, generator=g, dtype=torch.float64) for _ in range(D_MAX)]
+    return params, [torch.randn(N, H, generator=g, dtype=torch.float64) for _ in range(D_MAX)]
+
+
+def _shard_loss(leaves, x, d):
+    """Data shard d's loss. Token i goes to expert (d + i) % (E - 1), so expert E - 1 gets no
+    token (a zero gradient: counted zeros)."""
+    y = torch.tanh(x @ leaves["dense.w1"].T + leaves["dense.b1"])
+    experts = [(d + i) % (E - 1) for i in range(N)]
+    z = torch.stack([leaves["moe.experts.weight"][e] @ y[i] + leaves["moe.experts.bias"][e]
+                     for i, e in enumerate(experts)])
+    return ((z @ leaves["head.w2"]) ** 2).mean()
+
+
+def _reference(num_data, shards=None):
+    """The unsharded model in float64: params and the gradient of the global loss, the mean
+    over the data shards of each shard's loss (or, with ``shards``, of the sum of those
+    shards' losses, not divided)."""
+    params, data = _params_and_data()
     leaves = {k: v.clone().requires_grad_(True) for k, v in params.items()}
-    total = 0.0
-    for d in range(num_data):
-        y = torch.tanh(data[d] @ leaves["dense.w1"].T + leaves["dense.b1"])
-        experts = [(d + i) % (E - 1) for i in range(N)]
-        z = torch.stack([leaves["moe.experts.weight"][e] @ y[i] + leaves["moe.experts.bias"][e]
-                         for i, e in enumerate(experts)])
-        total = total + ((z @ leaves["head.w2"]) ** 2).mean()
-    (total / num_data).backward()
+    if shards is None:
+        loss = sum(_shard_loss(leaves, data[d], d) for d in range(num_data)) / num_data
+    else:
+        loss = sum(_shard_loss(leaves, data[d], d) for d in shards)
+    loss.backward()
     return params, {k: v.grad for k, v in leaves.items()}
 
 
@@ -249,3 +260,67 @@ def test_checkpoint_saved_at_ep2_resumes_at_ep1(tmp_path):
         assert set(state[name]) == {"exp_avg", "exp_avg_sq"}
         for k, v in state[name].items():
             torch.testing.assert_close(v, want_state[k], rtol=0, atol=0, msg=f"{name} {k}")
+
+
+# ---- DistributedOptimizer: dense params sharded over DP, expert params over expert-DP ---------
+
+
+def _dist_opt_step(rank, world, sizes, fused):
+    st = _init(sizes)
+    d = st.dims
+    ref_params, _ = _reference(d.dp)
+    # the data shards whose tokens reach this rank's experts: those of its EP group's ranks
+    mine = d.expert_coords(rank)
+    ep_group = [s for s in range(world) if d.expert_coords(s)[:2] == mine[:2]
+                and d.expert_coords(s)[3] == mine[3]]
+    expert_data = sorted({d.dense_coords(s)[1] for s in ep_group})
+    named = []
+    for name in _stage_params(st):
+        p = torch.nn.Parameter(_local(name, ref_params[name], st).float().clone())
+        if name == "dense.w1":
+            p.tensor_model_parallel, p.partition_dim, p.partition_stride = True, 0, 1
+        if name.startswith("moe."):
+            tpamp.mark_expert_param(p, expert_dim=0, expert_mesh=st.expert_mesh)
+            full = _reference(d.dp, shards=expert_data)[1][name]
+        else:
+            full = _reference(d.dp, shards=[st.dp_rank])[1][name]
+        if name == "moe.experts.weight" and d.etp > 1:
+            p.tensor_model_parallel, p.partition_dim, p.partition_stride = True, 1, 1
+        named.append((name, p, _local(name, full, st).float().clone()))
+    opt = tpamp.DistributedOptimizer(
+        torch.optim.SGD([p for _, p, _ in named], lr=0.1), clip_grad=0.5,
+        log_num_zeros_in_grad=True, data_parallel_group=st.dp_cp_group,
+        grad_stats_group=dist.group.WORLD, tensor_parallel_group=st.tp_group,
+        parallel_state=st, param_names=[(n, p) for n, p, _ in named], fused_step=fused)
+    loss = sum((p * g).sum() for _, p, g in named)  # d loss / d p = g, through the grad hooks
+    loss.backward()
+    ok, norm, zeros = opt.step()
+    return ok, norm, zeros, {n: p.detach().double() for n, p, _ in named}
+
+
+@pytest.mark.parametrize("fused", [True, False])
+@pytest.mark.parametrize("layout", ["ep2-dp4", "ep2-tp2"])
+def test_distributed_optimizer_shards_experts_over_expert_dp_and_matches_float64(layout, fused):
+    sizes = {"ep2-dp4": dict(ep=2), "ep2-tp2": dict(tp=2, ep=2)}[layout]
+    results = run_workers(_dist_opt_step, 4, sizes, fused)
+    dp = 4 // sizes.get("tp", 1)
+    ref_params, ref_grads = _reference(dp)
+    flat = torch.cat([g.reshape(-1) for g in ref_grads.values()])
+    ref_norm = float(flat.norm())
+    coeff = 0.5 / (ref_norm + 1e-6)
+    from tpamp.parallel import ParallelDims
+
+    dims = ParallelDims(tp=sizes.get("tp", 1), world_size=4, ep=2)
+    for rank, (ok, norm, zeros, after) in enumerate(results):
+        assert ok
+        assert norm == pytest.approx(ref_norm, rel=1e-5)
+        assert zeros == int((flat == 0).sum())
+
+        class _St:
+            pass
+        st = _St()
+        st.dims, st.tp_rank = dims, dims.dense_coords(rank)[3]
+        st.ep_rank, st.expert_tp_rank = dims.expert_coords(rank)[2], dims.expert_coords(rank)[3]
+        for name, value in after.items():
+            want = _local(name, ref_params[name] - 0.1 * coeff * ref_grads[name], st)
+            torch.testing.assert_close(value, want, rtol=1e-5, atol=1e-6, msg=f"{name} rank {rank}")
