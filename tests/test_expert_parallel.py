@@ -111,13 +111,17 @@ def _step(rank, world, sizes, wrapper, fused):
     st = _init(sizes)
     ref_params, ref_grads = _reference(st.dims.dp)
     opt, named = _build(st, ref_params, ref_grads, wrapper, fused, clip=0.5)
-    ok, norm, zeros = opt.step()
+    tracker = opt.track_param_grad_norms(named)
+    ok, norm, zeros = opt.step(param_grad_norms=True)
     after = {name: p.detach().double() for name, p in named}
-    return ok, norm, zeros, after, (st.tp_rank, st.pp_rank, st.ep_rank, st.expert_tp_rank)
+    return ok, norm, zeros, after, (st.tp_rank, st.pp_rank, st.ep_rank, st.expert_tp_rank), \
+        tracker.norms
 
 
-@pytest.mark.parametrize("wrapper,fused", [("fp32", True), ("mixed", False)])
-@pytest.mark.parametrize("layout", list(LAYOUTS))
+@pytest.mark.parametrize("layout,wrapper,fused", [
+    ("ep2-tp2", "fp32", True), ("ep2-tp2", "mixed", False), ("ep2-tp2-etp1", "fp32", True),
+    ("ep2-pp2", "mixed", False), ("ep4", "fp32", True),
+])
 def test_grad_norm_zeros_and_clip_match_the_unsharded_float64_model(layout, wrapper, fused):
     sizes = LAYOUTS[layout]
     results = run_workers(_step, 4, sizes, wrapper, fused)
@@ -129,12 +133,23 @@ def test_grad_norm_zeros_and_clip_match_the_unsharded_float64_model(layout, wrap
     assert ref_zeros >= H * H + H  # the expert that got no token
     coeff = 0.5 / (ref_norm + 1e-6)
     assert coeff < 1
-    for ok, norm, zeros, after, _ in results:
+    ep = sizes.get("ep", 1)
+    want_norms = {}  # per-parameter norms: each EP rank's part of an expert param apart
+    for name, g in ref_grads.items():
+        if name.startswith("moe."):
+            for j, part in enumerate(g.chunk(ep, 0)):
+                want_norms[f"{name} [ep {j}]"] = float(part.norm())
+        else:
+            want_norms[name] = float(g.norm())
+    for ok, norm, zeros, after, _, norms in results:
         assert ok
         assert norm == pytest.approx(ref_norm, rel=1e-5)
         assert zeros == ref_zeros
+        assert set(norms) == set(want_norms)
+        for name, value in want_norms.items():
+            assert norms[name] == pytest.approx(value, rel=1e-5, abs=1e-7), name
     # ONE clip coefficient for dense and expert params: every shard moved by lr * coeff * grad
-    for rank, (_, _, _, after, (tp, pp, ep, etp)) in enumerate(results):
+    for rank, (_, _, _, after, (tp, pp, ep, etp), _) in enumerate(results):
         class _St:  # the coordinates _local reads
             pass
         st = _St()
@@ -161,7 +176,7 @@ def _inf_step(rank, world, sizes):
         tpamp.nonfinite.describe(opt.last_nonfinite), dist.get_rank()
 
 
-@pytest.mark.parametrize("layout", ["ep2-tp2", "ep2-pp2", "ep4"])
+@pytest.mark.parametrize("layout", ["ep2-tp2", "ep2-pp2"])
 def test_inf_in_one_experts_grad_skips_the_step_everywhere_and_names_its_ep_rank(layout):
     results = run_workers(_inf_step, 4, LAYOUTS[layout])
     for ok, unchanged, records, text, rank in results:
@@ -298,8 +313,8 @@ def _dist_opt_step(rank, world, sizes, fused):
     return ok, norm, zeros, {n: p.detach().double() for n, p, _ in named}
 
 
-@pytest.mark.parametrize("fused", [True, False])
-@pytest.mark.parametrize("layout", ["ep2-dp4", "ep2-tp2"])
+@pytest.mark.parametrize("layout,fused", [("ep2-dp4", True), ("ep2-dp4", False),
+                                          ("ep2-tp2", True)])
 def test_distributed_optimizer_shards_experts_over_expert_dp_and_matches_float64(layout, fused):
     sizes = {"ep2-dp4": dict(ep=2), "ep2-tp2": dict(tp=2, ep=2)}[layout]
     results = run_workers(_dist_opt_step, 4, sizes, fused)
@@ -324,3 +339,22 @@ def test_distributed_optimizer_shards_experts_over_expert_dp_and_matches_float64
         for name, value in after.items():
             want = _local(name, ref_params[name] - 0.1 * coeff * ref_grads[name], st)
             torch.testing.assert_close(value, want, rtol=1e-5, atol=1e-6, msg=f"{name} rank {rank}")
+
+
+def _fsdp_expert(rank, world):
+    from torch.distributed.fsdp import fully_shard
+
+    st = initialize_model_parallel(1, 1)
+    model = torch.nn.Linear(4, 4)
+    fully_shard(model, mesh=st.mesh["dp"])
+    tpamp.mark_expert_param(model.weight)
+    try:
+        tpamp.fsdp.fully_shard_optimizer(torch.optim.SGD(model.parameters(), lr=0.1), st.mesh["dp"])
+    except ValueError as e:
+        return str(e)
+    return None
+
+
+def test_fsdp2_refuses_expert_params_with_a_clear_error():
+    for msg in run_workers(_fsdp_expert, 2):
+        assert msg is not None and "expert param" in msg and "param 0 of param group 0" in msg

@@ -374,11 +374,13 @@ class MixedPrecisionOptimizer(OptimizerWrapper):
         self.expert_grad_stats_group = expert_grad_stats_group
         self.expert_tensor_parallel_group = expert_tensor_parallel_group
         self._expert_tp_rank = _validation.tp_rank(expert_tensor_parallel_group)
-        self._experts_apart = not _same_group(expert_grad_stats_group, self.grad_stats_group)
+        # public for tpamp.param_norms: expert statistics reduced over their own group
+        self.experts_apart = not _same_group(expert_grad_stats_group, self.grad_stats_group)
         self._expert_tp_apart = not _same_group(expert_tensor_parallel_group,
                                                 self.tensor_parallel_group)
-        self._expert_coords = expert_rank_coords(
+        self.expert_rank_coords = expert_rank_coords(
             parallel_state, expert_tensor_parallel_group=expert_tensor_parallel_group)
+        self.expert_parallel_size = parallel_state.dims.ep if parallel_state is not None else None
 
     def _counts(self, param: Tensor) -> bool:
         """Whether ``param``'s grad counts toward the norm and zeros on this rank: TP
@@ -566,7 +568,7 @@ class MixedPrecisionOptimizer(OptimizerWrapper):
         grads = self._fused_grads(scale) if fused else self._generic_grads(scale)
         finite_p = self.norm_type != math.inf
         stats = self._grad_stats(grads, finite_p, param_grad_norms)
-        expert = self._expert_stats(grads, finite_p) if self._experts_apart else None
+        expert = self._expert_stats(grads, finite_p) if self.experts_apart else None
         found_inf, norm_stat, num_zeros = self._reduce(stats, finite_p, expert)
         if param_grad_norms:
             self._reduce_param_norms(grads, stats)
@@ -625,7 +627,7 @@ class MixedPrecisionOptimizer(OptimizerWrapper):
     def _dense_mask(self, grads: StepGrads) -> List[bool]:
         """The norm mask of the dense statistics: all counted grads, or (expert params apart,
         docs/spec.md section 19) the counted grads of dense params."""
-        if not self._experts_apart:
+        if not self.experts_apart:
             return grads.mask
         return [m and not e for m, e in zip(grads.mask, self._expert_flags(grads))]
 
@@ -1055,10 +1057,10 @@ class MixedPrecisionOptimizer(OptimizerWrapper):
         names, tensors = local_grads()
         expert = self._expert_names()
         records = local_records(names, tensors, self._coords, expert_names=expert,
-                                expert_coords=self._expert_coords)
+                                expert_coords=self.expert_rank_coords)
         position = self._name_position  # model order (param_names'), as backward order needs
         records.sort(key=lambda r: position.get(r.name, len(position)))
-        more = (self.expert_grad_stats_group,) if self._experts_apart else ()
+        more = (self.expert_grad_stats_group,) if self.experts_apart else ()
         self.last_nonfinite = gather_nonfinite(records, self.grad_stats_group, *more)
 
     def _expert_names(self) -> set:
