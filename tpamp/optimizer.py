@@ -196,7 +196,20 @@ class MixedPrecisionOptimizer(OptimizerWrapper):
             ``"group<g>.param<i>"`` (param group g, index i).
         parallel_state: a :class:`tpamp.parallel.ParallelState`: this rank's TP, PP and DP
             ranks for ``last_nonfinite`` records; without it the TP rank comes from
-            tensor_parallel_group and the PP and DP ranks are None.
+            tensor_parallel_group and the PP and DP ranks are None. It also gives the expert
+            params' groups (docs/spec.md section 19): ``expert_model_parallel_group`` and
+            ``expert_tp_group`` (unless given below) and the EP ranks of their records.
+        expert_grad_stats_group: the group over which the statistics of expert params
+            (:func:`tpamp.is_expert_param`) are reduced: the expert model-parallel group,
+            expert-TP x EP x PP (default: ``parallel_state.expert_model_parallel_group`` when
+            parallel_state and grad_stats_group are given, else grad_stats_group). When it
+            differs from grad_stats_group, found_inf is OR-ed over both groups, the norm is
+            sqrt(dense^2 + expert^2) with each part reduced over its group, zeros add, and one
+            clip coefficient scales both (Megatron-core's ChainedOptimizer); one extra
+            read-only pass over the expert grads and one extra all-reduce per step.
+        expert_tensor_parallel_group: the expert-TP group, to count expert params replicated
+            over expert-TP once (default: ``parallel_state.expert_tp_group``, else
+            tensor_parallel_group).
 
     Attributes:
         last_nonfinite: after each step, the :class:`tpamp.NonFiniteGrad` records of every
