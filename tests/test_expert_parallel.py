@@ -307,10 +307,11 @@ def _dist_opt_step(rank, world, sizes, fused):
         log_num_zeros_in_grad=True, data_parallel_group=st.dp_cp_group,
         grad_stats_group=dist.group.WORLD, tensor_parallel_group=st.tp_group,
         parallel_state=st, param_names=[(n, p) for n, p, _ in named], fused_step=fused)
+    tracker = opt.track_param_grad_norms([(n, p) for n, p, _ in named])
     loss = sum((p * g).sum() for _, p, g in named)  # d loss / d p = g, through the grad hooks
     loss.backward()
-    ok, norm, zeros = opt.step()
-    return ok, norm, zeros, {n: p.detach().double() for n, p, _ in named}
+    ok, norm, zeros = opt.step(param_grad_norms=True)
+    return ok, norm, zeros, {n: p.detach().double() for n, p, _ in named}, tracker.norms
 
 
 @pytest.mark.parametrize("layout,fused", [("ep2-dp4", True), ("ep2-dp4", False),
@@ -326,10 +327,14 @@ def test_distributed_optimizer_shards_experts_over_expert_dp_and_matches_float64
     from tpamp.parallel import ParallelDims
 
     dims = ParallelDims(tp=sizes.get("tp", 1), world_size=4, ep=2)
-    for rank, (ok, norm, zeros, after) in enumerate(results):
+    for rank, (ok, norm, zeros, after, norms) in enumerate(results):
         assert ok
         assert norm == pytest.approx(ref_norm, rel=1e-5)
         assert zeros == int((flat == 0).sum())
+        assert norms["moe.experts.weight [ep 1]"] == pytest.approx(
+            float(ref_grads["moe.experts.weight"].chunk(2, 0)[1].norm()), rel=1e-5)
+        assert norms["dense.w1"] == pytest.approx(float(ref_grads["dense.w1"].norm()), rel=1e-5)
+        assert math.fsum(v * v for v in norms.values()) == pytest.approx(ref_norm ** 2, rel=1e-5)
 
         class _St:
             pass
