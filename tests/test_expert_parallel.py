@@ -104,7 +104,7 @@ LAYOUTS = {
 def _init(sizes):
     return initialize_model_parallel(
         sizes.get("tp", 1), sizes.get("pp", 1), expert_model_parallel_size=sizes.get("ep", 1),
-        expert_tensor_parallel_size=sizes.get("etp"))
+        expert_tensor_parallel_size=sizes.get("etp"), context_parallel_size=sizes.get("cp", 1))
 
 
 def _step(rank, world, sizes, wrapper, fused):
@@ -283,12 +283,14 @@ def test_checkpoint_saved_at_ep2_resumes_at_ep1(tmp_path):
 def _dist_opt_step(rank, world, sizes, fused):
     st = _init(sizes)
     d = st.dims
-    ref_params, _ = _reference(d.dp)
+    num_data = d.dp * d.cp  # each DP x CP rank's tokens are one data shard (a CP rank: a chunk)
+    data_of = lambda s: d.dense_coords(s)[1] * d.cp + d.dense_coords(s)[2]
+    ref_params, _ = _reference(num_data)
     # the data shards whose tokens reach this rank's experts: those of its EP group's ranks
     mine = d.expert_coords(rank)
     ep_group = [s for s in range(world) if d.expert_coords(s)[:2] == mine[:2]
                 and d.expert_coords(s)[3] == mine[3]]
-    expert_data = sorted({d.dense_coords(s)[1] for s in ep_group})
+    expert_data = sorted({data_of(s) for s in ep_group})
     named = []
     for name in _stage_params(st):
         p = torch.nn.Parameter(_local(name, ref_params[name], st).float().clone())
@@ -296,9 +298,9 @@ def _dist_opt_step(rank, world, sizes, fused):
             p.tensor_model_parallel, p.partition_dim, p.partition_stride = True, 0, 1
         if name.startswith("moe."):
             tpamp.mark_expert_param(p, expert_dim=0, expert_mesh=st.expert_mesh)
-            full = _reference(d.dp, shards=expert_data)[1][name]
+            full = _reference(num_data, shards=expert_data)[1][name]
         else:
-            full = _reference(d.dp, shards=[st.dp_rank])[1][name]
+            full = _reference(num_data, shards=[data_of(rank)])[1][name]
         if name == "moe.experts.weight" and d.etp > 1:
             p.tensor_model_parallel, p.partition_dim, p.partition_stride = True, 1, 1
         named.append((name, p, _local(name, full, st).float().clone()))
@@ -315,9 +317,10 @@ def _dist_opt_step(rank, world, sizes, fused):
 
 
 @pytest.mark.parametrize("layout,fused", [("ep2-dp4", True), ("ep2-dp4", False),
-                                          ("ep2-tp2", True)])
+                                          ("ep2-tp2", True), ("cp2-ep2", True)])
 def test_distributed_optimizer_shards_experts_over_expert_dp_and_matches_float64(layout, fused):
-    sizes = {"ep2-dp4": dict(ep=2), "ep2-tp2": dict(tp=2, ep=2)}[layout]
+    """Dense params reduced and sharded over DP x CP, expert params over expert-DP."""
+    sizes = {"ep2-dp4": dict(ep=2), "ep2-tp2": dict(tp=2, ep=2), "cp2-ep2": dict(cp=2, ep=2)}[layout]
     results = run_workers(_dist_opt_step, 4, sizes, fused)
     dp = 4 // sizes.get("tp", 1)
     ref_params, ref_grads = _reference(dp)
@@ -326,7 +329,7 @@ def test_distributed_optimizer_shards_experts_over_expert_dp_and_matches_float64
     coeff = 0.5 / (ref_norm + 1e-6)
     from tpamp.parallel import ParallelDims
 
-    dims = ParallelDims(tp=sizes.get("tp", 1), world_size=4, ep=2)
+    dims = ParallelDims(tp=sizes.get("tp", 1), world_size=4, ep=2, cp=sizes.get("cp", 1))
     for rank, (ok, norm, zeros, after, norms) in enumerate(results):
         assert ok
         assert norm == pytest.approx(ref_norm, rel=1e-5)

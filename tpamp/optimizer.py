@@ -202,7 +202,8 @@ class MixedPrecisionOptimizer(OptimizerWrapper):
         expert_grad_stats_group: the group over which the statistics of expert params
             (:func:`tpamp.is_expert_param`) are reduced: the expert model-parallel group,
             expert-TP x EP x PP (default: ``parallel_state.expert_model_parallel_group`` when
-            parallel_state and grad_stats_group are given, else grad_stats_group). When it
+            grad_stats_group is ``parallel_state.model_parallel_group``, else
+            grad_stats_group, e.g. a group of every rank under FSDP2). When it
             differs from grad_stats_group, found_inf is OR-ed over both groups, the norm is
             sqrt(dense^2 + expert^2) with each part reduced over its group, zeros add, and one
             clip coefficient scales both (Megatron-core's ChainedOptimizer); one extra
@@ -272,10 +273,10 @@ class MixedPrecisionOptimizer(OptimizerWrapper):
         _validation.check_group_member(grad_stats_group, "grad_stats_group")
         _validation.check_group_member(tensor_parallel_group, "tensor_parallel_group")
         coords = rank_coords(parallel_state, tensor_parallel_group=tensor_parallel_group)
-        if parallel_state is not None and grad_stats_group is not None:
+        if (parallel_state is not None and expert_grad_stats_group is None
+                and _same_group(grad_stats_group, parallel_state.model_parallel_group)):
             # the expert model-parallel group beside the dense model-parallel one (Megatron-core)
-            if expert_grad_stats_group is None:
-                expert_grad_stats_group = parallel_state.expert_model_parallel_group
+            expert_grad_stats_group = parallel_state.expert_model_parallel_group
         self._init_core(
             optimizer, grad_scaler=grad_scaler, clip_grad=clip_grad, norm_type=norm_type,
             log_num_zeros_in_grad=log_num_zeros_in_grad, grad_stats_group=grad_stats_group,
