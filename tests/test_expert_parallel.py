@@ -410,3 +410,27 @@ def test_distributed_optimizer_checkpoint_saved_at_ep2_resumes_at_ep1(tmp_path):
                 if name.startswith("moe.") else by_ep[0][1][name][key]
             torch.testing.assert_close(state[name][key], want, rtol=1e-5, atol=1e-9,
                                        msg=f"{name} {key}")
+
+
+def _dist_opt_inf(rank, world):
+    st = _init(dict(ep=2))
+    named = _dist_opt_model(rank, world, st)
+    opt = tpamp.DistributedOptimizer(
+        torch.optim.SGD([p for _, p, _ in named], lr=0.1), data_parallel_group=st.dp_group,
+        grad_stats_group=dist.group.WORLD, parallel_state=st,
+        param_names=[(n, p) for n, p, _ in named])
+    before = {n: p.detach().clone() for n, p, _ in named}
+    for n, p, g in named:
+        if n == "moe.experts.bias" and rank == 3:  # ep rank 1, expert-DP rank 1
+            g = g.clone()
+            g[1, 2] = math.nan
+        p.grad = g
+    ok, _, _ = opt.step()
+    unchanged = all(torch.equal(p.detach(), before[n]) for n, p, _ in named)
+    return ok, unchanged, [str(r) for r in opt.last_nonfinite]
+
+
+def test_distributed_optimizer_nan_in_one_experts_grad_skips_everywhere_and_names_it():
+    for ok, unchanged, records in run_workers(_dist_opt_inf, 4):
+        assert not ok and unchanged
+        assert records == ["nan in moe.experts.bias [ep 1, etp 0, pp 0, edp 1]"], records
