@@ -37,6 +37,8 @@ from tpamp.grad_stats import (
     count_zeros_fp32,
     filter_grads_for_norm,
     get_grad_norm_fp32,
+    is_expert_param,  # mixture-of-experts (docs/spec.md section 19)
+    mark_expert_param,
 )
 from tpamp.layerwise_optimizer import LayerWiseDistributedOptimizer
 from tpamp.logger import TrainingLogger
@@ -58,7 +60,12 @@ from tpamp.model import (
     set_fp32_attr_to_module,
     tf32_enabled,
 )
-from tpamp.nonfinite import NonFiniteActivation, NonFiniteGrad, NonFiniteTracer
+from tpamp.nonfinite import (
+    ExpertNonFiniteGrad,  # an expert param's record (docs/spec.md section 19)
+    NonFiniteActivation,
+    NonFiniteGrad,
+    NonFiniteTracer,
+)
 from tpamp.optimizer import FP32Optimizer, MixedPrecisionOptimizer, StepResult
 from tpamp.param_groups import ParamGroupOverride, ParamKey, build_param_groups
 from tpamp.param_norms import ParamGradNormTracker
@@ -83,6 +90,7 @@ __all__ = [
     "count_zeros_fp32",
     "DistributedOptimizer",
     "DynamicGradScaler",
+    "ExpertNonFiniteGrad",
     "filter_grads_for_norm",
     "FP32Optimizer",
     "fsdp",
@@ -90,7 +98,9 @@ __all__ = [
     "GradSpikeError",
     "initialize",
     "LayerWiseDistributedOptimizer",
+    "is_expert_param",
     "LossScaleUnderflowError",
+    "mark_expert_param",
     "MegatronGradScaler",
     "MixedPrecisionOptimizer",
     "ModelParallelGradScaler",
