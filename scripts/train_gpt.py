@@ -188,6 +188,18 @@ def parse_args(argv=None) -> argparse.Namespace:
     a("--hidden-size", type=int, default=256)
     a("--num-attention-heads", type=int, default=8)
     a("--seq-length", type=int, default=128)
+    # mixture of experts (Megatron-core's flags; scripts/gpt_model.py MoEMLP, docs/guide/moe.md)
+    a("--num-experts", type=int, default=None,
+      help="replace every block's MLP by this many expert MLPs and a top-k router (default: "
+           "dense)")
+    a("--moe-router-topk", type=int, default=None, help="experts per token (default 2)")
+    a("--moe-aux-loss-coeff", type=float, default=None,
+      help="weight of the load-balancing (switch) loss (default 0: none)")
+    a("--expert-model-parallel-size", type=int, default=1,
+      help="EP: ranks the experts are split over (out of the data-parallel ranks); tokens "
+           "reach their experts by all-to-all")
+    a("--expert-tensor-parallel-size", type=int, default=None,
+      help="expert TP size; only the TP size (the default) is supported")
     # batch: global = micro * num_microbatches * DP; give one of the last two
     a("--micro-batch-size", type=int, default=4)
     a("--global-batch-size", type=int, default=None)
@@ -317,6 +329,48 @@ def data_size(args) -> int:
     return min(sum(os.path.getsize(f) for f in files) + max(0, len(files) - 1), args.data_max_bytes)
 
 
+def validate_moe_args(args, tp: int, dp: int) -> None:
+    """The mixture-of-experts flags (part of :func:`validate_args`); fills in the defaults of
+    --moe-router-topk (2), --moe-aux-loss-coeff (0) and --expert-tensor-parallel-size (TP)."""
+    moe = args.num_experts is not None
+    if moe:
+        _check(args, "num_experts", args.num_experts >= 1, "expected an int >= 1")
+    else:  # a flag that cannot apply is an error, not a no-op
+        for dest in ("moe_router_topk", "moe_aux_loss_coeff", "expert_tensor_parallel_size"):
+            _check(args, dest, getattr(args, dest) is None,
+                   "applies to a mixture of experts only: expected --num-experts N with it")
+        _check(args, "expert_model_parallel_size", args.expert_model_parallel_size == 1,
+               "applies to a mixture of experts only: expected --num-experts N with it")
+        return
+    if args.moe_router_topk is None:
+        args.moe_router_topk = 2 if args.num_experts >= 2 else 1
+    if args.moe_aux_loss_coeff is None:
+        args.moe_aux_loss_coeff = 0.0
+    if args.expert_tensor_parallel_size is None:
+        args.expert_tensor_parallel_size = tp
+    e, ep = args.num_experts, args.expert_model_parallel_size
+    _check(args, "moe_router_topk", 1 <= args.moe_router_topk <= e,
+           f"expected 1 <= k <= --num-experts {e}")
+    _check(args, "moe_aux_loss_coeff",
+           math.isfinite(args.moe_aux_loss_coeff) and args.moe_aux_loss_coeff >= 0,
+           "expected a finite value >= 0")
+    _check(args, "expert_model_parallel_size", ep >= 1, "expected a size >= 1")
+    _check(args, "expert_model_parallel_size", e % ep == 0,
+           f"expected a divisor of --num-experts {e} (each EP rank holds num-experts / EP "
+           "whole experts)")
+    _check(args, "expert_model_parallel_size", dp % ep == 0,
+           f"expected a divisor of the data-parallel size {dp} (= WORLD_SIZE / (TP x PP)): "
+           "the EP ranks are carved out of the DP ranks, as in Megatron-core")
+    _check(args, "expert_tensor_parallel_size", args.expert_tensor_parallel_size == tp,
+           f"expected --tensor-model-parallel-size {tp} (the default): the experts are "
+           "tensor-parallel over the TP group; another expert TP size is not supported")
+    _check(args, "use_torch_fsdp2", not args.use_torch_fsdp2,
+           "not supported with --num-experts (the main job's MoE runs without FSDP2)")
+    _check(args, "use_distributed_optimizer", not (args.use_distributed_optimizer and ep > 1),
+           f"not supported with --expert-model-parallel-size {ep} (expert grads are reduced "
+           "over the expert-data-parallel group): expected EP 1 with it")
+
+
 def validate_args(args) -> None:
     """Every check of the flags and the data file, with nothing but the environment torchrun
     sets (``WORLD_SIZE``, ``LOCAL_WORLD_SIZE``): run on every rank before any process group,
@@ -357,6 +411,7 @@ def validate_args(args) -> None:
            not args.overlap_grad_reduce or args.use_distributed_optimizer,
            "--overlap-grad-reduce needs --use-distributed-optimizer (the grads are "
            "reduce-scattered by its backward hooks)")
+    validate_moe_args(args, tp, dp)
     # model
     for dest in ("num_layers", "hidden_size", "num_attention_heads", "seq_length"):
         _check(args, dest, getattr(args, dest) >= 1, "expected an int >= 1")
@@ -504,7 +559,16 @@ if __name__ == "__main__":  # a bad flag exits here, before the imports below
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
-from gpt_model import GPTChunks, GPTConfig, GPTStage, count_params, parallelize_stage  # noqa: E402
+from gpt_model import (  # noqa: E402
+    ExpertParallel,
+    GPTChunks,
+    GPTConfig,
+    GPTStage,
+    MoEAuxLossAutoScaler,
+    count_params,
+    is_expert_param,
+    parallelize_stage,
+)
 
 import tpamp  # noqa: E402
 from tpamp.grad_stats import local_tensor  # noqa: E402
@@ -632,7 +696,8 @@ def run_pipeline(run: "Run", x, y, train: bool) -> list:
     losses = [] if st.is_last_stage else None
     target = y if st.is_last_stage else None
     scale = run.optimizer.get_loss_scale().clone()  # the step may change it afterwards
-    if train:
+    if train:  # the MoE load-balancing loss's grad: scaled like the main loss (PipelineLoss)
+        MoEAuxLossAutoScaler.set_loss_scale(scale.float() / run.num_microbatches)
         schedule.step(*inputs, target=target, losses=losses, return_outputs=False)
     else:
         with torch.no_grad():
@@ -669,10 +734,17 @@ def _all_reduce_grads(grads, group, divide_by: int = 1) -> None:
 
 
 def all_reduce_data_parallel_grads(stage, st) -> None:
-    """Average every grad over the DP group (for a DTensor grad: its local shard)."""
+    """Average every grad over the DP group (for a DTensor grad: its local shard). Expert
+    params (``allreduce = False``) are summed over the expert-data-parallel group instead (the
+    ranks holding the same experts) and divided by DP, as Megatron-core's DDP scales them
+    (edp / dp after its average over edp): their grads already hold the tokens of every EP
+    rank, so both kinds end at the mean over all DP ranks' losses."""
     if st.dims.dp > 1:
-        grads = [local_tensor(p.grad) for p in stage.parameters() if p.grad is not None]
-        _all_reduce_grads(grads, st.dp_group, divide_by=st.dims.dp)
+        params = [p for p in stage.parameters() if p.grad is not None]
+        dense = [local_tensor(p.grad) for p in params if not is_expert_param(p)]
+        _all_reduce_grads(dense, st.dp_group, divide_by=st.dims.dp)
+        expert = [local_tensor(p.grad) for p in params if is_expert_param(p)]
+        _all_reduce_grads(expert, st.expert_data_parallel_group, divide_by=st.dims.dp)
 
 
 def all_reduce_embedding_grads(stage, st) -> None:
@@ -706,7 +778,35 @@ def setup_distributed(args):
     st = initialize_model_parallel(
         args.tensor_model_parallel_size, args.pipeline_model_parallel_size
     )
+    add_expert_groups(st, args.expert_model_parallel_size)
     return st, device
+
+
+def add_expert_groups(st, ep: int) -> None:
+    """The expert layout (Megatron-core's order tp-ep-dp-pp with expert TP = TP): the EP group
+    (``ep_group``: the ``ep`` consecutive DP ranks of one TP index and stage, which hold
+    different experts), ``ep_rank``, and the expert-data-parallel group
+    (``expert_data_parallel_group``: the ranks holding the same experts), set on ``st``."""
+    dims, rank = st.dims, dist.get_rank()
+    grid = torch.arange(dims.world_size).reshape(dims.pp, dims.dp // ep, ep, dims.tp)
+    ep_lists = [grid[p, e, :, t].tolist() for p in range(dims.pp)
+                for e in range(dims.dp // ep) for t in range(dims.tp)]
+    edp_lists = [grid[p, :, r, t].tolist() for p in range(dims.pp)
+                 for r in range(ep) for t in range(dims.tp)]
+    timeout = tpamp.parallel.default_group_timeout()
+    for name, lists in (("ep_group", ep_lists), ("expert_data_parallel_group", edp_lists)):
+        for ranks in lists:
+            group = dist.new_group(ranks, timeout=timeout)
+            if rank in ranks:
+                setattr(st, name, group)
+    st.ep_rank = st.dp_rank % ep
+    st.expert_dp_rank = st.dp_rank // ep
+
+
+def expert_parallel(st, args) -> ExpertParallel:
+    """This rank's place among the EP ranks (what the MoE layers dispatch over)."""
+    ep = args.expert_model_parallel_size
+    return ExpertParallel(ep, st.ep_rank, st.ep_group if ep > 1 else None)
 
 
 def virtual_stages(args) -> int:
@@ -716,16 +816,16 @@ def virtual_stages(args) -> int:
 
 
 def build_stage(cfg: GPTConfig, st, dtype, device, seed: int, fsdp2: bool = False,
-                virtual: int = 1):
+                virtual: int = 1, ep: ExpertParallel | None = None):
     """This rank's stage (a GPTStage, or with ``virtual`` > 1 the GPTChunks of an interleaved
     schedule): seeded fp32 init, tied head copied from the first stage, cast to
     ``dtype`` (fp32 islands, e.g. --fp32-final-layernorm, stay fp32), then TP-sharded with
     parallelize_module (vocab-parallel embedding and head copy). Cast before sharding: the
     grad hooks that parallelize_stage puts on the DTensor params do not survive a later cast."""
     if virtual > 1:
-        stage = GPTChunks(cfg, st.dims.pp, st.pp_rank, virtual)
+        stage = GPTChunks(cfg, st.dims.pp, st.pp_rank, virtual, ep)
     else:
-        stage = GPTStage(cfg, st.dims.pp, st.pp_rank)
+        stage = GPTStage(cfg, st.dims.pp, st.pp_rank, ep)
     stage.init_weights(seed)
     stage.to(device)
     weight = stage.word_embedding_weight() if st.embedding_group is not None else None
@@ -899,6 +999,9 @@ def model_config(args) -> GPTConfig:
         fp32_residual_connection=args.fp32_residual_connection,
         attention_softmax_in_fp32=args.attention_softmax_in_fp32,
         fp32_final_layernorm=args.fp32_final_layernorm,
+        num_experts=args.num_experts,
+        moe_router_topk=args.moe_router_topk or 2,
+        moe_aux_loss_coeff=args.moe_aux_loss_coeff or 0.0,
     )
 
 
@@ -912,7 +1015,7 @@ def build(args, st, device) -> Run:
     data = ByteData(text, args.seq_length, args.valid_fraction)
     torch.manual_seed(args.seed)
     stage = build_stage(cfg, st, dtype, device, args.seed, fsdp2=args.use_torch_fsdp2,
-                        virtual=virtual_stages(args))
+                        virtual=virtual_stages(args), ep=expert_parallel(st, args))
     optimizer = build_optimizer(stage, args, st, dtype)
     # Megatron-LM: the schedule advances only on successful steps (scheduler.step() in the loop)
     scheduler = torch.optim.lr_scheduler.LambdaLR(
@@ -944,12 +1047,18 @@ def describe(run: Run) -> str:
     """The first line: model, layout, precision and numerics flags, batch and data."""
     args, cfg, st = run.args, run.cfg, run.st
     numerics = [name for name in NUMERICS_FLAGS if getattr(args, name)]
+    moe = ""
+    if cfg.num_experts is not None:
+        moe = (f", MoE {cfg.num_experts} experts top-{cfg.moe_router_topk}, aux loss coeff "
+               f"{cfg.moe_aux_loss_coeff:g}")
     return (
         f"GPT {count_params(cfg) / 1e6:.2f}M params ({cfg.num_layers} layers, hidden "
-        f"{cfg.hidden_size}, {cfg.num_attention_heads} heads, seq {cfg.seq_length}, vocab 256) | "
+        f"{cfg.hidden_size}, {cfg.num_attention_heads} heads, seq {cfg.seq_length}, vocab 256"
+        f"{moe}) | "
         f"{dist.get_world_size()} ranks: TP {st.dims.tp} x PP {st.dims.pp}"
         f"{pipeline_label(args) if st.dims.pp > 1 else ''} x DP {st.dims.dp}"
-        f"{' (FSDP2 fully_shard)' if args.use_torch_fsdp2 else ''} on "
+        f"{' (FSDP2 fully_shard)' if args.use_torch_fsdp2 else ''}"
+        f"{f' (EP {args.expert_model_parallel_size})' if cfg.num_experts is not None else ''} on "
         f"{run.device.type} ({dist.get_backend()}) | {str(run.dtype).replace('torch.', '')}"
         f"{''.join(' +' + n for n in numerics)} | "
         f"global batch {run.global_batch} = micro {args.micro_batch_size} x "
@@ -1136,6 +1245,10 @@ def summarize(run: Run, history, val_loss: float, elapsed: float) -> None:
         "virtual_pipeline_stages": virtual_stages(args),
         "distributed_optimizer": args.use_distributed_optimizer,
         "torch_fsdp2": args.use_torch_fsdp2,
+        "num_experts": args.num_experts,
+        "moe_router_topk": args.moe_router_topk,
+        "moe_aux_loss_coeff": args.moe_aux_loss_coeff,
+        "ep": args.expert_model_parallel_size,
     }
     run.say(
         f"done: {summary['iterations']} iterations in {elapsed:.1f} s "
