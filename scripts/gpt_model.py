@@ -324,8 +324,10 @@ class MoEMLP(nn.Module):
         mark_expert_params(self)
 
     def route(self, h: torch.Tensor):
-        """h: [N, H] -> (top-k expert ids [N, k] int64, their fp32 weights [N, k])."""
-        logits = F.linear(h.float(), self.router.weight.float())  # [N, E] fp32
+        """h: [N, H] -> (top-k expert ids [N, k] int64, their weights [N, k] in fp32, or
+        fp64 for an fp64 model)."""
+        dt = torch.promote_types(h.dtype, torch.float32)
+        logits = F.linear(h.to(dt), self.router.weight.to(dt))  # [N, E] fp32
         top_logits, top_idx = torch.topk(logits, self.topk, dim=-1)
         probs = torch.softmax(top_logits, dim=-1)
         if self.aux_loss_coeff > 0 and torch.is_grad_enabled():
@@ -370,8 +372,8 @@ class MoEMLP(nn.Module):
             y = y[torch.argsort(regroup)]  # back to (source rank, local expert) order
             y = _AllToAll.apply(y, in_splits, out_splits, self.ep.group)
         weights = probs.reshape(-1)[order]  # [N k] fp32, in y's order
-        out = torch.zeros(h.shape, dtype=torch.float32, device=x.device)
-        out = out.index_add(0, token_of, y.float() * weights[:, None])
+        out = torch.zeros(h.shape, dtype=weights.dtype, device=x.device)
+        out = out.index_add(0, token_of, y.to(weights.dtype) * weights[:, None])
         return out.to(x.dtype).view(shape)
 
 

@@ -275,6 +275,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     a("--eval-iters", type=int, default=5, help="global batches per evaluation")
     a("--no-progress", action="store_true", help="no tqdm bar")
     a("--dist-timeout", type=float, default=300.0, help="seconds before a collective fails")
+    a("--inject-inf-grad", default=None, metavar="ITER:RANK:NAME",
+      help="testing: at iteration ITER, after the grad reductions, set one element of the grad "
+           "of parameter NAME (global name) on global rank RANK to inf")
     gpt_checkpoint.add_arguments(p)  # --save, --save-interval, --load, --ckpt-step
     args = p.parse_args(argv)
     try:
@@ -521,6 +524,11 @@ def validate_args(args) -> None:
     _check(args, "eval_iters", args.eval_iters >= 1, "expected an int >= 1")
     _check(args, "dist_timeout", math.isfinite(args.dist_timeout) and args.dist_timeout > 0,
            "expected a finite number of seconds > 0")
+    if args.inject_inf_grad is not None:
+        parts = args.inject_inf_grad.split(":", 2)
+        _check(args, "inject_inf_grad", len(parts) == 3 and all(parts)
+               and parts[0].isdigit() and parts[1].isdigit() and int(parts[1]) < world,
+               f"expected ITER:RANK:NAME with a rank below the {world} ranks")
     for dest in ("log_dir", "save"):
         path = getattr(args, dest)
         _check(args, dest, path is None or not os.path.exists(path) or os.path.isdir(path),
@@ -775,11 +783,17 @@ def setup_distributed(args):
     dist.init_process_group(
         "nccl" if use_cuda else "gloo", timeout=datetime.timedelta(seconds=args.dist_timeout)
     )
-    st = initialize_model_parallel(
-        args.tensor_model_parallel_size, args.pipeline_model_parallel_size
-    )
-    add_expert_groups(st, args.expert_model_parallel_size)
+    st = model_parallel_state(args.tensor_model_parallel_size,
+                              args.pipeline_model_parallel_size, args.expert_model_parallel_size)
     return st, device
+
+
+def model_parallel_state(tp: int, pp: int, ep: int = 1):
+    """The TP x PP x DP layout with ``ep`` expert-parallel ranks carved out of DP (expert
+    TP = TP), on the default process group (every rank calls it)."""
+    st = initialize_model_parallel(tp, pp)
+    add_expert_groups(st, ep)
+    return st
 
 
 def add_expert_groups(st, ep: int) -> None:
@@ -1135,6 +1149,8 @@ def train_step(run: Run, tracer, log_now: bool):
     if not (args.use_distributed_optimizer or args.use_torch_fsdp2):
         all_reduce_data_parallel_grads(run.stage, st)
     all_reduce_embedding_grads(run.stage, st)
+    if args.inject_inf_grad is not None:
+        inject_inf_grad(run, args.inject_inf_grad)
     loss = None
     if st.is_last_stage:  # the DP mean, so that every DP replica judges the same loss
         loss = mean_over_dp(losses, st)
@@ -1145,6 +1161,24 @@ def train_step(run: Run, tracer, log_now: bool):
     if result.update_successful:
         run.scheduler.step()
     return loss, result
+
+
+def inject_inf_grad(run: Run, spec: str) -> None:
+    """--inject-inf-grad ITER:RANK:NAME: an inf in the first element of the local grad of the
+    param with global name NAME on global rank RANK at iteration ITER (counted by the
+    calls of this function in this process: the run's first iteration is 1, also after
+    --load)."""
+    it, rank, name = spec.split(":", 2)
+    run.injection_calls = getattr(run, "injection_calls", 0) + 1
+    if run.injection_calls != int(it) or dist.get_rank() != int(rank):
+        return
+    for pname, param in run.stage.global_named_parameters():
+        if pname == name:
+            grad = getattr(param, "main_grad", None)
+            grad = grad if grad is not None else local_tensor(param.grad)
+            grad.view(-1)[0] = float("inf")
+            return
+    raise ValueError(f"--inject-inf-grad: rank {rank} holds no parameter {name!r}")
 
 
 def log_iteration(run: Run, it, loss, lr, loss_scale, result, log_now, extra) -> None:
