@@ -37,6 +37,8 @@ from tpamp.grad_stats import (
     count_zeros_fp32,
     filter_grads_for_norm,
     get_grad_norm_fp32,
+    is_expert_param,  # mixture-of-experts (docs/spec.md section 19)
+    mark_expert_param,
 )
 from tpamp.logger import TrainingLogger
 from tpamp.model import (
@@ -68,7 +70,9 @@ __all__ = [
     "get_grad_norm_fp32",
     "GradSpikeError",
     "initialize",
+    "is_expert_param",
     "LossScaleUnderflowError",
+    "mark_expert_param",
     "MegatronGradScaler",
     "MixedPrecisionOptimizer",
     "ModelParallelGradScaler",

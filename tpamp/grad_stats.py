@@ -45,6 +45,8 @@ __all__ = [
     "clip_grad_by_total_norm_fp32",
     "count_zeros_fp32",
     "is_tensor_parallel_shard",
+    "is_expert_param",
+    "mark_expert_param",
     "local_tensor",
 ]
 
@@ -88,6 +90,59 @@ def is_tensor_parallel_shard(param: Tensor, tensor_parallel_group=None) -> bool:
         if tensor_parallel_group is not None and mesh.get_group(dim) == tensor_parallel_group:
             return True
     return False
+
+
+_EP_DIM_NAMES = ("ep", "expert", "expert_parallel", "expert_model_parallel")
+
+
+def is_expert_param(param: Tensor) -> bool:
+    """True if ``param`` is a mixture-of-experts expert param (docs/spec.md section 19).
+
+    As Megatron-core marks them: the attribute ``allreduce=False`` (set by
+    :func:`mark_expert_param`; Megatron's expert layers set it on their weights); or a DTensor
+    whose mesh has an expert-parallel dim (named "ep", as on ``ParallelState.expert_mesh``, or
+    "expert"...), as torchtitan recognises them. Expert params are sharded over the
+    expert-parallel group and replicated over the expert-data-parallel group, so their grad
+    statistics are reduced over the expert model-parallel group (expert-TP x EP x PP), not the
+    dense model-parallel group.
+    """
+    if getattr(param, "allreduce", True) is False:
+        return True
+    if DTensor is not None and isinstance(param, DTensor):
+        names = param.device_mesh.mesh_dim_names or ()
+        return any(n in _EP_DIM_NAMES for n in names)
+    return False
+
+
+def mark_expert_param(param: Tensor, *, expert_dim: Optional[int] = None) -> Tensor:
+    """Declare ``param`` an expert param (sets Megatron's ``allreduce=False``); returns it.
+
+    expert_dim: for experts stacked in one tensor (e.g. shape ``(num_local_experts, d, h)``),
+    the dim that indexes this rank's local experts: this EP rank holds global experts
+    ``ep_rank * n .. ep_rank * n + n - 1`` (n = the size of that dim, the same on every EP
+    rank), so a checkpoint saves it in its global shape (that dim times the EP size) and
+    reloads it on another EP size (tpamp.checkpoint). None (default): the param belongs to one
+    expert and its name must already be global (e.g. ``experts.{global_index}.w1``), or it is
+    a DTensor that carries its own sharding. A Megatron TP attribute (``tensor_model_parallel``,
+    ``partition_dim``) then means expert-TP sharding. Raises TypeError for a param that is not
+    a tensor or an expert_dim that is not an int, ValueError for an expert_dim outside
+    ``[0, param.dim())``.
+    """
+    if not isinstance(param, Tensor):
+        raise TypeError(f"param must be a torch.Tensor, got {type(param).__name__}")
+    if expert_dim is not None:
+        if isinstance(expert_dim, bool) or not isinstance(expert_dim, int):
+            raise TypeError(
+                f"expert_dim must be an int or None, got {expert_dim!r} ({type(expert_dim).__name__})"
+            )
+        if not 0 <= expert_dim < param.dim():
+            raise ValueError(
+                f"expert_dim {expert_dim} is outside [0, {param.dim()}) for a param of shape "
+                f"{tuple(param.shape)}"
+            )
+    param.allreduce = False
+    param.expert_dim = expert_dim
+    return param
 
 
 def _grad_of(param: Tensor) -> Optional[Tensor]:

@@ -39,7 +39,8 @@ __all__ = ["StepResult", "MixedPrecisionOptimizer", "FP32Optimizer"]
 Tensor = torch.Tensor
 _HALF_DTYPES = (torch.float16, torch.bfloat16)
 # Megatron-LM's tensor-parallel attributes, copied to the main param so filters see them.
-_COPIED_ATTRS = ("tensor_model_parallel", "partition_dim", "partition_stride", "shared")
+_COPIED_ATTRS = ("tensor_model_parallel", "partition_dim", "partition_stride", "shared",
+                 "allreduce", "expert_dim")
 
 
 class StepResult(NamedTuple):
