@@ -65,7 +65,14 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
-from tpamp import module_has_fp32_attr, residual_add, scale_mask_softmax, set_fp32_attr_to_module
+from tpamp import (
+    is_expert_param,  # noqa: F401 (re-exported for the trainer)
+    mark_expert_param,
+    module_has_fp32_attr,
+    residual_add,
+    scale_mask_softmax,
+    set_fp32_attr_to_module,
+)
 
 
 @dataclass
@@ -379,19 +386,15 @@ class MoEMLP(nn.Module):
 
 def mark_expert_params(module: nn.Module) -> None:
     """Mark the expert params of every :class:`MoEMLP` in ``module`` (again after anything that
-    makes new param objects: parallelize_module, fully_shard): ``allreduce = False``
-    (Megatron's mark, what tpamp reads) and ``expert_index`` = the global expert index."""
+    makes new param objects: parallelize_module, fully_shard) with
+    :func:`tpamp.mark_expert_param` (Megatron's ``allreduce = False``; each param belongs to one
+    expert and its name carries the global expert index), and ``expert_index`` = that index."""
     for m in module.modules():
         if isinstance(m, MoEMLP):
             for e, expert in m.experts.items():
                 for p in expert.parameters():
-                    p.allreduce = False
+                    mark_expert_param(p)
                     p.expert_index = int(e)
-
-
-def is_expert_param(param) -> bool:
-    """True for a param of a :class:`MoEMLP`'s experts (marked ``allreduce = False``)."""
-    return getattr(param, "allreduce", True) is False
 
 
 class Block(nn.Module):

@@ -789,32 +789,10 @@ def setup_distributed(args):
 
 
 def model_parallel_state(tp: int, pp: int, ep: int = 1):
-    """The TP x PP x DP layout with ``ep`` expert-parallel ranks carved out of DP (expert
-    TP = TP), on the default process group (every rank calls it)."""
-    st = initialize_model_parallel(tp, pp)
-    add_expert_groups(st, ep)
-    return st
-
-
-def add_expert_groups(st, ep: int) -> None:
-    """The expert layout (Megatron-core's order tp-ep-dp-pp with expert TP = TP): the EP group
-    (``ep_group``: the ``ep`` consecutive DP ranks of one TP index and stage, which hold
-    different experts), ``ep_rank``, and the expert-data-parallel group
-    (``expert_data_parallel_group``: the ranks holding the same experts), set on ``st``."""
-    dims, rank = st.dims, dist.get_rank()
-    grid = torch.arange(dims.world_size).reshape(dims.pp, dims.dp // ep, ep, dims.tp)
-    ep_lists = [grid[p, e, :, t].tolist() for p in range(dims.pp)
-                for e in range(dims.dp // ep) for t in range(dims.tp)]
-    edp_lists = [grid[p, :, r, t].tolist() for p in range(dims.pp)
-                 for r in range(ep) for t in range(dims.tp)]
-    timeout = tpamp.parallel.default_group_timeout()
-    for name, lists in (("ep_group", ep_lists), ("expert_data_parallel_group", edp_lists)):
-        for ranks in lists:
-            group = dist.new_group(ranks, timeout=timeout)
-            if rank in ranks:
-                setattr(st, name, group)
-    st.ep_rank = st.dp_rank % ep
-    st.expert_dp_rank = st.dp_rank // ep
+    """The TP x PP x DP layout with ``ep`` expert-parallel ranks (expert TP = TP, so EP is
+    carved out of DP: Megatron-core's expert order tp-ep-dp-pp), on the default process group
+    (every rank calls it; tpamp.parallel, docs/spec.md section 19)."""
+    return initialize_model_parallel(tp, pp, expert_model_parallel_size=ep)
 
 
 def expert_parallel(st, args) -> ExpertParallel:
