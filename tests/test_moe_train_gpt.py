@@ -277,3 +277,56 @@ def test_an_inf_in_one_experts_grad_on_one_rank_skips_on_every_rank_and_names_it
     culprits = records[1]["nonfinite"]["first"]
     assert culprits[0]["name"] == name, culprits
     assert culprits[0].get("ep_rank") == 1 and culprits[0]["dp_rank"] == 1, culprits
+
+
+# ----------------------------------------------------------------------------- flags
+
+# 4 ranks, TP 2 x PP 1 (DP 2): each case is refused by validate_args with one line naming it
+FLAG_BASE = ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "1",
+             "--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4",
+             "--seq-length", "32", "--train-iters", "2", "--data-max-bytes", "200000"]
+BAD_FLAGS = [
+    (["--num-experts", "0"], ["--num-experts", "0", ">= 1"]),
+    (["--num-experts", "4", "--moe-router-topk", "5"], ["--moe-router-topk", "5", "--num-experts 4"]),
+    (["--num-experts", "4", "--moe-aux-loss-coeff", "-1"], ["--moe-aux-loss-coeff", "-1.0", ">= 0"]),
+    (["--num-experts", "3", "--expert-model-parallel-size", "2"],
+     ["--expert-model-parallel-size", "2", "divisor of --num-experts 3"]),
+    (["--num-experts", "4", "--expert-model-parallel-size", "4"],
+     ["--expert-model-parallel-size", "4", "data-parallel size 2"]),
+    (["--num-experts", "4", "--expert-tensor-parallel-size", "1"],
+     ["--expert-tensor-parallel-size", "1", "--tensor-model-parallel-size 2"]),
+    (["--expert-model-parallel-size", "2"], ["--expert-model-parallel-size", "2", "--num-experts N"]),
+    (["--moe-router-topk", "1"], ["--moe-router-topk", "1", "--num-experts N"]),
+    (["--num-experts", "4", "--use-torch-fsdp2"], ["--use-torch-fsdp2", "--num-experts"]),
+]
+if not EXPERT_DISTOPT:
+    BAD_FLAGS.append((["--num-experts", "4", "--expert-model-parallel-size", "2",
+                       "--use-distributed-optimizer"],
+                      ["--use-distributed-optimizer", "--expert-model-parallel-size 2"]))
+
+
+def _parse(monkeypatch, flags):
+    import train_gpt
+
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    return train_gpt.parse_args([*FLAG_BASE, *flags])
+
+
+@pytest.mark.parametrize("flags,words", BAD_FLAGS, ids=[" ".join(f) for f, _ in BAD_FLAGS])
+def test_a_bad_moe_flag_is_refused_with_one_line(monkeypatch, capsys, flags, words):
+    with pytest.raises(SystemExit) as info:
+        _parse(monkeypatch, flags)
+    assert info.value.code == 2
+    lines = capsys.readouterr().err.splitlines()
+    assert len(lines) == 1 and lines[0].startswith("train_gpt.py: error: "), lines
+    for w in words:
+        assert w in lines[0], (w, lines[0])
+
+
+def test_moe_flags_take_megatrons_defaults(monkeypatch):
+    args = _parse(monkeypatch, ["--num-experts", "4", "--expert-model-parallel-size", "2"])
+    assert (args.moe_router_topk, args.moe_aux_loss_coeff, args.expert_tensor_parallel_size) \
+        == (2, 0.0, 2)
+    dense = _parse(monkeypatch, [])
+    assert dense.num_experts is None and dense.expert_model_parallel_size == 1
