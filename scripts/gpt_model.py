@@ -51,6 +51,10 @@ and gradients are still stored in fp16/bf16 (so overflow in a gradient still giv
 what loss scaling handles), only the accumulation is fp32 -- as on a GPU's tensor cores. CUDA
 tensors always use the native half-precision kernels.
 
+Mixture of experts (``cfg.num_experts``): every block's MLP is a :class:`MoEMLP` (router,
+experts keyed by their global index, all-to-all dispatch over the expert-parallel group given
+as :class:`ExpertParallel`); see its docstring and docs/guide/moe.md.
+
 Initialisation is seeded per layer (:meth:`GPTStage.init_weights`), so the full model is the same
 whatever the TP x PP layout: block ``i`` gets the same weights on whichever stage it lands.
 """

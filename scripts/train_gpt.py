@@ -19,6 +19,12 @@ What happens:
   (Megatron's column/row split). The word embedding (first stage) is tied to the output head
   (last stage, a copy marked ``shared``), as in Megatron-LM; both are vocab-parallel (V/tp rows
   per TP rank), so each TP rank computes its own slice of the logits.
+- Mixture of experts (``--num-experts N``, Megatron-core's flags; docs/guide/moe.md): every
+  block's MLP becomes N expert MLPs behind a top-k router (``--moe-router-topk``, the switch
+  load-balancing loss with ``--moe-aux-loss-coeff``); ``--expert-model-parallel-size EP`` splits
+  the experts over EP ranks carved out of DP (tokens travel by all-to-all over the EP group),
+  the experts are TP-sharded like the dense MLP (``--expert-tensor-parallel-size`` = TP), and
+  expert grads are summed over the expert-data-parallel group and divided by DP.
 - Megatron's fp16 numerics, through ``tpamp.functional``: ``--fp32-residual-connection``
   (``tpamp.residual_add``; the residual stream, and so the activations passed between pipeline
   stages, are fp32), ``--attention-softmax-in-fp32`` (``tpamp.scale_mask_softmax``, always used
