@@ -37,7 +37,7 @@ from tpamp import _validation, ops, state_formats
 from tpamp.common import local_tensor, placed_like
 from tpamp.dp_collectives import all_gather_tensor, start_all_gather, start_reduce_scatter, uses_ring
 from tpamp.grad_scaler import MegatronGradScaler
-from tpamp.grad_stats import counts_toward_norm
+from tpamp.grad_stats import is_expert_param
 from tpamp.nonfinite import param_name_map, rank_coords
 from tpamp.optimizer import (
     MixedPrecisionOptimizer,
@@ -97,6 +97,12 @@ class _Bucket:
     index: int = 0  # position in the optimizer's bucket list (the ring collectives' tag)
     written: set = field(default_factory=set)  # params whose main_grad was written since zeroed
     scratch: Optional[Tensor] = None  # [shard_size] partial sums (gloo ring, d > 2)
+    # the group this bucket is reduced and sharded over: DP, or expert-DP for expert params
+    group: Optional[object] = None
+    size: int = 1  # its number of ranks
+    rank: int = 0  # this rank's index in it
+    ring: bool = False  # gloo on CPU: isend/irecv rings (tpamp.dp_collectives)
+    expert: bool = False
 
 
 class DistributedOptimizer(MixedPrecisionOptimizer):
@@ -254,6 +260,8 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
         fused_step: bool = True,
         param_names=None,
         parallel_state=None,
+        expert_data_parallel_group=None,
+        expert_tensor_parallel_group=None,
     ):
         options = (exp_avg_dtype, exp_avg_sq_dtype, store_param_remainders)
         state_options = self._check_core_args(optimizer, grad_scaler, clip_grad, fused_step, *options)
@@ -273,7 +281,8 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
             log_num_zeros_in_grad=log_num_zeros_in_grad, grad_stats_group=grad_stats_group,
             tensor_parallel_group=tensor_parallel_group, skip_nonfinite=skip_nonfinite,
             sync_free=False, spike_detector=spike_detector, fused_step=fused_step,
-            state_options=state_options,
+            state_options=state_options, parallel_state=parallel_state,
+            expert_tensor_parallel_group=expert_tensor_parallel_group,
         )
         self.data_parallel_group = data_parallel_group
         self.grad_reduce_in_fp32 = bool(grad_reduce_in_fp32)
@@ -309,6 +318,7 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
                     continue
                 has_fp16 |= p.dtype == torch.float16
                 entries.append((p, names.get(id(p), f"param_groups.{gi}.{pi}"), gi))
+        self._init_expert_dp(entries, parallel_state, expert_data_parallel_group)
         self._deferred = self._check_deferred(deferred_reduce_params, entries)
         check_fp16_scaler(has_fp16, grad_scaler)
         self._names = {id(p): n for p, n, _ in entries}
@@ -317,8 +327,13 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
         self._set_device(local_tensor(entries[0][0]).device if entries else torch.device("cpu"))
         # gloo on CPU: reduce-scatter and all-gather by isend/irecv rings (tpamp.dp_collectives)
         self._ring_p2p = uses_ring(data_parallel_group, self._device)
-        if check_params_across_dp and self._dp_size > 1:
-            self._check_params_match_across_dp(entries)
+        if check_params_across_dp:
+            dense = [e for e in entries if id(e[0]) not in self._expert_ids]
+            experts = [e for e in entries if id(e[0]) in self._expert_ids]
+            if self._dp_size > 1:
+                self._check_params_match_across_dp(dense, data_parallel_group)
+            if experts and dist.get_world_size(self.expert_data_parallel_group) > 1:
+                self._check_params_match_across_dp(experts, self.expert_data_parallel_group)
         old_main_grads = {id(p): getattr(p, "main_grad", None) for p, _, _ in entries}
         self._buckets = self._build_buckets(entries)
         try:
@@ -342,10 +357,10 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
 
     # -- construction ---------------------------------------------------------------------
 
-    def _check_params_match_across_dp(self, entries) -> None:
+    def _check_params_match_across_dp(self, entries, group) -> None:
         """A float64 checksum per param (sum and position-weighted sum), compared bitwise
-        across DP: every rank raises the same error naming the first differing param."""
-        group = self.data_parallel_group
+        across ``group`` (DP; expert-DP for expert params): every rank raises the same error
+        naming the first differing param."""
         header = torch.tensor(
             [len(entries), sum(local_tensor(p).numel() for p, _, _ in entries)],
             dtype=torch.float64, device=self._device,
@@ -363,7 +378,7 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
             w = torch.arange(1, x.numel() + 1, dtype=torch.float64, device=x.device)
             sums.append(torch.stack([x.sum(), torch.dot(x, w)]))
         local = torch.stack(sums) if sums else torch.zeros(0, 2, dtype=torch.float64)
-        gathered = torch.empty((self._dp_size,) + tuple(local.shape), dtype=torch.float64,
+        gathered = torch.empty((dist.get_world_size(group),) + tuple(local.shape), dtype=torch.float64,
                                device=local.device)
         all_gather_tensor(gathered.view(-1), local.reshape(-1).contiguous(), group=group)
         bits = gathered.view(torch.int64)
@@ -375,6 +390,25 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
                 f"params differ across data-parallel ranks at construction: first differing "
                 f"param is {name!r} (local shape {tuple(local_tensor(p).shape)}); every DP rank "
                 "must start from the same model (seed alike or broadcast from DP rank 0)"
+            )
+
+    def _init_expert_dp(self, entries, parallel_state, expert_data_parallel_group) -> None:
+        """Expert params (docs/spec.md section 19) are reduced and sharded over the
+        expert-data-parallel group (``expert_data_parallel_group``, default the
+        parallel_state's); ValueError, naming the first expert param, when there are expert
+        params and no such group."""
+        _validation.check_group_member(expert_data_parallel_group, "expert_data_parallel_group")
+        if expert_data_parallel_group is None and parallel_state is not None:
+            expert_data_parallel_group = parallel_state.expert_data_parallel_group
+        self._expert_ids = {id(p) for p, _, _ in entries if is_expert_param(p)}
+        self.expert_data_parallel_group = expert_data_parallel_group
+        self.expert_parallel_group = parallel_state.ep_group if parallel_state is not None else None
+        if self._expert_ids and expert_data_parallel_group is None:
+            first = next(n for p, n, _ in entries if id(p) in self._expert_ids)
+            raise ValueError(
+                f"DistributedOptimizer got expert params ({first!r} and "
+                f"{len(self._expert_ids) - 1} more) but no expert-data-parallel group: pass "
+                "parallel_state= (or expert_data_parallel_group=)"
             )
 
     @staticmethod
@@ -394,6 +428,19 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
         return {id(p) for p in params}
 
     def _build_buckets(self, entries) -> List[_Bucket]:
+        dense = [e for e in entries if id(e[0]) not in self._expert_ids]
+        buckets = self._buckets_of(dense, self.data_parallel_group, self._ring_p2p, False)
+        experts = [e for e in entries if id(e[0]) in self._expert_ids]
+        if experts:  # buckets of their own, over the expert-data-parallel group
+            g = self.expert_data_parallel_group
+            buckets += self._buckets_of(experts, g, uses_ring(g, self._device), True)
+        for i, b in enumerate(buckets):
+            b.index = i
+        return buckets
+
+    def _buckets_of(self, entries, group, ring, expert) -> List[_Bucket]:
+        """The buckets of ``entries``, reduced and sharded over ``group``."""
+        info = (group, dist.get_world_size(group), dist.get_rank(group), ring, expert)
         by_dtype: Dict[torch.dtype, list] = {}
         for p, _, _ in reversed(entries):  # backward produces the last params' grads first
             by_dtype.setdefault(p.dtype, []).append(p)
@@ -404,24 +451,22 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
             for p in params:
                 if id(p) in self._deferred:  # a bucket of its own, reduced by step()
                     if cur:
-                        buckets.append(self._make_bucket(dtype, cur))
+                        buckets.append(self._make_bucket(dtype, cur, info))
                         cur, size = [], 0
-                    buckets.append(self._make_bucket(dtype, [p]))
+                    buckets.append(self._make_bucket(dtype, [p], info))
                     buckets[-1].deferred = True
                     continue
                 cur.append(p)
                 size += local_tensor(p).numel()
                 if self.bucket_size is not None and size >= self.bucket_size:
-                    buckets.append(self._make_bucket(dtype, cur))
+                    buckets.append(self._make_bucket(dtype, cur, info))
                     cur, size = [], 0
             if cur:
-                buckets.append(self._make_bucket(dtype, cur))
-        for i, b in enumerate(buckets):
-            b.index = i
+                buckets.append(self._make_bucket(dtype, cur, info))
         return buckets
 
-    def _make_bucket(self, dtype, params) -> _Bucket:
-        d = self._dp_size
+    def _make_bucket(self, dtype, params, info) -> _Bucket:
+        group, d, r, ring, expert = info
         offsets, start = [], 0
         for p in params:
             n = local_tensor(p).numel()
@@ -443,6 +488,7 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
             main_shard=torch.zeros(shard, dtype=torch.int16 if remainders else torch.float32,
                                    device=dev),
             grad_shard=grad_shard, reduce_out=reduce_out,
+            group=group, size=d, rank=r, ring=ring, expert=expert,
         )
         if remainders:  # the masters' high halves: kept, an input of every step
             bucket.param_shard = torch.zeros(shard, dtype=dtype, device=dev)
@@ -454,7 +500,7 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
     def _shard_optimizer(self, entries) -> None:
         """Create this rank's main-param pieces and put them in the inner optimizer's groups."""
         info = {id(p): (name, gi) for p, name, gi in entries}
-        lo_hi = lambda b: (self._dp_rank * b.shard_size, (self._dp_rank + 1) * b.shard_size)
+        lo_hi = lambda b: (b.rank * b.shard_size, (b.rank + 1) * b.shard_size)
         new_groups: List[List[Tensor]] = [[] for _ in self.optimizer.param_groups]
         by_param: Dict[int, List[_Piece]] = {}
         for b in self._buckets:
@@ -465,7 +511,7 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
                     continue
                 name, gi = info[id(p)]
                 piece = _Piece(p, name, gi, (s - a, t - a), (s - lo, t - lo), (a, e))
-                piece.counts = counts_toward_norm(p, self._tp_rank, self.tensor_parallel_group)
+                piece.counts = self._counts(p)
                 with torch.no_grad():
                     flat = local_tensor(p).detach().reshape(-1)
                     if b.main_shard.dtype == torch.int16:  # remainders 0: master = bf16 value
@@ -575,13 +621,15 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
     def _start_reduce(self, bucket: _Bucket) -> None:
         if self._dp_size > 1 and not self.grad_reduce_in_fp32:
             # a half-precision sum could overflow: scale by 1/d before it, as Megatron-LM does
-            # (an fp32 sum cannot: there 1/d joins the unscale pass of step(), no extra pass)
+            # (an fp32 sum cannot: there 1/d joins the unscale pass of step(), no extra pass).
+            # Expert buckets too: their sum over expert-DP times 1/d (the dense DP size) is
+            # the gradient of the mean loss, as Megatron-core's DDP scales them
             bucket.grad_data.mul_(1.0 / self._dp_size)
-        if self._ring_p2p and self._dp_size > 2 and bucket.scratch is None:
+        if bucket.ring and bucket.size > 2 and bucket.scratch is None:
             bucket.scratch = torch.empty_like(bucket.reduce_out)
         bucket.handle = start_reduce_scatter(
-            self.data_parallel_group, bucket.grad_data, bucket.reduce_out, 2 * bucket.index,
-            ring=self._ring_p2p, scratch=bucket.scratch)
+            bucket.group, bucket.grad_data, bucket.reduce_out, 2 * bucket.index,
+            ring=bucket.ring, scratch=bucket.scratch)
 
     def grad_sources(self):
         """(name, model param, grad) for every gradient the next step() reads: each param's
@@ -723,7 +771,7 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
         if b.param_data is None:
             b.param_data = torch.empty(b.numel, dtype=b.dtype, device=self._device)
         if b.param_shard is None:  # (made at construction for remainder buckets)
-            r = self._dp_rank
+            r = b.rank
             b.param_shard = (b.main_shard if b.dtype == torch.float32 else
                              b.param_data[r * b.shard_size:(r + 1) * b.shard_size])
         return b.param_shard
@@ -740,14 +788,14 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
             ops.scale_and_copy([b.main_shard for b in casts], [b.param_shard for b in casts])
         handles = []
         for b in self._buckets:
-            d, r = self._dp_size, self._dp_rank
+            d, r = b.size, b.rank
             own = b.param_data[r * b.shard_size:(r + 1) * b.shard_size]
-            if (self._ring_p2p or d == 1) and b.param_shard.data_ptr() != own.data_ptr():
+            if (b.ring or d == 1) and b.param_shard.data_ptr() != own.data_ptr():
                 # fp32 params (the main shard is the input), remainder buckets (their own
                 # bf16 shard of high halves): into this rank's chunk of the in-place gather
                 own.copy_(b.param_shard)
-            handles.append(start_all_gather(self.data_parallel_group, b.param_data,
-                                            b.param_shard, 2 * b.index + 1, ring=self._ring_p2p))
+            handles.append(start_all_gather(b.group, b.param_data,
+                                            b.param_shard, 2 * b.index + 1, ring=b.ring))
         srcs, dsts = [], []
         for b, h in zip(self._buckets, handles):
             h.wait()
@@ -879,21 +927,25 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
         from tpamp.checkpoint import flat_range_chunks
 
         local = local_tensor(q.param)
-        global_shape, tp_peers = _tp_layout(q.param, self.tensor_parallel_group)
-        dp_ranks = dist.get_process_group_ranks(self.data_parallel_group)
-        me = dist.get_rank()
         bucket = self._bucket_of[id(q.param)]
+        tp_group = self.expert_tensor_parallel_group if bucket.expert else self.tensor_parallel_group
+        global_shape, tp_peers = _tp_layout(q.param, tp_group)
+        if bucket.expert:  # and the EP peers' experts beside them (expert_dim)
+            global_shape, tp_peers = _ep_layout(q.param, global_shape, tp_peers,
+                                                self.expert_parallel_group)
+        dp_ranks = dist.get_process_group_ranks(bucket.group)
+        me = dist.get_rank()
         a, e = q.bucket_range
         shards_md, local_shards = [], []
         dev = flat.device
         for peer, tp_off in tp_peers:
-            for i in range(self._dp_size):
+            for i in range(bucket.size):
                 lo = max(a, i * bucket.shard_size)
                 hi = min(e, (i + 1) * bucket.shard_size)
                 if lo >= hi:
                     continue
                 rank = peer + dp_ranks[i] - me  # the grid position (TP peer, DP rank i)
-                mine = peer == me and i == self._dp_rank
+                mine = peer == me and i == bucket.rank
                 for off, sizes, fo in flat_range_chunks(local.shape, lo - a, hi - a):
                     md = ShardMetadata([o + t for o, t in zip(off, tp_off)], list(sizes),
                                        f"rank:{rank}/{dev}")
@@ -1043,6 +1095,31 @@ def _tp_layout(param: Tensor, tp_group):
         (r, tuple(j * local[dim] if d == dim else 0 for d in range(len(local))))
         for j, r in enumerate(peers)
     ]
+
+
+def _ep_layout(param: Tensor, shape, peers, ep_group):
+    """_tp_layout's (global shape, [(global rank, offsets)]) widened over the EP peers of an
+    expert param stacked over its local experts (``expert_dim``, tpamp.mark_expert_param): EP
+    peer j holds the experts at offset j * (local experts) along expert_dim. A param without
+    expert_dim is one expert's, under its own global name: unchanged."""
+    dim = getattr(param, "expert_dim", None)
+    if dim is None:
+        return shape, peers
+    if ep_group is None:
+        raise ValueError("an expert param stacked over experts (expert_dim) needs the EP group "
+                         "to be saved by flat range: pass parallel_state= to the optimizer")
+    me = dist.get_rank()
+    ep_ranks = dist.get_process_group_ranks(ep_group)
+    n = local_tensor(param).shape[dim]
+    shape = list(shape)
+    shape[dim] = n * len(ep_ranks)
+    out = []
+    for j, r in enumerate(ep_ranks):
+        for peer, off in peers:
+            off = list(off)
+            off[dim] += j * n
+            out.append((peer + r - me, tuple(off)))
+    return tuple(shape), out
 
 
 def _slice_state(old: dict, param: Tensor, param_range: Tuple[int, int]) -> dict:

@@ -114,7 +114,8 @@ def is_expert_param(param: Tensor) -> bool:
     return False
 
 
-def mark_expert_param(param: Tensor, *, expert_dim: Optional[int] = None) -> Tensor:
+def mark_expert_param(param: Tensor, *, expert_dim: Optional[int] = None,
+                      expert_mesh=None) -> Tensor:
     """Declare ``param`` an expert param (sets Megatron's ``allreduce=False``); returns it.
 
     expert_dim: for experts stacked in one tensor (e.g. shape ``(num_local_experts, d, h)``),
@@ -124,9 +125,17 @@ def mark_expert_param(param: Tensor, *, expert_dim: Optional[int] = None) -> Ten
     reloads it on another EP size (tpamp.checkpoint). None (default): the param belongs to one
     expert and its name must already be global (e.g. ``experts.{global_index}.w1``), or it is
     a DTensor that carries its own sharding. A Megatron TP attribute (``tensor_model_parallel``,
-    ``partition_dim``) then means expert-TP sharding. Raises TypeError for a param that is not
-    a tensor or an expert_dim that is not an int, ValueError for an expert_dim outside
-    ``[0, param.dim())``.
+    ``partition_dim``) then means expert-TP sharding.
+
+    expert_mesh: the expert layout's DeviceMesh (``ParallelState.expert_mesh``, or any mesh
+    with an "ep" dim and optionally an "etp" dim), needed with ``expert_dim`` under more than
+    one process so a checkpoint can place the param: it is kept (as ``param.expert_mesh``, the
+    sub-mesh of its "ep" and "etp" dims) and a checkpoint sees the param as a DTensor
+    ``[Shard(expert_dim), Shard(partition_dim) or Replicate()]`` on it.
+
+    Raises TypeError for a param that is not a tensor, an expert_dim that is not an int or an
+    expert_mesh that is not a DeviceMesh, ValueError for an expert_dim outside
+    ``[0, param.dim())`` or a mesh without an "ep" dim.
     """
     if not isinstance(param, Tensor):
         raise TypeError(f"param must be a torch.Tensor, got {type(param).__name__}")
@@ -140,8 +149,24 @@ def mark_expert_param(param: Tensor, *, expert_dim: Optional[int] = None) -> Ten
                 f"expert_dim {expert_dim} is outside [0, {param.dim()}) for a param of shape "
                 f"{tuple(param.shape)}"
             )
+    sub = None
+    if expert_mesh is not None:
+        from torch.distributed.device_mesh import DeviceMesh
+
+        if not isinstance(expert_mesh, DeviceMesh):
+            raise TypeError(
+                f"expert_mesh must be a DeviceMesh (ParallelState.expert_mesh), got "
+                f"{type(expert_mesh).__name__}"
+            )
+        names = tuple(expert_mesh.mesh_dim_names or ())
+        if "ep" not in names:
+            raise ValueError(f"expert_mesh must have an 'ep' dim, got dims {names}")
+        keep = tuple(n for n in ("ep", "etp") if n in names)
+        sub = expert_mesh if names == keep else expert_mesh[keep if len(keep) > 1 else keep[0]]
     param.allreduce = False
     param.expert_dim = expert_dim
+    if sub is not None:
+        param.expert_mesh = sub
     return param
 
 

@@ -41,7 +41,7 @@ from typing import Dict, Optional, TextIO
 import torch
 
 from tpamp._checks import check_int
-from tpamp.nonfinite import NonFiniteGrad
+from tpamp.nonfinite import nonfinite_record
 from tpamp.param_norms import top_k as _top_k
 
 __all__ = ["TrainingLogger", "NONFINITE_RECORDS_KEPT"]
@@ -261,7 +261,7 @@ class TrainingLogger:
         info = rec.get("nonfinite")
         if not info or not info.get("first"):
             return ""
-        first = str(NonFiniteGrad(**info["first"][0]))
+        first = str(nonfinite_record(info["first"][0]))
         more = int(info["total"]) - 1
         text = f"{first} and {more} more" if more > 0 else first
         return ("skipped: " if rec.get("skipped") else "nonfinite: ") + text
@@ -321,7 +321,7 @@ def _nonfinite_records(nonfinite):
     out = []
     for i, r in enumerate(nonfinite):
         try:
-            out.append(NonFiniteGrad(**r) if isinstance(r, dict) else NonFiniteGrad(*r))
+            out.append(nonfinite_record(r))
         except TypeError as e:
             raise TypeError(f"nonfinite[{i}] is not a tpamp.NonFiniteGrad record: {r!r:.80} ({e})") from None
     return out

@@ -45,10 +45,13 @@ from tpamp._checks import check_param_names, check_real
 
 __all__ = [
     "NonFiniteGrad",
+    "ExpertNonFiniteGrad",
+    "nonfinite_record",
     "NonFiniteActivation",
     "NonFiniteTracer",
     "RankCoords",
     "rank_coords",
+    "expert_rank_coords",
     "count_nonfinite",
     "gather_nonfinite",
     "describe",
@@ -61,12 +64,15 @@ Tensor = torch.Tensor
 
 class RankCoords(NamedTuple):
     """This rank's (tp_rank, pp_rank, dp_rank) and global ``rank``; a coordinate that is not
-    known (no group or parallel state given) is None."""
+    known (no group or parallel state given) is None. For expert params
+    (:func:`expert_rank_coords`) tp_rank and dp_rank are the expert-TP and expert-data-parallel
+    ranks and ``ep_rank`` the expert-parallel rank (None for dense params)."""
 
     tp_rank: Optional[int]
     pp_rank: Optional[int]
     dp_rank: Optional[int]
     rank: int
+    ep_rank: Optional[int] = None
 
 
 def rank_coords(parallel_state=None, *, tensor_parallel_group=None, data_parallel_group=None) -> RankCoords:
@@ -87,6 +93,19 @@ def rank_coords(parallel_state=None, *, tensor_parallel_group=None, data_paralle
     tp = dist.get_rank(tensor_parallel_group) if tensor_parallel_group is not None else 0
     dp = dist.get_rank(data_parallel_group) if data_parallel_group is not None else None
     return RankCoords(tp, None, dp, rank)
+
+
+def expert_rank_coords(parallel_state=None, *, expert_tensor_parallel_group=None) -> RankCoords:
+    """This rank's coordinates in the expert layout (docs/spec.md section 19): expert-TP rank,
+    PP rank, expert-data-parallel rank and EP rank from a :class:`tpamp.parallel.ParallelState`;
+    without one the expert-TP rank from ``expert_tensor_parallel_group`` (0 without one) and the
+    others None."""
+    rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+    if parallel_state is not None:
+        st = parallel_state
+        return RankCoords(st.expert_tp_rank, st.pp_rank, st.expert_dp_rank, rank, st.ep_rank)
+    tp = dist.get_rank(expert_tensor_parallel_group) if expert_tensor_parallel_group is not None else 0
+    return RankCoords(tp, None, None, rank, None)
 
 
 def param_name_map(param_names) -> Dict[int, str]:
@@ -119,8 +138,10 @@ def param_name_map(param_names) -> Dict[int, str]:
     return out
 
 
-def _where(tp, pp, dp) -> str:
+def _where(tp, pp, dp, ep=None, expert=False) -> str:
     show = lambda v: "?" if v is None else str(v)
+    if expert:  # an expert param: its EP rank, and the expert-TP / expert-DP ranks
+        return f"[ep {show(ep)}, etp {show(tp)}, pp {show(pp)}, edp {show(dp)}]"
     return f"[tp {show(tp)}, pp {show(pp)}, dp {show(dp)}]"
 
 
@@ -132,7 +153,8 @@ class NonFiniteGrad(NamedTuple):
     dp_rank: the coordinates of the rank that held the values (None when not known: pass
     ``parallel_state=``). num_inf, num_nan: how many elements of that rank's local gradient
     (its TP shard; for the distributed optimizer, its gradient before the DP reduce-scatter)
-    were +-inf and NaN. rank: the global rank.
+    were +-inf and NaN. rank: the global rank. An expert param's record is an
+    :class:`ExpertNonFiniteGrad` (the same fields and its EP rank).
     """
 
     name: str
@@ -142,6 +164,8 @@ class NonFiniteGrad(NamedTuple):
     num_inf: int
     num_nan: int
     rank: int = 0
+
+    expert = False
 
     @property
     def kind(self) -> str:
@@ -160,6 +184,45 @@ class NonFiniteGrad(NamedTuple):
 
     def __str__(self) -> str:
         return f"{self.kind} in {self.name} {self.where()}"
+
+
+class ExpertNonFiniteGrad(NamedTuple):
+    """:class:`NonFiniteGrad` of an expert param (:func:`tpamp.is_expert_param`, docs/spec.md
+    section 19): the same fields, where tp_rank and dp_rank are the expert-TP and
+    expert-data-parallel ranks, and ``ep_rank``, the expert-parallel rank of the rank whose
+    gradient held the values (None when not known: pass ``parallel_state=``)."""
+
+    name: str
+    tp_rank: Optional[int]
+    pp_rank: Optional[int]
+    dp_rank: Optional[int]
+    num_inf: int
+    num_nan: int
+    rank: int = 0
+    ep_rank: Optional[int] = None
+
+    expert = True
+    kind = NonFiniteGrad.kind
+
+    def where(self) -> str:
+        """"[ep 1, etp 0, pp 1, edp 0]" ("?" for an unknown coordinate)."""
+        return _where(self.tp_rank, self.pp_rank, self.dp_rank, self.ep_rank, expert=True)
+
+    def as_record(self) -> dict:
+        """A JSON-ready dict of the fields."""
+        return self._asdict()
+
+    def __str__(self) -> str:
+        return f"{self.kind} in {self.name} {self.where()}"
+
+
+def nonfinite_record(r):
+    """A record from its tuple or ``as_record()`` dict: an :class:`ExpertNonFiniteGrad` when it
+    has an ``ep_rank`` (8 fields), else a :class:`NonFiniteGrad`."""
+    if isinstance(r, dict):
+        return ExpertNonFiniteGrad(**r) if "ep_rank" in r else NonFiniteGrad(**r)
+    r = tuple(r)
+    return ExpertNonFiniteGrad(*r) if len(r) == len(ExpertNonFiniteGrad._fields) else NonFiniteGrad(*r)
 
 
 def describe(records: Sequence[NonFiniteGrad]) -> str:
@@ -181,19 +244,27 @@ def count_nonfinite(tensors: Sequence[Tensor]) -> List[Tuple[int, int]]:
     return [(int(a), int(b)) for a, b in counts.tolist()]
 
 
-def local_records(names: Sequence[str], tensors: Sequence[Tensor], coords: RankCoords) -> List[NonFiniteGrad]:
-    """The records of this rank: one per tensor holding inf or NaN, in the given order."""
+def local_records(names: Sequence[str], tensors: Sequence[Tensor], coords: RankCoords, *,
+                  expert_names=(), expert_coords: Optional[RankCoords] = None) -> List[NonFiniteGrad]:
+    """The records of this rank: one per tensor holding inf or NaN, in the given order. A name
+    in ``expert_names`` is an expert param's: its record takes ``expert_coords`` (EP rank,
+    expert-TP and expert-DP ranks; default ``coords``) and ``expert=True``."""
     if len(names) != len(tensors):
         raise ValueError(f"{len(names)} names for {len(tensors)} tensors")
     out = []
     for name, (n_inf, n_nan) in zip(names, count_nonfinite(tensors)):
         if n_inf or n_nan:
-            out.append(NonFiniteGrad(name, coords.tp_rank, coords.pp_rank, coords.dp_rank,
-                                     n_inf, n_nan, coords.rank))
+            if name in expert_names:
+                c = expert_coords if expert_coords is not None else coords
+                out.append(ExpertNonFiniteGrad(name, c.tp_rank, c.pp_rank, c.dp_rank, n_inf,
+                                               n_nan, c.rank, c.ep_rank))
+            else:
+                out.append(NonFiniteGrad(name, coords.tp_rank, coords.pp_rank, coords.dp_rank,
+                                         n_inf, n_nan, coords.rank))
     return out
 
 
-def gather_nonfinite(records: Sequence[NonFiniteGrad], group) -> List[NonFiniteGrad]:
+def gather_nonfinite(records: Sequence[NonFiniteGrad], group, *more_groups) -> List[NonFiniteGrad]:
     """Every rank's records, the same list on every rank of ``group`` (one
     ``all_gather_object``. Collective: every rank of ``group`` must call it, also one with no
     records), in
@@ -201,13 +272,23 @@ def gather_nonfinite(records: Sequence[NonFiniteGrad], group) -> List[NonFiniteG
     order given (pass them in model order: backward produces the last layers' grads first), then
     by TP and DP rank. So the first record is the most downstream parameter, where an overflow
     in the backward pass usually arises before it spreads upstream as inf/NaN. ``group`` None:
-    this rank's records only, in that order."""
-    mine = [(i, tuple(NonFiniteGrad(*r))) for i, r in enumerate(records)]
+    this rank's records only, in that order. ``more_groups`` (e.g. the expert grad-stats group,
+    docs/spec.md section 19): what was gathered is gathered again over each, in turn, and each
+    rank's records are kept once."""
+    mine = [(i, tuple(r)) for i, r in enumerate(records)]
     gathered = [mine]
-    if group is not None and dist.is_available() and dist.is_initialized():
-        gathered = [None] * dist.get_world_size(group)
-        dist.all_gather_object(gathered, mine, group=group)
-    flat = [(i, NonFiniteGrad(*r)) for rank_records in gathered for i, r in rank_records]
+    for g in (group,) + tuple(more_groups):
+        if g is not None and dist.is_available() and dist.is_initialized():
+            flat_mine = [item for rank_records in gathered for item in rank_records]
+            gathered = [None] * dist.get_world_size(g)
+            dist.all_gather_object(gathered, flat_mine, group=g)
+    seen, flat = set(), []
+    for rank_records in gathered:
+        for i, r in rank_records:
+            rec = nonfinite_record(r)
+            if (rec.rank, i, rec.name) not in seen:
+                seen.add((rec.rank, i, rec.name))
+                flat.append((i, rec))
 
     def key(item):
         i, r = item

@@ -29,8 +29,8 @@ import torch.optim.optimizer as _torch_optimizer
 from tpamp import _validation, ops, state_formats
 from tpamp.common import FUSED_KINDS, collective_device, is_dtensor, local_tensor, placed_like
 from tpamp.grad_scaler import MegatronGradScaler
-from tpamp.grad_stats import clip_coefficient, counts_toward_norm
-from tpamp.nonfinite import gather_nonfinite, local_records, rank_coords
+from tpamp.grad_stats import clip_coefficient, counts_toward_norm, is_expert_param
+from tpamp.nonfinite import expert_rank_coords, gather_nonfinite, local_records, rank_coords
 from tpamp.nonfinite import param_name_map as nonfinite_names
 from tpamp.spikes import GradSpikeError
 
@@ -40,7 +40,7 @@ Tensor = torch.Tensor
 _HALF_DTYPES = (torch.float16, torch.bfloat16)
 # Megatron-LM's tensor-parallel attributes, copied to the main param so filters see them.
 _COPIED_ATTRS = ("tensor_model_parallel", "partition_dim", "partition_stride", "shared",
-                 "allreduce", "expert_dim")
+                 "allreduce", "expert_dim", "expert_mesh")
 
 
 class StepResult(NamedTuple):
@@ -249,6 +249,8 @@ class MixedPrecisionOptimizer(OptimizerWrapper):
         exp_avg_dtype: torch.dtype = torch.float32,
         exp_avg_sq_dtype: torch.dtype = torch.float32,
         store_param_remainders: bool = False,
+        expert_grad_stats_group=None,
+        expert_tensor_parallel_group=None,
     ):
         state_options = self._check_core_args(
             optimizer, grad_scaler, clip_grad, fused_step, exp_avg_dtype, exp_avg_sq_dtype,
@@ -257,12 +259,18 @@ class MixedPrecisionOptimizer(OptimizerWrapper):
         _validation.check_group_member(grad_stats_group, "grad_stats_group")
         _validation.check_group_member(tensor_parallel_group, "tensor_parallel_group")
         coords = rank_coords(parallel_state, tensor_parallel_group=tensor_parallel_group)
+        if parallel_state is not None and grad_stats_group is not None:
+            # the expert model-parallel group beside the dense model-parallel one (Megatron-core)
+            if expert_grad_stats_group is None:
+                expert_grad_stats_group = parallel_state.expert_model_parallel_group
         self._init_core(
             optimizer, grad_scaler=grad_scaler, clip_grad=clip_grad, norm_type=norm_type,
             log_num_zeros_in_grad=log_num_zeros_in_grad, grad_stats_group=grad_stats_group,
             tensor_parallel_group=tensor_parallel_group, skip_nonfinite=skip_nonfinite,
             sync_free=sync_free, spike_detector=spike_detector, fused_step=fused_step,
-            state_options=state_options,
+            state_options=state_options, expert_grad_stats_group=expert_grad_stats_group,
+            expert_tensor_parallel_group=expert_tensor_parallel_group,
+            parallel_state=parallel_state,
         )
 
         # (model param, main param) for each fp16/bf16 param, per group; fp32 params per group
@@ -318,7 +326,8 @@ class MixedPrecisionOptimizer(OptimizerWrapper):
 
     def _init_core(self, optimizer, *, grad_scaler, clip_grad, norm_type, log_num_zeros_in_grad,
                    grad_stats_group, tensor_parallel_group, skip_nonfinite, sync_free,
-                   spike_detector, fused_step, state_options) -> None:
+                   spike_detector, fused_step, state_options, expert_grad_stats_group=None,
+                   expert_tensor_parallel_group=None, parallel_state=None) -> None:
         """The settings of the step every wrapper shares (after :meth:`_check_core_args` and
         the subclass's own checks; ValueError for a bad norm_type, a sync_free inner optimizer
         that cannot skip on the device, or a detector that cannot be used)."""
@@ -346,6 +355,37 @@ class MixedPrecisionOptimizer(OptimizerWrapper):
         # store_param_remainders: id(main placeholder) -> int16 remainder (local tensor)
         self._remainders: Dict[int, Tensor] = {}
         self.last_nonfinite: Optional[list] = []
+        self._init_experts(expert_grad_stats_group, expert_tensor_parallel_group, parallel_state)
+
+    def _init_experts(self, expert_grad_stats_group, expert_tensor_parallel_group,
+                      parallel_state) -> None:
+        """The expert params' groups (docs/spec.md section 19): ``expert_grad_stats_group``
+        (None: the grad-stats group) and ``expert_tensor_parallel_group`` (None: the
+        parallel_state's expert-TP group, else the TP group). Expert params are told apart
+        only when a group differs from the dense one, so a dense-only setup steps exactly as
+        before (no extra pass, no extra collective)."""
+        _validation.check_group_member(expert_grad_stats_group, "expert_grad_stats_group")
+        _validation.check_group_member(expert_tensor_parallel_group, "expert_tensor_parallel_group")
+        if expert_tensor_parallel_group is None:
+            expert_tensor_parallel_group = (parallel_state.expert_tp_group if parallel_state
+                                            is not None else self.tensor_parallel_group)
+        if expert_grad_stats_group is None:
+            expert_grad_stats_group = self.grad_stats_group
+        self.expert_grad_stats_group = expert_grad_stats_group
+        self.expert_tensor_parallel_group = expert_tensor_parallel_group
+        self._expert_tp_rank = _validation.tp_rank(expert_tensor_parallel_group)
+        self._experts_apart = not _same_group(expert_grad_stats_group, self.grad_stats_group)
+        self._expert_tp_apart = not _same_group(expert_tensor_parallel_group,
+                                                self.tensor_parallel_group)
+        self._expert_coords = expert_rank_coords(
+            parallel_state, expert_tensor_parallel_group=expert_tensor_parallel_group)
+
+    def _counts(self, param: Tensor) -> bool:
+        """Whether ``param``'s grad counts toward the norm and zeros on this rank: TP
+        duplicates on (expert-)TP rank 0 only, shared tied copies never (tpamp.grad_stats)."""
+        if self._expert_tp_apart and is_expert_param(param):
+            return counts_toward_norm(param, self._expert_tp_rank, self.expert_tensor_parallel_group)
+        return counts_toward_norm(param, self._tp_rank, self.tensor_parallel_group)
 
     def _set_device(self, device: torch.device) -> None:
         """The device of the step's statistics (the params'); the loss scaler moves there."""
@@ -526,7 +566,8 @@ class MixedPrecisionOptimizer(OptimizerWrapper):
         grads = self._fused_grads(scale) if fused else self._generic_grads(scale)
         finite_p = self.norm_type != math.inf
         stats = self._grad_stats(grads, finite_p, param_grad_norms)
-        found_inf, norm_stat, num_zeros = self._reduce(stats, finite_p)
+        expert = self._expert_stats(grads, finite_p) if self._experts_apart else None
+        found_inf, norm_stat, num_zeros = self._reduce(stats, finite_p, expert)
         if param_grad_norms:
             self._reduce_param_norms(grads, stats)
         spikes = self.spike_detector
@@ -558,23 +599,54 @@ class MixedPrecisionOptimizer(OptimizerWrapper):
         each tensor's norm with ``per_tensor``). Generic path: one pass that also writes the
         grads x ``scale`` into the main grads; one-pass path: a read-only pass over the raw
         grads, rescaled afterwards (the scale is <= 1, so found_inf and zeros are the same)."""
+        mask = self._dense_mask(grads)
         if grads.fused:
             stats = ops.grad_stats(
-                grads.grads, norm_mask=grads.mask, norm_type=self.norm_type,
+                grads.grads, norm_mask=mask, norm_type=self.norm_type,
                 count_zeros=self.log_num_zeros_in_grad, per_tensor_norms=per_tensor,
                 device=self._device,
             )
             return self._unscaled_stats(stats, grads.scale, finite_p)
         scale = grads.scale
-        raw_zeros = self._raw_zeros(grads.grads, grads.mask, scale)  # before the unscale
+        raw_zeros = self._raw_zeros(grads.grads, mask, scale)  # before the unscale
         stats = ops.grad_stats(
-            grads.grads, out=grads.outs, scale=scale, norm_mask=grads.mask,
+            grads.grads, out=grads.outs, scale=scale, norm_mask=mask,
             norm_type=self.norm_type,
             count_zeros=self.log_num_zeros_in_grad and raw_zeros is None,
             scale_at_most_one=scale is not None
             and (self.grad_scaler is None or self.grad_scaler.never_below_one),
             per_tensor_norms=per_tensor, device=self._device,
         )
+        return stats if raw_zeros is None else stats._replace(num_zeros=raw_zeros)
+
+    def _expert_flags(self, grads: StepGrads) -> List[bool]:
+        return [is_expert_param(m) for m in grads.mains]
+
+    def _dense_mask(self, grads: StepGrads) -> List[bool]:
+        """The norm mask of the dense statistics: all counted grads, or (expert params apart,
+        docs/spec.md section 19) the counted grads of dense params."""
+        if not self._experts_apart:
+            return grads.mask
+        return [m and not e for m, e in zip(grads.mask, self._expert_flags(grads))]
+
+    def _expert_stats(self, grads: StepGrads, finite_p: bool) -> ops.GradStats:
+        """The norm statistic and zero count of the counted expert grads, unscaled, from a
+        read-only pass over the expert grads alone (found_inf came from the first pass over
+        every grad). Only when the expert params' grad-stats group differs from the dense one."""
+        flags = self._expert_flags(grads)
+        pick = [i for i, e in enumerate(flags) if e]
+        mask = [grads.mask[i] for i in pick]
+        if grads.fused:
+            srcs = [grads.grads[i] for i in pick]
+            stats = ops.grad_stats(srcs, norm_mask=mask, norm_type=self.norm_type,
+                                   count_zeros=self.log_num_zeros_in_grad, check_finite=False,
+                                   device=self._device)
+            return self._unscaled_stats(stats, grads.scale, finite_p)
+        outs = [grads.outs[i] for i in pick]  # unscaled by the first pass
+        raw_zeros = self._raw_zeros([grads.grads[i] for i in pick], mask, grads.scale)
+        stats = ops.grad_stats(outs, norm_mask=mask, norm_type=self.norm_type,
+                               count_zeros=self.log_num_zeros_in_grad and raw_zeros is None,
+                               check_finite=False, device=self._device)
         return stats if raw_zeros is None else stats._replace(num_zeros=raw_zeros)
 
     def _reduce_param_norms(self, grads: StepGrads, stats: ops.GradStats) -> None:
@@ -656,7 +728,7 @@ class MixedPrecisionOptimizer(OptimizerWrapper):
                 model.grad = None
                 srcs.append(src)
                 outs.append(out)
-                mask.append(counts_toward_norm(main, self._tp_rank, self.tensor_parallel_group))
+                mask.append(self._counts(main))
                 mains.append(main)
             for p in fp32s:
                 main_grad = getattr(p, "main_grad", None)
@@ -667,7 +739,7 @@ class MixedPrecisionOptimizer(OptimizerWrapper):
                 p.grad = _fp32_grad(p.grad, p)
                 srcs.append(local_tensor(p.grad))
                 outs.append(srcs[-1])
-                mask.append(counts_toward_norm(p, self._tp_rank, self.tensor_parallel_group))
+                mask.append(self._counts(p))
                 mains.append(p)
         return StepGrads(False, scale, srcs, mask, mains, outs=outs)
 
@@ -682,12 +754,12 @@ class MixedPrecisionOptimizer(OptimizerWrapper):
                 main.grad = None
                 grad = _model_grad(model)
                 if grad is not None:
-                    mask = counts_toward_norm(main, self._tp_rank, self.tensor_parallel_group)
+                    mask = self._counts(main)
                     group.append((main, model, local_tensor(grad), mask))
             for p in fp32s:
                 grad = _model_grad(p)
                 if grad is not None:
-                    mask = counts_toward_norm(p, self._tp_rank, self.tensor_parallel_group)
+                    mask = self._counts(p)
                     group.append((p, None, local_tensor(_fp32_grad(grad, p)), mask))
             entries.append(group)
         flat = [e for group in entries for e in group]
@@ -756,13 +828,38 @@ class MixedPrecisionOptimizer(OptimizerWrapper):
             return norm_stat.float()
         return norm_stat.double().pow(1.0 / self.norm_type).float()
 
-    def _reduce(self, stats: ops.GradStats, finite_p: bool):
+    def _reduce(self, stats: ops.GradStats, finite_p: bool, expert=None):
         """Step 3: one collective for found_inf (as a SUM of flags), the norm statistic and the
-        zero count when p is finite; MAX for found_inf and max |g| with an inf norm."""
+        zero count when p is finite; MAX for found_inf and max |g| with an inf norm.
+
+        With ``expert`` (the expert params' statistics, their groups apart; docs/spec.md
+        section 19), as Megatron-core's ChainedOptimizer: the dense part is reduced over the
+        grad-stats group, then the expert part, with the dense result's found_inf, over the
+        expert grad-stats group; found_inf is the OR of both (every rank of both groups
+        agrees), norm statistics and zeros add (the norm is sqrt(dense^2 + expert^2) for p = 2,
+        the max of both maxima for p = inf)."""
         group = self.grad_stats_group
         found_inf = stats.found_inf.reshape(1)
         norm_stat = stats.norm_stat.reshape(1)
         num_zeros = stats.num_zeros
+        if expert is not None:
+            found_inf, norm_stat, num_zeros = self._reduce_part(
+                found_inf, norm_stat, num_zeros, group, finite_p)
+            e_found, e_norm, e_zeros = self._reduce_part(
+                found_inf, expert.norm_stat.reshape(1), expert.num_zeros,
+                self.expert_grad_stats_group, finite_p)
+            if finite_p:
+                norm_stat = norm_stat.double() + e_norm.double()
+            else:
+                norm_stat = torch.maximum(norm_stat.float(), e_norm.float())
+            if num_zeros is not None:
+                num_zeros = num_zeros.reshape(()) + e_zeros.reshape(()).to(num_zeros.dtype)
+            return e_found, norm_stat, num_zeros
+        return self._reduce_part(found_inf, norm_stat, num_zeros, group, finite_p)
+
+    @staticmethod
+    def _reduce_part(found_inf, norm_stat, num_zeros, group, finite_p: bool):
+        """found_inf, the norm statistic and the zero count reduced over one group."""
         if group is None:
             return found_inf, norm_stat, num_zeros
         if finite_p:
@@ -956,10 +1053,17 @@ class MixedPrecisionOptimizer(OptimizerWrapper):
             self.last_nonfinite = []
             return
         names, tensors = local_grads()
-        records = local_records(names, tensors, self._coords)
+        expert = self._expert_names()
+        records = local_records(names, tensors, self._coords, expert_names=expert,
+                                expert_coords=self._expert_coords)
         position = self._name_position  # model order (param_names'), as backward order needs
         records.sort(key=lambda r: position.get(r.name, len(position)))
-        self.last_nonfinite = gather_nonfinite(records, self.grad_stats_group)
+        more = (self.expert_grad_stats_group,) if self._experts_apart else ()
+        self.last_nonfinite = gather_nonfinite(records, self.grad_stats_group, *more)
+
+    def _expert_names(self) -> set:
+        """Names of this rank's expert params (their last_nonfinite records carry the EP rank)."""
+        return {n for n, p in self.named_model_params() if is_expert_param(p)}
 
     # -- checkpointing --------------------------------------------------------------------
 
@@ -1325,3 +1429,12 @@ def _fused_group_supported(kind: str, group: dict) -> bool:
 def _scalar_dtype() -> torch.dtype:
     """torch.optim's dtype for the step count (float32; float64 under a float64 default)."""
     return torch.float64 if torch.get_default_dtype() == torch.float64 else torch.float32
+
+
+def _same_group(a, b) -> bool:
+    """The same process group (object), or two groups of the same ranks; None only equals None."""
+    if a is b:
+        return True
+    if a is None or b is None:
+        return False
+    return dist.get_process_group_ranks(a) == dist.get_process_group_ranks(b)

@@ -64,6 +64,11 @@ def global_view(t: Tensor, tensor_parallel_group=None, *, name: str = "tensor"):
       ``partition_dim`` and ``partition_stride`` 1) becomes a DTensor ``Shard(partition_dim)``
       over a 1-D mesh of ``tensor_parallel_group`` (even shards, TP rank order: Megatron's
       layout), global shape = local shape with ``partition_dim`` times the TP size;
+    - an expert param stacked over its local experts (``tpamp.mark_expert_param(p,
+      expert_dim=d, expert_mesh=...)``, docs/spec.md section 19) becomes a DTensor on its
+      expert mesh: ``Shard(d)`` over EP (this EP rank's experts at their global index) and,
+      over expert-TP, ``Shard(partition_dim)`` for a Megatron TP param, else ``Replicate()``;
+      so a checkpoint saved at one EP size loads at another;
     - any other tensor is returned detached: replicated, every holder writes the same key.
 
     Raises ValueError (naming ``name``) for a Megatron TP param without a
@@ -77,6 +82,10 @@ def global_view(t: Tensor, tensor_parallel_group=None, *, name: str = "tensor"):
     is_tp = getattr(t, "tensor_model_parallel", False)
     stride = getattr(t, "partition_stride", 1)
     dim = getattr(t, "partition_dim", None)
+    expert_dim = getattr(t, "expert_dim", None)
+    expert_mesh = getattr(t, "expert_mesh", None)
+    if expert_dim is not None and getattr(t, "allreduce", True) is False:
+        return _expert_view(t.detach(), expert_dim, expert_mesh, is_tp, dim, stride, name)
     t = t.detach()
     if not is_tp:
         return t
@@ -101,6 +110,28 @@ def global_view(t: Tensor, tensor_parallel_group=None, *, name: str = "tensor"):
 
     mesh = _tp_mesh(tensor_parallel_group, t.device.type)
     return DTensor.from_local(t, mesh, [Shard(dim)], run_check=False)
+
+
+def _expert_view(t, expert_dim, mesh, is_tp, dim, stride, name):
+    """An expert param stacked over its local experts as a DTensor on its (ep[, etp]) mesh."""
+    if mesh is None:
+        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+            raise ValueError(
+                f"{name} is an expert param stacked over experts (expert_dim={expert_dim}): pass "
+                "tpamp.mark_expert_param(p, expert_dim=..., expert_mesh=state.expert_mesh) so "
+                "it is saved in its global shape"
+            )
+        return t  # one process: the local experts are all the experts
+    from torch.distributed.tensor import DTensor, Replicate, Shard
+
+    placements = [Shard(expert_dim)]
+    if mesh.ndim == 2:
+        if is_tp and stride != 1:
+            raise ValueError(f"{name}: expert-TP param with partition_stride={stride}; only 1")
+        placements.append(Shard(dim) if is_tp else Replicate())
+    elif is_tp:
+        raise ValueError(f"{name}: expert-TP param on an expert mesh without an 'etp' dim")
+    return DTensor.from_local(t, mesh, placements, run_check=False)
 
 
 def view_global_shape(view) -> Tuple[int, ...]:
