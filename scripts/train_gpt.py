@@ -375,9 +375,6 @@ def validate_moe_args(args, tp: int, dp: int) -> None:
            "tensor-parallel over the TP group; another expert TP size is not supported")
     _check(args, "use_torch_fsdp2", not args.use_torch_fsdp2,
            "not supported with --num-experts (the main job's MoE runs without FSDP2)")
-    _check(args, "use_distributed_optimizer", not (args.use_distributed_optimizer and ep > 1),
-           f"not supported with --expert-model-parallel-size {ep} (expert grads are reduced "
-           "over the expert-data-parallel group): expected EP 1 with it")
 
 
 def validate_args(args) -> None:

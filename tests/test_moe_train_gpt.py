@@ -40,7 +40,7 @@ E, K, H, COEFF = 4, 2, 16, 0.01
 # groups: docs/spec.md section 19)
 EXPERT_STATS = "expert_grad_stats_group" in inspect.signature(
     tpamp.MixedPrecisionOptimizer.__init__).parameters
-EXPERT_DISTOPT = "expert_grad_stats_group" in inspect.signature(
+EXPERT_DISTOPT = "expert_data_parallel_group" in inspect.signature(
     tpamp.DistributedOptimizer.__init__).parameters
 needs_expert_stats = pytest.mark.skipif(
     not EXPERT_STATS, reason="needs tpamp's expert grad statistics (expert_grad_stats_group)"
@@ -208,10 +208,18 @@ def _series(records, key):
 
 
 def _assert_same(a, b, keys, tol=1e-5):
+    """Each key equal in every record (floats to ``tol``). ``num_zeros``: equal up to 2 elements.
+    The grad of the attention's key bias is exactly 0 in exact arithmetic (softmax is invariant
+    to a constant added to a row of scores), so its computed elements are rounding noise around
+    0, and whether one of them is exactly 0.0 depends on the summation order, which EP changes
+    (an expert's tokens from both DP ranks in one matmul); the counts that EP could get wrong
+    (an expert without tokens: 8352 exact zeros here, counted once) are far larger."""
     for key in keys:
         for ra, rb in zip(a, b):
             va, vb = ra[key], rb[key]
-            if isinstance(va, float) and isinstance(vb, float):
+            if key == "num_zeros" and va is not None and vb is not None:
+                assert abs(va - vb) <= 2, (key, ra, rb)
+            elif isinstance(va, float) and isinstance(vb, float):
                 assert math.isclose(va, vb, rel_tol=tol, abs_tol=tol), (key, ra, rb)
             else:
                 assert va == vb, (key, ra, rb)
@@ -243,7 +251,7 @@ def test_ep2_gives_the_losses_grad_norms_and_zeros_of_ep1(tmp_path, layout):
 
 
 @pytest.mark.skipif(not EXPERT_DISTOPT, reason="needs the distributed optimizer's expert "
-                    "groups (expert_grad_stats_group)")
+                    "groups (expert_data_parallel_group)")
 def test_ep2_with_the_distributed_optimizer_matches_ep1(tmp_path):
     layout = ["--pipeline-model-parallel-size", "1", "--use-distributed-optimizer"]
     one, _, _ = run_train(tmp_path / "ep1", *MOE, *layout)
@@ -269,16 +277,20 @@ def test_a_checkpoint_saved_at_ep2_resumes_at_ep1(tmp_path):
 
 @needs_expert_stats
 def test_an_inf_in_one_experts_grad_on_one_rank_skips_on_every_rank_and_names_it(tmp_path):
-    """TP 2 x DP 2, EP 2: rank 2 (DP 1, EP rank 1, TP 0) holds expert 3; an inf put into its
-    fc1 weight's grad there after the grad reductions skips iteration 2 (every rank: the losses
-    after it are those of a run where it never happened... the log names the param and EP rank)."""
+    """TP 2 x DP 2, EP 2: global rank 2 (DP 1 = EP rank 1, expert-DP 0, TP 0) holds experts 2
+    and 3; an inf put into expert 3's fc1 weight grad there, after the grad reductions, skips
+    iteration 2 on every rank (the log's records and lines come from rank 0, which holds
+    experts 0 and 1), and the record and the line name the param with its EP rank."""
     layout = ["--pipeline-model-parallel-size", "1", "--expert-model-parallel-size", "2"]
     name = "blocks.0.mlp.experts.3.fc1.weight"
     records, _, out = run_train(tmp_path, *MOE, *layout, "--inject-inf-grad", f"2:2:{name}")
     assert _series(records, "skipped") == [False, True, False, False, False, False], out
     culprits = records[1]["nonfinite"]["first"]
     assert culprits[0]["name"] == name, culprits
-    assert culprits[0].get("ep_rank") == 1 and culprits[0]["dp_rank"] == 1, culprits
+    # an expert param's record: expert-TP and expert-DP ranks, and its EP rank
+    assert (culprits[0]["ep_rank"], culprits[0]["tp_rank"], culprits[0]["dp_rank"]) == (1, 0, 0)
+    assert culprits[0]["num_inf"] == 1, culprits
+    assert f"in {name} [ep 1" in out, out[-3000:]
 
 
 # ----------------------------------------------------------------------------- flags
@@ -301,10 +313,6 @@ BAD_FLAGS = [
     (["--moe-router-topk", "1"], ["--moe-router-topk", "1", "--num-experts N"]),
     (["--num-experts", "4", "--use-torch-fsdp2"], ["--use-torch-fsdp2", "--num-experts"]),
 ]
-if not EXPERT_DISTOPT:
-    BAD_FLAGS.append((["--num-experts", "4", "--expert-model-parallel-size", "2",
-                       "--use-distributed-optimizer"],
-                      ["--use-distributed-optimizer", "--expert-model-parallel-size 2"]))
 
 
 def _parse(monkeypatch, flags):
