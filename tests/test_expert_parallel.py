@@ -104,20 +104,24 @@ LAYOUTS = {
 def _init(sizes):
     return initialize_model_parallel(
         sizes.get("tp", 1), sizes.get("pp", 1), expert_model_parallel_size=sizes.get("ep", 1),
-        expert_tensor_parallel_size=sizes.get("etp"))
+        expert_tensor_parallel_size=sizes.get("etp"), context_parallel_size=sizes.get("cp", 1))
 
 
 def _step(rank, world, sizes, wrapper, fused):
     st = _init(sizes)
     ref_params, ref_grads = _reference(st.dims.dp)
     opt, named = _build(st, ref_params, ref_grads, wrapper, fused, clip=0.5)
-    ok, norm, zeros = opt.step()
+    tracker = opt.track_param_grad_norms(named)
+    ok, norm, zeros = opt.step(param_grad_norms=True)
     after = {name: p.detach().double() for name, p in named}
-    return ok, norm, zeros, after, (st.tp_rank, st.pp_rank, st.ep_rank, st.expert_tp_rank)
+    return ok, norm, zeros, after, (st.tp_rank, st.pp_rank, st.ep_rank, st.expert_tp_rank), \
+        tracker.norms
 
 
-@pytest.mark.parametrize("wrapper,fused", [("fp32", True), ("mixed", False)])
-@pytest.mark.parametrize("layout", list(LAYOUTS))
+@pytest.mark.parametrize("layout,wrapper,fused", [
+    ("ep2-tp2", "fp32", True), ("ep2-tp2", "mixed", False), ("ep2-tp2-etp1", "fp32", True),
+    ("ep2-pp2", "mixed", False), ("ep4", "fp32", True),
+])
 def test_grad_norm_zeros_and_clip_match_the_unsharded_float64_model(layout, wrapper, fused):
     sizes = LAYOUTS[layout]
     results = run_workers(_step, 4, sizes, wrapper, fused)
@@ -129,12 +133,23 @@ def test_grad_norm_zeros_and_clip_match_the_unsharded_float64_model(layout, wrap
     assert ref_zeros >= H * H + H  # the expert that got no token
     coeff = 0.5 / (ref_norm + 1e-6)
     assert coeff < 1
-    for ok, norm, zeros, after, _ in results:
+    ep = sizes.get("ep", 1)
+    want_norms = {}  # per-parameter norms: each EP rank's part of an expert param apart
+    for name, g in ref_grads.items():
+        if name.startswith("moe."):
+            for j, part in enumerate(g.chunk(ep, 0)):
+                want_norms[f"{name} [ep {j}]"] = float(part.norm())
+        else:
+            want_norms[name] = float(g.norm())
+    for ok, norm, zeros, after, _, norms in results:
         assert ok
         assert norm == pytest.approx(ref_norm, rel=1e-5)
         assert zeros == ref_zeros
+        assert set(norms) == set(want_norms)
+        for name, value in want_norms.items():
+            assert norms[name] == pytest.approx(value, rel=1e-5, abs=1e-7), name
     # ONE clip coefficient for dense and expert params: every shard moved by lr * coeff * grad
-    for rank, (_, _, _, after, (tp, pp, ep, etp)) in enumerate(results):
+    for rank, (_, _, _, after, (tp, pp, ep, etp), _) in enumerate(results):
         class _St:  # the coordinates _local reads
             pass
         st = _St()
@@ -161,7 +176,7 @@ def _inf_step(rank, world, sizes):
         tpamp.nonfinite.describe(opt.last_nonfinite), dist.get_rank()
 
 
-@pytest.mark.parametrize("layout", ["ep2-tp2", "ep2-pp2", "ep4"])
+@pytest.mark.parametrize("layout", ["ep2-tp2", "ep2-pp2"])
 def test_inf_in_one_experts_grad_skips_the_step_everywhere_and_names_its_ep_rank(layout):
     results = run_workers(_inf_step, 4, LAYOUTS[layout])
     for ok, unchanged, records, text, rank in results:
@@ -268,12 +283,14 @@ def test_checkpoint_saved_at_ep2_resumes_at_ep1(tmp_path):
 def _dist_opt_step(rank, world, sizes, fused):
     st = _init(sizes)
     d = st.dims
-    ref_params, _ = _reference(d.dp)
+    num_data = d.dp * d.cp  # each DP x CP rank's tokens are one data shard (a CP rank: a chunk)
+    data_of = lambda s: d.dense_coords(s)[1] * d.cp + d.dense_coords(s)[2]
+    ref_params, _ = _reference(num_data)
     # the data shards whose tokens reach this rank's experts: those of its EP group's ranks
     mine = d.expert_coords(rank)
     ep_group = [s for s in range(world) if d.expert_coords(s)[:2] == mine[:2]
                 and d.expert_coords(s)[3] == mine[3]]
-    expert_data = sorted({d.dense_coords(s)[1] for s in ep_group})
+    expert_data = sorted({data_of(s) for s in ep_group})
     named = []
     for name in _stage_params(st):
         p = torch.nn.Parameter(_local(name, ref_params[name], st).float().clone())
@@ -281,9 +298,9 @@ def _dist_opt_step(rank, world, sizes, fused):
             p.tensor_model_parallel, p.partition_dim, p.partition_stride = True, 0, 1
         if name.startswith("moe."):
             tpamp.mark_expert_param(p, expert_dim=0, expert_mesh=st.expert_mesh)
-            full = _reference(d.dp, shards=expert_data)[1][name]
+            full = _reference(num_data, shards=expert_data)[1][name]
         else:
-            full = _reference(d.dp, shards=[st.dp_rank])[1][name]
+            full = _reference(num_data, shards=[data_of(rank)])[1][name]
         if name == "moe.experts.weight" and d.etp > 1:
             p.tensor_model_parallel, p.partition_dim, p.partition_stride = True, 1, 1
         named.append((name, p, _local(name, full, st).float().clone()))
@@ -292,16 +309,18 @@ def _dist_opt_step(rank, world, sizes, fused):
         log_num_zeros_in_grad=True, data_parallel_group=st.dp_cp_group,
         grad_stats_group=dist.group.WORLD, tensor_parallel_group=st.tp_group,
         parallel_state=st, param_names=[(n, p) for n, p, _ in named], fused_step=fused)
+    tracker = opt.track_param_grad_norms([(n, p) for n, p, _ in named])
     loss = sum((p * g).sum() for _, p, g in named)  # d loss / d p = g, through the grad hooks
     loss.backward()
-    ok, norm, zeros = opt.step()
-    return ok, norm, zeros, {n: p.detach().double() for n, p, _ in named}
+    ok, norm, zeros = opt.step(param_grad_norms=True)
+    return ok, norm, zeros, {n: p.detach().double() for n, p, _ in named}, tracker.norms
 
 
-@pytest.mark.parametrize("fused", [True, False])
-@pytest.mark.parametrize("layout", ["ep2-dp4", "ep2-tp2"])
+@pytest.mark.parametrize("layout,fused", [("ep2-dp4", True), ("ep2-dp4", False),
+                                          ("ep2-tp2", True), ("cp2-ep2", True)])
 def test_distributed_optimizer_shards_experts_over_expert_dp_and_matches_float64(layout, fused):
-    sizes = {"ep2-dp4": dict(ep=2), "ep2-tp2": dict(tp=2, ep=2)}[layout]
+    """Dense params reduced and sharded over DP x CP, expert params over expert-DP."""
+    sizes = {"ep2-dp4": dict(ep=2), "ep2-tp2": dict(tp=2, ep=2), "cp2-ep2": dict(cp=2, ep=2)}[layout]
     results = run_workers(_dist_opt_step, 4, sizes, fused)
     dp = 4 // sizes.get("tp", 1)
     ref_params, ref_grads = _reference(dp)
@@ -310,11 +329,15 @@ def test_distributed_optimizer_shards_experts_over_expert_dp_and_matches_float64
     coeff = 0.5 / (ref_norm + 1e-6)
     from tpamp.parallel import ParallelDims
 
-    dims = ParallelDims(tp=sizes.get("tp", 1), world_size=4, ep=2)
-    for rank, (ok, norm, zeros, after) in enumerate(results):
+    dims = ParallelDims(tp=sizes.get("tp", 1), world_size=4, ep=2, cp=sizes.get("cp", 1))
+    for rank, (ok, norm, zeros, after, norms) in enumerate(results):
         assert ok
         assert norm == pytest.approx(ref_norm, rel=1e-5)
         assert zeros == int((flat == 0).sum())
+        assert norms["moe.experts.weight [ep 1]"] == pytest.approx(
+            float(ref_grads["moe.experts.weight"].chunk(2, 0)[1].norm()), rel=1e-5)
+        assert norms["dense.w1"] == pytest.approx(float(ref_grads["dense.w1"].norm()), rel=1e-5)
+        assert math.fsum(v * v for v in norms.values()) == pytest.approx(ref_norm ** 2, rel=1e-5)
 
         class _St:
             pass
@@ -324,3 +347,22 @@ def test_distributed_optimizer_shards_experts_over_expert_dp_and_matches_float64
         for name, value in after.items():
             want = _local(name, ref_params[name] - 0.1 * coeff * ref_grads[name], st)
             torch.testing.assert_close(value, want, rtol=1e-5, atol=1e-6, msg=f"{name} rank {rank}")
+
+
+def _fsdp_expert(rank, world):
+    from torch.distributed.fsdp import fully_shard
+
+    st = initialize_model_parallel(1, 1)
+    model = torch.nn.Linear(4, 4)
+    fully_shard(model, mesh=st.mesh["dp"])
+    tpamp.mark_expert_param(model.weight)
+    try:
+        tpamp.fsdp.fully_shard_optimizer(torch.optim.SGD(model.parameters(), lr=0.1), st.mesh["dp"])
+    except ValueError as e:
+        return str(e)
+    return None
+
+
+def test_fsdp2_refuses_expert_params_with_a_clear_error():
+    for msg in run_workers(_fsdp_expert, 2):
+        assert msg is not None and "expert param" in msg and "param 0 of param group 0" in msg

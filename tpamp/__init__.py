@@ -49,7 +49,12 @@ from tpamp.model import (
     set_fp32_attr_to_module,
     tf32_enabled,
 )
-from tpamp.nonfinite import NonFiniteActivation, NonFiniteGrad, NonFiniteTracer
+from tpamp.nonfinite import (
+    ExpertNonFiniteGrad,  # an expert param's record (docs/spec.md section 19)
+    NonFiniteActivation,
+    NonFiniteGrad,
+    NonFiniteTracer,
+)
 from tpamp.optimizer import FP32Optimizer, MixedPrecisionOptimizer, StepResult
 from tpamp.param_norms import ParamGradNormTracker
 from tpamp.spikes import GradSpikeError, SpikeDecision, SpikeDetector
@@ -64,6 +69,7 @@ __all__ = [
     "count_zeros_fp32",
     "DistributedOptimizer",
     "DynamicGradScaler",
+    "ExpertNonFiniteGrad",
     "filter_grads_for_norm",
     "FP32Optimizer",
     "fsdp",

@@ -204,7 +204,19 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
             the update). False: always the generic path (inner ``optimizer.step()``).
         parallel_state: a :class:`tpamp.parallel.ParallelState`: this rank's TP, PP and DP
             ranks for ``last_nonfinite`` records (default: TP rank from tensor_parallel_group,
-            DP rank from data_parallel_group, PP rank None).
+            DP rank from data_parallel_group, PP rank None); with expert params
+            (:func:`tpamp.is_expert_param`, docs/spec.md section 19) also their
+            expert-data-parallel, expert-TP and EP groups. Under context parallelism pass
+            ``data_parallel_group=parallel_state.dp_cp_group``.
+        expert_data_parallel_group: the group over which expert params are reduce-scattered
+            and sharded, in buckets of their own (default:
+            ``parallel_state.expert_data_parallel_group``; required when there are expert
+            params). Their sum over it is scaled by 1/d with d the size of
+            data_parallel_group, as Megatron-core's DDP does, so both parts are the gradient
+            of the mean loss. Their statistics share grad_stats_group (it spans every rank).
+        expert_tensor_parallel_group: the expert-TP group, to count expert params replicated
+            over expert-TP once (default: ``parallel_state.expert_tp_group``, else
+            tensor_parallel_group).
         exp_avg_dtype, exp_avg_sq_dtype, store_param_remainders: narrow optimizer state, as for
             MixedPrecisionOptimizer (:mod:`tpamp.state_formats`), on this rank's shard: bf16 /
             8-bit moments (8-bit blocks of 256 elements start at each piece's first element),

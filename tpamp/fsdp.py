@@ -54,7 +54,9 @@ copy of the word embedding) is marked ``shared = True`` and its grad summed with
 the caller (local shards: both have the same DP x TP placements). scripts/train_gpt.py
 ``--use-torch-fsdp2 --pipeline-model-parallel-size 2`` is the worked example.
 
-Not covered: HSDP (a ``Replicate`` DP dim: its replicas would be counted twice).
+Not covered: HSDP (a ``Replicate`` DP dim: its replicas would be counted twice); expert params
+(mixture-of-experts, :func:`tpamp.is_expert_param`) are refused with ValueError (docs/spec.md
+section 19).
 """
 
 from __future__ import annotations
@@ -65,6 +67,7 @@ from typing import Iterable, Optional, Tuple
 import torch
 import torch.distributed as dist
 
+from tpamp.grad_stats import is_expert_param
 from tpamp.optimizer import FP32Optimizer
 from tpamp.param_norms import ParamGradNormTracker
 
@@ -157,6 +160,14 @@ def _check_fsdp_params(optimizer, dp_dim: str, mesh=None, tp_dim: Optional[str] 
                 raise TypeError(
                     f"{where} is a {type(p).__name__}, not a DTensor sharded by fully_shard: "
                     "call fully_shard on the model before building the optimizer"
+                )
+            if is_expert_param(p):
+                raise ValueError(
+                    f"{where} is an expert param (tpamp.is_expert_param: allreduce=False or an "
+                    f"'ep' mesh dim {tuple(p.device_mesh.mesh_dim_names or ())}); expert "
+                    "parallelism under FSDP2 is not supported yet (docs/spec.md section 19): use "
+                    "tpamp.MixedPrecisionOptimizer or tpamp.DistributedOptimizer with "
+                    "parallel_state="
                 )
             if p.dtype != torch.float32:
                 raise TypeError(

@@ -196,7 +196,21 @@ class MixedPrecisionOptimizer(OptimizerWrapper):
             ``"group<g>.param<i>"`` (param group g, index i).
         parallel_state: a :class:`tpamp.parallel.ParallelState`: this rank's TP, PP and DP
             ranks for ``last_nonfinite`` records; without it the TP rank comes from
-            tensor_parallel_group and the PP and DP ranks are None.
+            tensor_parallel_group and the PP and DP ranks are None. It also gives the expert
+            params' groups (docs/spec.md section 19): ``expert_model_parallel_group`` and
+            ``expert_tp_group`` (unless given below) and the EP ranks of their records.
+        expert_grad_stats_group: the group over which the statistics of expert params
+            (:func:`tpamp.is_expert_param`) are reduced: the expert model-parallel group,
+            expert-TP x EP x PP (default: ``parallel_state.expert_model_parallel_group`` when
+            grad_stats_group is ``parallel_state.model_parallel_group``, else
+            grad_stats_group, e.g. a group of every rank under FSDP2). When it
+            differs from grad_stats_group, found_inf is OR-ed over both groups, the norm is
+            sqrt(dense^2 + expert^2) with each part reduced over its group, zeros add, and one
+            clip coefficient scales both (Megatron-core's ChainedOptimizer); one extra
+            read-only pass over the expert grads and one extra all-reduce per step.
+        expert_tensor_parallel_group: the expert-TP group, to count expert params replicated
+            over expert-TP once (default: ``parallel_state.expert_tp_group``, else
+            tensor_parallel_group).
 
     Attributes:
         last_nonfinite: after each step, the :class:`tpamp.NonFiniteGrad` records of every
@@ -259,10 +273,10 @@ class MixedPrecisionOptimizer(OptimizerWrapper):
         _validation.check_group_member(grad_stats_group, "grad_stats_group")
         _validation.check_group_member(tensor_parallel_group, "tensor_parallel_group")
         coords = rank_coords(parallel_state, tensor_parallel_group=tensor_parallel_group)
-        if parallel_state is not None and grad_stats_group is not None:
+        if (parallel_state is not None and expert_grad_stats_group is None
+                and _same_group(grad_stats_group, parallel_state.model_parallel_group)):
             # the expert model-parallel group beside the dense model-parallel one (Megatron-core)
-            if expert_grad_stats_group is None:
-                expert_grad_stats_group = parallel_state.expert_model_parallel_group
+            expert_grad_stats_group = parallel_state.expert_model_parallel_group
         self._init_core(
             optimizer, grad_scaler=grad_scaler, clip_grad=clip_grad, norm_type=norm_type,
             log_num_zeros_in_grad=log_num_zeros_in_grad, grad_stats_group=grad_stats_group,
@@ -374,11 +388,13 @@ class MixedPrecisionOptimizer(OptimizerWrapper):
         self.expert_grad_stats_group = expert_grad_stats_group
         self.expert_tensor_parallel_group = expert_tensor_parallel_group
         self._expert_tp_rank = _validation.tp_rank(expert_tensor_parallel_group)
-        self._experts_apart = not _same_group(expert_grad_stats_group, self.grad_stats_group)
+        # public for tpamp.param_norms: expert statistics reduced over their own group
+        self.experts_apart = not _same_group(expert_grad_stats_group, self.grad_stats_group)
         self._expert_tp_apart = not _same_group(expert_tensor_parallel_group,
                                                 self.tensor_parallel_group)
-        self._expert_coords = expert_rank_coords(
+        self.expert_rank_coords = expert_rank_coords(
             parallel_state, expert_tensor_parallel_group=expert_tensor_parallel_group)
+        self.expert_parallel_size = parallel_state.dims.ep if parallel_state is not None else None
 
     def _counts(self, param: Tensor) -> bool:
         """Whether ``param``'s grad counts toward the norm and zeros on this rank: TP
@@ -566,7 +582,7 @@ class MixedPrecisionOptimizer(OptimizerWrapper):
         grads = self._fused_grads(scale) if fused else self._generic_grads(scale)
         finite_p = self.norm_type != math.inf
         stats = self._grad_stats(grads, finite_p, param_grad_norms)
-        expert = self._expert_stats(grads, finite_p) if self._experts_apart else None
+        expert = self._expert_stats(grads, finite_p) if self.experts_apart else None
         found_inf, norm_stat, num_zeros = self._reduce(stats, finite_p, expert)
         if param_grad_norms:
             self._reduce_param_norms(grads, stats)
@@ -625,7 +641,7 @@ class MixedPrecisionOptimizer(OptimizerWrapper):
     def _dense_mask(self, grads: StepGrads) -> List[bool]:
         """The norm mask of the dense statistics: all counted grads, or (expert params apart,
         docs/spec.md section 19) the counted grads of dense params."""
-        if not self._experts_apart:
+        if not self.experts_apart:
             return grads.mask
         return [m and not e for m, e in zip(grads.mask, self._expert_flags(grads))]
 
@@ -1055,10 +1071,10 @@ class MixedPrecisionOptimizer(OptimizerWrapper):
         names, tensors = local_grads()
         expert = self._expert_names()
         records = local_records(names, tensors, self._coords, expert_names=expert,
-                                expert_coords=self._expert_coords)
+                                expert_coords=self.expert_rank_coords)
         position = self._name_position  # model order (param_names'), as backward order needs
         records.sort(key=lambda r: position.get(r.name, len(position)))
-        more = (self.expert_grad_stats_group,) if self._experts_apart else ()
+        more = (self.expert_grad_stats_group,) if self.experts_apart else ()
         self.last_nonfinite = gather_nonfinite(records, self.grad_stats_group, *more)
 
     def _expert_names(self) -> set:

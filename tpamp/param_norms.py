@@ -31,6 +31,7 @@ import torch
 import torch.distributed as dist
 
 from tpamp.common import collective_device, local_tensor
+from tpamp.grad_stats import is_expert_param
 
 __all__ = ["ParamGradNormTracker", "root_sum_square", "top_k"]
 
@@ -120,12 +121,21 @@ class ParamGradNormTracker:
         self.optimizer = optimizer
         self.norm_type = optimizer.norm_type
         group = optimizer.grad_stats_group
+        # expert params (docs/spec.md section 19): under EP > 1 each EP rank's part is its own
+        # entry, "<name> [ep <rank>]", reduced over the expert grad-stats group
+        ep_size = getattr(optimizer, "expert_parallel_size", None) or 1
+        ep_coords = getattr(optimizer, "expert_rank_coords", None)
+        ep_rank = ep_coords.ep_rank if ep_coords is not None else None
+        self._expert_names: set = set()
         # model param -> name; the optimizer holds main params (fp32 copies) for fp16/bf16 ones
         by_id: Dict[int, str] = {}
         position: Dict[str, int] = {}  # the caller's (module) order
         for name, p in _named_pairs(named_params):
             if not isinstance(name, str) or not name:
                 raise ValueError(f"param names must be non-empty strings, got {name!r}")
+            if is_expert_param(p) and ep_size > 1:
+                name = f"{name} [ep {'?' if ep_rank is None else ep_rank}]"
+                self._expert_names.add(name)
             if id(p) in by_id and by_id[id(p)] != name:
                 raise ValueError(f"one param is named both {by_id[id(p)]!r} and {name!r}")
             by_id[id(p)] = name
@@ -161,8 +171,18 @@ class ParamGradNormTracker:
             if name is not None and not getattr(model, "shared", False):
                 self._name_of_main[id(main)] = name
         local_names.sort(key=position.__getitem__)
-        self.names = _gather_names(local_names, group, optimizer.tensor_parallel_group,
-                                   data_parallel_group)
+        self._apart = bool(getattr(optimizer, "experts_apart", False))
+        if self._apart:  # dense names over the dense group, expert names over the expert one
+            dense = _gather_names([n for n in local_names if n not in self._expert_names],
+                                  group, optimizer.tensor_parallel_group, data_parallel_group)
+            experts = _gather_names([n for n in local_names if n in self._expert_names],
+                                    optimizer.expert_grad_stats_group,
+                                    optimizer.expert_tensor_parallel_group, None)
+            self._num_dense = len(dense)
+            self.names = dense + experts
+        else:
+            self.names = _gather_names(local_names, group, optimizer.tensor_parallel_group,
+                                       data_parallel_group)
         self._slot = {name: i for i, name in enumerate(self.names)}
         self.norms: Optional[Dict[str, float]] = None
 
@@ -220,8 +240,16 @@ class ParamGradNormTracker:
             else:
                 vec.index_add_(0, index, picked.pow(self.norm_type))
         group = self.optimizer.grad_stats_group
-        if group is not None:
-            op = dist.ReduceOp.MAX if self.norm_type == math.inf else dist.ReduceOp.SUM
+        op = dist.ReduceOp.MAX if self.norm_type == math.inf else dist.ReduceOp.SUM
+        if self._apart:  # the dense entries over the dense group, the expert ones over theirs
+            n = self._num_dense
+            dense, experts = vec[:n].clone(), vec[n:].clone()
+            if group is not None:
+                dist.all_reduce(dense, op=op, group=group)
+            if self.optimizer.expert_grad_stats_group is not None:
+                dist.all_reduce(experts, op=op, group=self.optimizer.expert_grad_stats_group)
+            vec = torch.cat([dense, experts])
+        elif group is not None:
             dist.all_reduce(vec, op=op, group=group)
         if self.norm_type != math.inf:
             vec = vec.pow(1.0 / self.norm_type)
