@@ -312,6 +312,8 @@ BAD_FLAGS = [
     (["--expert-model-parallel-size", "2"], ["--expert-model-parallel-size", "2", "--num-experts N"]),
     (["--moe-router-topk", "1"], ["--moe-router-topk", "1", "--num-experts N"]),
     (["--num-experts", "4", "--use-torch-fsdp2"], ["--use-torch-fsdp2", "--num-experts"]),
+    (["--inject-inf-grad", "2:wte.weight"], ["--inject-inf-grad", "ITER:RANK:NAME"]),
+    (["--inject-inf-grad", "2:4:wte.weight"], ["--inject-inf-grad", "below the 4 ranks"]),
 ]
 
 
