@@ -226,53 +226,59 @@ def _assert_same(a, b, keys, tol=1e-5):
     assert len(a) == len(b)
 
 
-def test_ep2_gives_the_losses_of_ep1_without_clipping(tmp_path):
-    """TP 2 x DP 2, fp32, no clipping: the loss of every iteration is EP 1's (dispatch, expert
-    grad reduction over the expert-data-parallel group and its 1/DP scaling)."""
-    one, s1, _ = run_train(tmp_path / "ep1", *MOE, "--pipeline-model-parallel-size", "1",
-                           "--clip-grad", "0")
-    two, s2, out = run_train(tmp_path / "ep2", *MOE, "--pipeline-model-parallel-size", "1",
-                             "--clip-grad", "0", "--expert-model-parallel-size", "2")
-    _assert_same(one, two, ["loss", "skipped"])
-    assert (s2["num_experts"], s2["ep"], s2["tp"], s2["dp"]) == (4, 2, 2, 2)
-    assert "MoE 4 experts top-2" in out and "(EP 2)" in out
+TP2 = ["--pipeline-model-parallel-size", "1"]  # TP 2 x DP 2
+PP2 = ["--tensor-model-parallel-size", "1"]  # PP 2 x DP 2
+EP2 = ["--expert-model-parallel-size", "2"]
+_RUNS: dict = {}
+
+
+@pytest.fixture
+def train(tmp_path_factory):
+    """run_train(*MOE, *flags) once per set of flags in this module (runs are shared between
+    tests: each is a few torchrun launches). Returns (records, summary, stdout)."""
+
+    def run(*flags):
+        if flags not in _RUNS:
+            _RUNS[flags] = run_train(tmp_path_factory.mktemp("run"), *MOE, *flags)
+        return _RUNS[flags]
+
+    return run
 
 
 @needs_expert_stats
-@pytest.mark.parametrize("layout", [
-    ["--pipeline-model-parallel-size", "1"],  # TP 2 x DP 2
-    ["--tensor-model-parallel-size", "1"],  # PP 2 x DP 2
-])
-def test_ep2_gives_the_losses_grad_norms_and_zeros_of_ep1(tmp_path, layout):
-    one, _, _ = run_train(tmp_path / "ep1", *MOE, *layout)
-    two, _, _ = run_train(tmp_path / "ep2", *MOE, *layout, "--expert-model-parallel-size", "2")
+@pytest.mark.parametrize("layout", [TP2, PP2], ids=["tp2", "pp2"])
+def test_ep2_gives_the_losses_grad_norms_and_zeros_of_ep1(train, layout):
+    """fp32, clipping at 1.0: the loss, grad norm (dense and expert parts combined, which sets
+    the clip coefficient) and zero count of every iteration are EP 1's, on TP 2 x DP 2 and on
+    PP 2 x DP 2; nothing is skipped."""
+    one, _, _ = train(*layout)
+    two, s2, out = train(*layout, *EP2)
     _assert_same(one, two, ["loss", "grad_norm", "num_zeros", "skipped"])
     assert not any(_series(two, "skipped"))
+    assert (s2["num_experts"], s2["ep"], s2["dp"]) == (4, 2, 2)
+    assert "MoE 4 experts top-2" in out and "(EP 2)" in out
 
 
 @pytest.mark.skipif(not EXPERT_DISTOPT, reason="needs the distributed optimizer's expert "
                     "groups (expert_data_parallel_group)")
-def test_ep2_with_the_distributed_optimizer_matches_ep1(tmp_path):
-    layout = ["--pipeline-model-parallel-size", "1", "--use-distributed-optimizer"]
-    one, _, _ = run_train(tmp_path / "ep1", *MOE, *layout)
-    two, _, _ = run_train(tmp_path / "ep2", *MOE, *layout, "--expert-model-parallel-size", "2")
+def test_ep2_with_the_distributed_optimizer_matches_ep1(train):
+    one, _, _ = train(*TP2, "--use-distributed-optimizer")
+    two, _, _ = train(*TP2, "--use-distributed-optimizer", *EP2)
     _assert_same(one, two, ["loss", "grad_norm", "num_zeros", "skipped"])
 
 
-def test_a_checkpoint_saved_at_ep2_resumes_at_ep1(tmp_path):
+@needs_expert_stats
+def test_a_checkpoint_saved_at_ep2_resumes_at_ep1(train, tmp_path):
     """Save at iteration 3 of an EP 2 run, resume on EP 1 (--ckpt-step 3): iterations 4-6 are
     those of the uninterrupted EP 1 run (expert params and their optimizer state are named by
-    the global expert index, so they re-map by name). Without clipping, as the EP 1 and EP 2
-    grad norms agree only with the expert grad statistics; with them, the norms are compared
-    too."""
-    layout = ["--pipeline-model-parallel-size", "1", "--clip-grad", "0"]
-    full, _, _ = run_train(tmp_path / "full", *MOE, *layout)
+    the global expert index, so they re-map by name)."""
+    full, _, _ = train(*TP2)
     ckpt = str(tmp_path / "ckpt")
-    run_train(tmp_path / "a", *MOE, *layout, "--expert-model-parallel-size", "2",
-              "--save", ckpt, "--save-interval", "3")
-    resumed, _, out = run_train(tmp_path / "b", *MOE, *layout, "--load", ckpt, "--ckpt-step", "3")
+    # the whole 6 iterations (the LR schedule depends on --train-iters), saved at 3 and 6
+    run_train(tmp_path / "a", *MOE, *TP2, *EP2, "--save", ckpt, "--save-interval", "3")
+    resumed, _, out = run_train(tmp_path / "b", *MOE, *TP2, "--load", ckpt, "--ckpt-step", "3")
     assert [r["iteration"] for r in resumed] == [4, 5, 6], out
-    _assert_same(full[3:], resumed, ["loss", "grad_norm"] if EXPERT_STATS else ["loss"])
+    _assert_same(full[3:], resumed, ["loss", "grad_norm", "num_zeros"])
 
 
 @needs_expert_stats
@@ -281,9 +287,8 @@ def test_an_inf_in_one_experts_grad_on_one_rank_skips_on_every_rank_and_names_it
     and 3; an inf put into expert 3's fc1 weight grad there, after the grad reductions, skips
     iteration 2 on every rank (the log's records and lines come from rank 0, which holds
     experts 0 and 1), and the record and the line name the param with its EP rank."""
-    layout = ["--pipeline-model-parallel-size", "1", "--expert-model-parallel-size", "2"]
     name = "blocks.0.mlp.experts.3.fc1.weight"
-    records, _, out = run_train(tmp_path, *MOE, *layout, "--inject-inf-grad", f"2:2:{name}")
+    records, _, out = run_train(tmp_path, *MOE, *TP2, *EP2, "--inject-inf-grad", f"2:2:{name}")
     assert _series(records, "skipped") == [False, True, False, False, False, False], out
     culprits = records[1]["nonfinite"]["first"]
     assert culprits[0]["name"] == name, culprits
