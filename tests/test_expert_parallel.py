@@ -280,8 +280,9 @@ def test_checkpoint_saved_at_ep2_resumes_at_ep1(tmp_path):
 # ---- DistributedOptimizer: dense params sharded over DP, expert params over expert-DP ---------
 
 
-def _dist_opt_step(rank, world, sizes, fused):
-    st = _init(sizes)
+def _dist_opt_model(rank, world, st):
+    """(name, param, local grad) of a data-parallel run: dense grads of this rank's data shard,
+    expert grads of the data shards whose tokens reach this rank's experts."""
     d = st.dims
     num_data = d.dp * d.cp  # each DP x CP rank's tokens are one data shard (a CP rank: a chunk)
     data_of = lambda s: d.dense_coords(s)[1] * d.cp + d.dense_coords(s)[2]
@@ -304,11 +305,18 @@ def _dist_opt_step(rank, world, sizes, fused):
         if name == "moe.experts.weight" and d.etp > 1:
             p.tensor_model_parallel, p.partition_dim, p.partition_stride = True, 1, 1
         named.append((name, p, _local(name, full, st).float().clone()))
+    return named
+
+
+def _dist_opt_step(rank, world, sizes, fused, overlap=False):
+    st = _init(sizes)
+    named = _dist_opt_model(rank, world, st)
     opt = tpamp.DistributedOptimizer(
         torch.optim.SGD([p for _, p, _ in named], lr=0.1), clip_grad=0.5,
         log_num_zeros_in_grad=True, data_parallel_group=st.dp_cp_group,
         grad_stats_group=dist.group.WORLD, tensor_parallel_group=st.tp_group,
-        parallel_state=st, param_names=[(n, p) for n, p, _ in named], fused_step=fused)
+        parallel_state=st, param_names=[(n, p) for n, p, _ in named], fused_step=fused,
+        overlap_grad_reduce=overlap, bucket_size=8)
     tracker = opt.track_param_grad_norms([(n, p) for n, p, _ in named])
     loss = sum((p * g).sum() for _, p, g in named)  # d loss / d p = g, through the grad hooks
     loss.backward()
@@ -316,12 +324,13 @@ def _dist_opt_step(rank, world, sizes, fused):
     return ok, norm, zeros, {n: p.detach().double() for n, p, _ in named}, tracker.norms
 
 
-@pytest.mark.parametrize("layout,fused", [("ep2-dp4", True), ("ep2-dp4", False),
-                                          ("ep2-tp2", True), ("cp2-ep2", True)])
-def test_distributed_optimizer_shards_experts_over_expert_dp_and_matches_float64(layout, fused):
+@pytest.mark.parametrize("layout,fused,overlap", [
+    ("ep2-dp4", True, True), ("ep2-dp4", False, False), ("ep2-tp2", True, False),
+    ("cp2-ep2", True, False)])
+def test_distributed_optimizer_shards_experts_over_expert_dp_and_matches_float64(layout, fused, overlap):
     """Dense params reduced and sharded over DP x CP, expert params over expert-DP."""
     sizes = {"ep2-dp4": dict(ep=2), "ep2-tp2": dict(tp=2, ep=2), "cp2-ep2": dict(cp=2, ep=2)}[layout]
-    results = run_workers(_dist_opt_step, 4, sizes, fused)
+    results = run_workers(_dist_opt_step, 4, sizes, fused, overlap)
     dp = 4 // sizes.get("tp", 1)
     ref_params, ref_grads = _reference(dp)
     flat = torch.cat([g.reshape(-1) for g in ref_grads.values()])
@@ -366,3 +375,62 @@ def _fsdp_expert(rank, world):
 def test_fsdp2_refuses_expert_params_with_a_clear_error():
     for msg in run_workers(_fsdp_expert, 2):
         assert msg is not None and "expert param" in msg and "param 0 of param group 0" in msg
+
+
+def _save_dist_opt_at_ep2(rank, world, path):
+    from tpamp.checkpoint import save_checkpoint
+
+    st = _init(dict(ep=2))
+    named = _dist_opt_model(rank, world, st)
+    opt = tpamp.DistributedOptimizer(
+        torch.optim.AdamW([p for _, p, _ in named], lr=0.01),
+        data_parallel_group=st.dp_group, grad_stats_group=dist.group.WORLD,
+        tensor_parallel_group=st.tp_group, parallel_state=st,
+        param_names=[(n, p) for n, p, _ in named], bucket_size=8)
+    sum((p * g).sum() for _, p, g in named).backward()
+    assert opt.step().update_successful
+    save_checkpoint(path, {n: p for n, p, _ in named}, opt)
+    return True
+
+
+def test_distributed_optimizer_checkpoint_saved_at_ep2_resumes_at_ep1(tmp_path):
+    """Expert params saved by flat range at their global expert offset: the state of a
+    one-process EP 1 load equals that of an EP 2 run of FP32Optimizer on the same gradient."""
+    path = str(tmp_path / "dist-ep2")
+    assert all(run_workers(_save_dist_opt_at_ep2, 2, path))
+    (params, state), = run_workers(_load_at_ep1, 1, path)
+    saved = run_workers(_save_at_ep, 2, str(tmp_path / "fp32-ep2"), 2)
+    by_ep = {ep: (p, s) for p, s, ep in saved}
+    for name in params:
+        cat = (lambda k: torch.cat([by_ep[0][k][name], by_ep[1][k][name]])) if name.startswith(
+            "moe.") else (lambda k: by_ep[0][k][name])
+        torch.testing.assert_close(params[name], cat(0), rtol=1e-5, atol=1e-7, msg=name)
+        for key in ("exp_avg", "exp_avg_sq"):
+            want = torch.cat([by_ep[0][1][name][key], by_ep[1][1][name][key]]) \
+                if name.startswith("moe.") else by_ep[0][1][name][key]
+            torch.testing.assert_close(state[name][key], want, rtol=1e-5, atol=1e-9,
+                                       msg=f"{name} {key}")
+
+
+def _dist_opt_inf(rank, world):
+    st = _init(dict(ep=2))
+    named = _dist_opt_model(rank, world, st)
+    opt = tpamp.DistributedOptimizer(
+        torch.optim.SGD([p for _, p, _ in named], lr=0.1), data_parallel_group=st.dp_group,
+        grad_stats_group=dist.group.WORLD, parallel_state=st,
+        param_names=[(n, p) for n, p, _ in named])
+    before = {n: p.detach().clone() for n, p, _ in named}
+    for n, p, g in named:
+        if n == "moe.experts.bias" and rank == 3:  # ep rank 1, expert-DP rank 1
+            g = g.clone()
+            g[1, 2] = math.nan
+        p.grad = g
+    ok, _, _ = opt.step()
+    unchanged = all(torch.equal(p.detach(), before[n]) for n, p, _ in named)
+    return ok, unchanged, [str(r) for r in opt.last_nonfinite]
+
+
+def test_distributed_optimizer_nan_in_one_experts_grad_skips_everywhere_and_names_it():
+    for ok, unchanged, records in run_workers(_dist_opt_inf, 4):
+        assert not ok and unchanged
+        assert records == ["nan in moe.experts.bias [ep 1, etp 0, pp 0, edp 1]"], records
