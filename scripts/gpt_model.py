@@ -51,6 +51,10 @@ and gradients are still stored in fp16/bf16 (so overflow in a gradient still giv
 what loss scaling handles), only the accumulation is fp32 -- as on a GPU's tensor cores. CUDA
 tensors always use the native half-precision kernels.
 
+Mixture of experts (``cfg.num_experts``): every block's MLP is a :class:`MoEMLP` (router,
+experts keyed by their global index, all-to-all dispatch over the expert-parallel group given
+as :class:`ExpertParallel`); see its docstring and docs/guide/moe.md.
+
 Initialisation is seeded per layer (:meth:`GPTStage.init_weights`), so the full model is the same
 whatever the TP x PP layout: block ``i`` gets the same weights on whichever stage it lands.
 """
@@ -65,7 +69,14 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
-from tpamp import module_has_fp32_attr, residual_add, scale_mask_softmax, set_fp32_attr_to_module
+from tpamp import (
+    is_expert_param,  # noqa: F401 (re-exported for the trainer)
+    mark_expert_param,
+    module_has_fp32_attr,
+    residual_add,
+    scale_mask_softmax,
+    set_fp32_attr_to_module,
+)
 
 
 @dataclass
@@ -80,6 +91,10 @@ class GPTConfig:
     fp32_residual_connection: bool = False
     attention_softmax_in_fp32: bool = False
     fp32_final_layernorm: bool = False
+    # mixture of experts (Megatron-core's names; see MoEMLP): None = the dense MLP
+    num_experts: int | None = None
+    moe_router_topk: int = 2
+    moe_aux_loss_coeff: float = 0.0
 
     def __post_init__(self):
         if self.hidden_size % self.num_attention_heads != 0:
@@ -87,6 +102,18 @@ class GPTConfig:
                 f"hidden_size {self.hidden_size} is not divisible by "
                 f"num_attention_heads {self.num_attention_heads}"
             )
+        if self.num_experts is not None:
+            if self.num_experts < 1:
+                raise ValueError(f"num_experts {self.num_experts}: expected None or an int >= 1")
+            if not 1 <= self.moe_router_topk <= self.num_experts:
+                raise ValueError(
+                    f"moe_router_topk {self.moe_router_topk}: expected 1 <= k <= num_experts "
+                    f"{self.num_experts}"
+                )
+            if not (math.isfinite(self.moe_aux_loss_coeff) and self.moe_aux_loss_coeff >= 0):
+                raise ValueError(
+                    f"moe_aux_loss_coeff {self.moe_aux_loss_coeff}: expected a finite value >= 0"
+                )
 
     @property
     def head_dim(self) -> int:
@@ -186,13 +213,201 @@ class MLP(nn.Module):
         return self.fc2(F.gelu(self.fc1(x), approximate="tanh"))
 
 
+# ----------------------------------------------------------------------------- mixture of experts
+
+
+@dataclass
+class ExpertParallel:
+    """Where this rank sits in the expert layout: ``size`` EP ranks, this one ``rank``, the
+    all-to-all ``group`` (None with size 1). Rank ``r`` holds the experts
+    ``[r * E / size, (r + 1) * E / size)`` of each MoE layer (Megatron-core's contiguous split)."""
+
+    size: int = 1
+    rank: int = 0
+    group: object = None
+
+    def local_experts(self, num_experts: int) -> range:
+        if num_experts % self.size:
+            raise ValueError(
+                f"num_experts {num_experts} is not divisible by the expert-parallel size "
+                f"{self.size}"
+            )
+        per = num_experts // self.size
+        return range(self.rank * per, (self.rank + 1) * per)
+
+
+class MoEAuxLossAutoScaler(torch.autograd.Function):
+    """Megatron-core's ``MoEAuxLossAutoScaler`` (moe_utils.py): ``apply(x, aux_loss)`` returns x
+    unchanged; its backward hands ``aux_loss`` the gradient ``main_loss_backward_scale`` (the
+    factor the main loss is multiplied by before backward: loss scale / number of
+    microbatches), so the auxiliary loss is trained without being added to the reported
+    loss. The trainer sets the factor with :meth:`set_loss_scale` before each step."""
+
+    main_loss_backward_scale: torch.Tensor = torch.tensor(1.0)
+
+    @staticmethod
+    def forward(ctx, output: torch.Tensor, aux_loss: torch.Tensor):
+        ctx.save_for_backward(aux_loss)
+        return output
+
+    @staticmethod
+    def backward(ctx, grad_output: torch.Tensor):
+        (aux_loss,) = ctx.saved_tensors
+        scale = MoEAuxLossAutoScaler.main_loss_backward_scale.to(aux_loss.device)
+        return grad_output, torch.ones_like(aux_loss) * scale
+
+    @staticmethod
+    def set_loss_scale(scale: torch.Tensor) -> None:
+        """The factor the aux loss's gradient is multiplied by (a 0-dim tensor or float)."""
+        MoEAuxLossAutoScaler.main_loss_backward_scale = torch.as_tensor(
+            scale, dtype=torch.float32).detach().clone()
+
+
+def switch_load_balancing_loss(probs: torch.Tensor, tokens_per_expert: torch.Tensor,
+                               topk: int, coeff: float) -> torch.Tensor:
+    """Megatron-core's ``switch_load_balancing_loss_func`` (Switch Transformer): ``probs`` the
+    fp32 softmax over all E experts [N, E], ``tokens_per_expert`` [E] the tokens routed to each
+    expert (top-k counted k times). Returns ``coeff * E / (k * N^2) * sum_e(sum_n probs[n, e] *
+    tokens_per_expert[e])``, a 0-dim fp32 tensor (``coeff`` when the load is uniform)."""
+    n, e = probs.shape
+    return torch.sum(probs.sum(dim=0) * tokens_per_expert) * (e * coeff / (topk * n * n))
+
+
+class _AllToAll(torch.autograd.Function):
+    """``all_to_all_single`` along dim 0 with autograd (the backward sends the grads back with
+    the split sizes swapped). Half-precision CPU tensors travel as fp32 (exact), which gloo
+    supports for all-to-all whatever its half support."""
+
+    @staticmethod
+    def forward(ctx, x, output_splits: list, input_splits: list, group):
+        ctx.splits, ctx.group = (output_splits, input_splits), group
+        return _all_to_all(x, output_splits, input_splits, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        output_splits, input_splits = ctx.splits
+        return _all_to_all(grad, input_splits, output_splits, ctx.group), None, None, None
+
+
+def _all_to_all(x, output_splits, input_splits, group):
+    import torch.distributed as dist
+
+    wire = x.float() if (x.device.type == "cpu" and x.dtype in _HALF) else x
+    out = wire.new_empty((sum(output_splits),) + tuple(x.shape[1:]))
+    dist.all_to_all_single(out, wire.contiguous(), output_splits, input_splits, group=group)
+    return out.to(x.dtype)
+
+
+class MoEMLP(nn.Module):
+    """The GPT's MLP as a mixture of experts (Megatron-core's ``MoELayer`` with a ``TopKRouter``,
+    the all-to-all token dispatcher and ``SequentialMLP`` experts).
+
+    - Router ``router.weight`` [E, H] (a dense, replicated param): logits = x W^T in fp32, the
+      top-k experts per token, their weights the fp32 softmax over those k logits (Megatron's
+      default, ``moe_router_pre_softmax=False``). With ``moe_aux_loss_coeff > 0`` the
+      load-balancing loss (:func:`switch_load_balancing_loss` over this rank's tokens of the
+      microbatch, probs the softmax over all E logits) is trained through
+      :class:`MoEAuxLossAutoScaler`.
+    - Experts ``experts[str(e)]``: one :class:`MLP` (H -> 4H -> H) per expert held here, keyed by
+      the *global* expert index ``e`` (so ``blocks.3.mlp.experts.5.fc1.weight`` names the same
+      weight under any EP size; checkpoints re-map by name). Each expert param carries
+      ``expert_index = e`` and ``allreduce = False`` (Megatron's mark of an expert param).
+    - Dispatch: the (token, expert) pairs are sorted by expert; with EP > 1 the counts and then
+      the tokens go to the rank holding each expert by ``all_to_all_single`` over the EP group,
+      are regrouped by local expert, run, and come back by the reverse all-to-all; the outputs
+      are weighted by the router probs and summed per token in fp32.
+    - Expert tensor parallelism: the experts take the TP plan of the dense MLP (fc1
+      column-parallel, fc2 row-parallel, :func:`tensor_parallel_plan`), so the expert TP group
+      is the TP group (expert TP size = TP size). Tokens are replicated over TP, so every TP
+      rank routes alike and the all-to-all runs among ranks of one TP index.
+
+    forward(x): [B, T, H] in the model dtype -> [B, T, H] in the same dtype.
+    """
+
+    def __init__(self, cfg: GPTConfig, ep: ExpertParallel | None = None):
+        super().__init__()
+        self.num_experts, self.topk = cfg.num_experts, cfg.moe_router_topk
+        self.aux_loss_coeff = cfg.moe_aux_loss_coeff
+        self.ep = ep if ep is not None else ExpertParallel()
+        self.router = nn.Linear(cfg.hidden_size, cfg.num_experts, bias=False)
+        local = self.ep.local_experts(cfg.num_experts)
+        self.experts = nn.ModuleDict({str(e): MLP(cfg) for e in local})
+        mark_expert_params(self)
+
+    def route(self, h: torch.Tensor):
+        """h: [N, H] -> (top-k expert ids [N, k] int64, their weights [N, k] in fp32, or
+        fp64 for an fp64 model)."""
+        dt = torch.promote_types(h.dtype, torch.float32)
+        logits = F.linear(h.to(dt), self.router.weight.to(dt))  # [N, E] fp32
+        top_logits, top_idx = torch.topk(logits, self.topk, dim=-1)
+        probs = torch.softmax(top_logits, dim=-1)
+        if self.aux_loss_coeff > 0 and torch.is_grad_enabled():
+            counts = torch.bincount(top_idx.reshape(-1), minlength=self.num_experts)
+            aux = switch_load_balancing_loss(
+                torch.softmax(logits, dim=-1), counts.float(), self.topk, self.aux_loss_coeff
+            )
+            probs = MoEAuxLossAutoScaler.apply(probs, aux)
+        return top_idx, probs
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape, hidden = x.shape, x.shape[-1]
+        h = x.reshape(-1, hidden)  # [N, H]
+        top_idx, probs = self.route(h)
+        k, ep, n_local = self.topk, self.ep.size, len(self.experts)
+        flat = top_idx.reshape(-1)  # [N k]: the expert of each (token, slot)
+        order = torch.argsort(flat, stable=True)  # (token, slot) pairs sorted by expert
+        token_of = order // k
+        tokens = h[token_of]  # [N k, H]
+        counts = torch.bincount(flat, minlength=self.num_experts)  # [E]
+        if ep > 1:
+            import torch.distributed as dist
+
+            send = counts.view(ep, n_local)  # row r: what goes to EP rank r
+            recv = torch.empty_like(send)  # row r: what EP rank r sends here
+            dist.all_to_all_single(recv, send.contiguous(), group=self.ep.group)
+            in_splits, out_splits = send.sum(1).tolist(), recv.sum(1).tolist()
+            tokens = _AllToAll.apply(tokens, out_splits, in_splits, self.ep.group)
+            # received segments are (source rank, local expert) in row-major order: regroup
+            # them by local expert (source order kept inside each)
+            seg = torch.repeat_interleave(torch.arange(ep * n_local, device=x.device),
+                                          recv.reshape(-1))
+            regroup = torch.argsort((seg % n_local) * ep + seg // n_local, stable=True)
+            tokens = tokens[regroup]
+            local_counts = recv.sum(0).tolist()
+        else:
+            local_counts = counts.tolist()
+        outs = [expert(chunk) for expert, chunk in
+                zip(self.experts.values(), tokens.split(local_counts))]
+        y = torch.cat(outs) if outs else tokens
+        if ep > 1:
+            y = y[torch.argsort(regroup)]  # back to (source rank, local expert) order
+            y = _AllToAll.apply(y, in_splits, out_splits, self.ep.group)
+        weights = probs.reshape(-1)[order]  # [N k] fp32, in y's order
+        out = torch.zeros(h.shape, dtype=weights.dtype, device=x.device)
+        out = out.index_add(0, token_of, y.to(weights.dtype) * weights[:, None])
+        return out.to(x.dtype).view(shape)
+
+
+def mark_expert_params(module: nn.Module) -> None:
+    """Mark the expert params of every :class:`MoEMLP` in ``module`` (again after anything that
+    makes new param objects: parallelize_module, fully_shard) with
+    :func:`tpamp.mark_expert_param` (Megatron's ``allreduce = False``; each param belongs to one
+    expert and its name carries the global expert index), and ``expert_index`` = that index."""
+    for m in module.modules():
+        if isinstance(m, MoEMLP):
+            for e, expert in m.experts.items():
+                for p in expert.parameters():
+                    mark_expert_param(p)
+                    p.expert_index = int(e)
+
+
 class Block(nn.Module):
-    def __init__(self, cfg: GPTConfig):
+    def __init__(self, cfg: GPTConfig, ep: ExpertParallel | None = None):
         super().__init__()
         self.ln_1 = nn.LayerNorm(cfg.hidden_size)
         self.attn = CausalSelfAttention(cfg)
         self.ln_2 = nn.LayerNorm(cfg.hidden_size)
-        self.mlp = MLP(cfg)
+        self.mlp = MLP(cfg) if cfg.num_experts is None else MoEMLP(cfg, ep)
         self.fp32_residual = cfg.fp32_residual_connection
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -223,7 +438,8 @@ class GPTStage(nn.Module):
     parallelized (:func:`parallelize_stage`), the full [B, T, V] before.
     """
 
-    def __init__(self, cfg: GPTConfig, pp_size: int = 1, pp_rank: int = 0):
+    def __init__(self, cfg: GPTConfig, pp_size: int = 1, pp_rank: int = 0,
+                 ep: ExpertParallel | None = None):
         super().__init__()
         self.cfg = cfg
         self.is_first = pp_rank == 0
@@ -232,7 +448,7 @@ class GPTStage(nn.Module):
         if self.is_first:
             self.wte = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
             self.wpe = nn.Embedding(cfg.seq_length, cfg.hidden_size)
-        self.blocks = nn.ModuleList(Block(cfg) for _ in self.layer_ids)
+        self.blocks = nn.ModuleList(Block(cfg, ep) for _ in self.layer_ids)
         if self.is_last:
             self.ln_f = nn.LayerNorm(cfg.hidden_size)
             if cfg.fp32_final_layernorm:
@@ -328,11 +544,17 @@ class GPTStage(nn.Module):
             normal_(self.head_weight, std, gen(0))  # the same stream as wte
         for i, block in zip(self.layer_ids, self.blocks):
             g = gen(100 + i)
-            for name, lin in (
-                ("qkv", block.attn.qkv), ("proj", block.attn.proj),
-                ("fc1", block.mlp.fc1), ("fc2", block.mlp.fc2),
-            ):
-                normal_(lin.weight, proj_std if name in ("proj", "fc2") else std, g)
+            linears = [("qkv", block.attn.qkv, g), ("proj", block.attn.proj, g)]
+            if isinstance(block.mlp, MoEMLP):  # router and each expert: streams of their own,
+                # keyed by the global layer and expert index (the same under any EP size)
+                normal_(block.mlp.router.weight, std, gen(200_000 + i))
+                for e, expert in block.mlp.experts.items():
+                    ge = gen(300_000 + i * self.cfg.num_experts + int(e))
+                    linears += [("fc1", expert.fc1, ge), ("fc2", expert.fc2, ge)]
+            else:
+                linears += [("fc1", block.mlp.fc1, g), ("fc2", block.mlp.fc2, g)]
+            for name, lin, g_lin in linears:
+                normal_(lin.weight, proj_std if name in ("proj", "fc2") else std, g_lin)
                 lin.bias.zero_()
         for m in self.modules():
             if isinstance(m, nn.LayerNorm):
@@ -371,7 +593,8 @@ class GPTChunks(nn.Module):
     not defined. Raises ValueError for ``v < 1`` or ``pp < 2`` with ``v > 1`` (the tied
     embedding and its head copy would be on one rank)."""
 
-    def __init__(self, cfg: GPTConfig, pp_size: int, pp_rank: int, virtual_stages: int):
+    def __init__(self, cfg: GPTConfig, pp_size: int, pp_rank: int, virtual_stages: int,
+                 ep: ExpertParallel | None = None):
         super().__init__()
         if virtual_stages < 1 or (virtual_stages > 1 and pp_size < 2):
             raise ValueError(
@@ -382,7 +605,7 @@ class GPTChunks(nn.Module):
         self.pp_size, self.pp_rank, self.virtual_stages = pp_size, pp_rank, virtual_stages
         num_stages = pp_size * virtual_stages
         self.stage_indices = [c * pp_size + pp_rank for c in range(virtual_stages)]
-        self.chunks = nn.ModuleList(GPTStage(cfg, num_stages, s) for s in self.stage_indices)
+        self.chunks = nn.ModuleList(GPTStage(cfg, num_stages, s, ep) for s in self.stage_indices)
         self.is_first = self.chunks[0].is_first
         self.is_last = self.chunks[-1].is_last
 
@@ -447,9 +670,11 @@ def tensor_parallel_plan(stage: GPTStage) -> dict:
         plan["wte"] = RowwiseParallel(input_layouts=Replicate())
     for j in range(len(stage.blocks)):
         p = f"blocks.{j}"
-        for name in ("attn.qkv", "mlp.fc1"):
+        mlp = stage.blocks[j].mlp
+        mlps = [f"mlp.experts.{e}" for e in mlp.experts] if isinstance(mlp, MoEMLP) else ["mlp"]
+        for name in ("attn.qkv", *(f"{m}.fc1" for m in mlps)):
             plan[f"{p}.{name}"] = ColwiseParallel()
-        for name in ("attn.proj", "mlp.fc2"):
+        for name in ("attn.proj", *(f"{m}.fc2" for m in mlps)):
             plan[f"{p}.{name}"] = RowwiseParallel()
     return plan
 
@@ -484,6 +709,7 @@ def parallelize_stage(stage: GPTStage, tp_mesh) -> GPTStage:
     for param in stage.parameters():
         if isinstance(param, DTensor) and param.requires_grad:
             param.register_hook(_grad_like_param(param))
+    mark_expert_params(stage)  # parallelize_module made new param objects
     return stage
 
 
@@ -503,7 +729,10 @@ def _grad_like_param(param):
 
 
 def count_params(cfg: GPTConfig) -> int:
-    """Parameters of the whole model, counting the tied embedding/head once."""
+    """Parameters of the whole model (all experts), counting the tied embedding/head once."""
     h, v, t, n = cfg.hidden_size, cfg.vocab_size, cfg.seq_length, cfg.num_layers
-    per_block = 4 * (h * h + h) + (4 * h * h + 4 * h) + (4 * h * h + h) + 4 * h
+    mlp = (4 * h * h + 4 * h) + (4 * h * h + h)
+    if cfg.num_experts is not None:
+        mlp = cfg.num_experts * mlp + cfg.num_experts * h  # the experts and the router
+    per_block = 4 * (h * h + h) + mlp + 4 * h
     return v * h + t * h + n * per_block + 2 * h

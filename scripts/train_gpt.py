@@ -19,6 +19,12 @@ What happens:
   (Megatron's column/row split). The word embedding (first stage) is tied to the output head
   (last stage, a copy marked ``shared``), as in Megatron-LM; both are vocab-parallel (V/tp rows
   per TP rank), so each TP rank computes its own slice of the logits.
+- Mixture of experts (``--num-experts N``, Megatron-core's flags; docs/guide/moe.md): every
+  block's MLP becomes N expert MLPs behind a top-k router (``--moe-router-topk``, the switch
+  load-balancing loss with ``--moe-aux-loss-coeff``); ``--expert-model-parallel-size EP`` splits
+  the experts over EP ranks carved out of DP (tokens travel by all-to-all over the EP group),
+  the experts are TP-sharded like the dense MLP (``--expert-tensor-parallel-size`` = TP), and
+  expert grads are summed over the expert-data-parallel group and divided by DP.
 - Megatron's fp16 numerics, through ``tpamp.functional``: ``--fp32-residual-connection``
   (``tpamp.residual_add``; the residual stream, and so the activations passed between pipeline
   stages, are fp32), ``--attention-softmax-in-fp32`` (``tpamp.scale_mask_softmax``, always used
@@ -193,6 +199,18 @@ def parse_args(argv=None) -> argparse.Namespace:
     a("--hidden-size", type=int, default=256)
     a("--num-attention-heads", type=int, default=8)
     a("--seq-length", type=int, default=128)
+    # mixture of experts (Megatron-core's flags; scripts/gpt_model.py MoEMLP, docs/guide/moe.md)
+    a("--num-experts", type=int, default=None,
+      help="replace every block's MLP by this many expert MLPs and a top-k router (default: "
+           "dense)")
+    a("--moe-router-topk", type=int, default=None, help="experts per token (default 2)")
+    a("--moe-aux-loss-coeff", type=float, default=None,
+      help="weight of the load-balancing (switch) loss (default 0: none)")
+    a("--expert-model-parallel-size", type=int, default=1,
+      help="EP: ranks the experts are split over (out of the data-parallel ranks); tokens "
+           "reach their experts by all-to-all")
+    a("--expert-tensor-parallel-size", type=int, default=None,
+      help="expert TP size; only the TP size (the default) is supported")
     # batch: global = micro * num_microbatches * DP; give one of the last two
     a("--micro-batch-size", type=int, default=4)
     a("--global-batch-size", type=int, default=None)
@@ -274,6 +292,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     a("--eval-iters", type=int, default=5, help="global batches per evaluation")
     a("--no-progress", action="store_true", help="no tqdm bar")
     a("--dist-timeout", type=float, default=300.0, help="seconds before a collective fails")
+    a("--inject-inf-grad", default=None, metavar="ITER:RANK:NAME",
+      help="testing: at iteration ITER, after the grad reductions, set one element of the grad "
+           "of parameter NAME (global name) on global rank RANK to inf")
     gpt_checkpoint.add_arguments(p)  # --save, --save-interval, --load, --ckpt-step
     add_restart_arguments(p)  # --inject-exit-at-iteration ... (testing the restart path)
     args = p.parse_args(argv)
@@ -376,6 +397,45 @@ def data_size(args) -> int:
     return min(sum(os.path.getsize(f) for f in files) + max(0, len(files) - 1), args.data_max_bytes)
 
 
+def validate_moe_args(args, tp: int, dp: int) -> None:
+    """The mixture-of-experts flags (part of :func:`validate_args`); fills in the defaults of
+    --moe-router-topk (2), --moe-aux-loss-coeff (0) and --expert-tensor-parallel-size (TP)."""
+    moe = args.num_experts is not None
+    if moe:
+        _check(args, "num_experts", args.num_experts >= 1, "expected an int >= 1")
+    else:  # a flag that cannot apply is an error, not a no-op
+        for dest in ("moe_router_topk", "moe_aux_loss_coeff", "expert_tensor_parallel_size"):
+            _check(args, dest, getattr(args, dest) is None,
+                   "applies to a mixture of experts only: expected --num-experts N with it")
+        _check(args, "expert_model_parallel_size", args.expert_model_parallel_size == 1,
+               "applies to a mixture of experts only: expected --num-experts N with it")
+        return
+    if args.moe_router_topk is None:
+        args.moe_router_topk = 2 if args.num_experts >= 2 else 1
+    if args.moe_aux_loss_coeff is None:
+        args.moe_aux_loss_coeff = 0.0
+    if args.expert_tensor_parallel_size is None:
+        args.expert_tensor_parallel_size = tp
+    e, ep = args.num_experts, args.expert_model_parallel_size
+    _check(args, "moe_router_topk", 1 <= args.moe_router_topk <= e,
+           f"expected 1 <= k <= --num-experts {e}")
+    _check(args, "moe_aux_loss_coeff",
+           math.isfinite(args.moe_aux_loss_coeff) and args.moe_aux_loss_coeff >= 0,
+           "expected a finite value >= 0")
+    _check(args, "expert_model_parallel_size", ep >= 1, "expected a size >= 1")
+    _check(args, "expert_model_parallel_size", e % ep == 0,
+           f"expected a divisor of --num-experts {e} (each EP rank holds num-experts / EP "
+           "whole experts)")
+    _check(args, "expert_model_parallel_size", dp % ep == 0,
+           f"expected a divisor of the data-parallel size {dp} (= WORLD_SIZE / (TP x PP)): "
+           "the EP ranks are carved out of the DP ranks, as in Megatron-core")
+    _check(args, "expert_tensor_parallel_size", args.expert_tensor_parallel_size == tp,
+           f"expected --tensor-model-parallel-size {tp} (the default): the experts are "
+           "tensor-parallel over the TP group; another expert TP size is not supported")
+    _check(args, "use_torch_fsdp2", not args.use_torch_fsdp2,
+           "not supported with --num-experts (the main job's MoE runs without FSDP2)")
+
+
 def validate_args(args) -> None:
     """Every check of the flags and the data file, with nothing but the environment torchrun
     sets (``WORLD_SIZE``, ``LOCAL_WORLD_SIZE``): run on every rank before any process group,
@@ -416,6 +476,7 @@ def validate_args(args) -> None:
            not args.overlap_grad_reduce or args.use_distributed_optimizer,
            "--overlap-grad-reduce needs --use-distributed-optimizer (the grads are "
            "reduce-scattered by its backward hooks)")
+    validate_moe_args(args, tp, dp)
     # model
     for dest in ("num_layers", "hidden_size", "num_attention_heads", "seq_length"):
         _check(args, dest, getattr(args, dest) >= 1, "expected an int >= 1")
@@ -535,6 +596,11 @@ def validate_args(args) -> None:
     _check(args, "eval_iters", args.eval_iters >= 1, "expected an int >= 1")
     _check(args, "dist_timeout", math.isfinite(args.dist_timeout) and args.dist_timeout > 0,
            "expected a finite number of seconds > 0")
+    if args.inject_inf_grad is not None:
+        parts = args.inject_inf_grad.split(":", 2)
+        _check(args, "inject_inf_grad", len(parts) == 3 and all(parts)
+               and parts[0].isdigit() and parts[1].isdigit() and int(parts[1]) < world,
+               f"expected ITER:RANK:NAME with a rank below the {world} ranks")
     for dest in ("log_dir", "save"):
         path = getattr(args, dest)
         _check(args, dest, path is None or not os.path.exists(path) or os.path.isdir(path),
@@ -721,7 +787,16 @@ if __name__ == "__main__":  # a bad flag exits here, before the imports below
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
-from gpt_model import GPTChunks, GPTConfig, GPTStage, count_params, parallelize_stage  # noqa: E402
+from gpt_model import (  # noqa: E402
+    ExpertParallel,
+    GPTChunks,
+    GPTConfig,
+    GPTStage,
+    MoEAuxLossAutoScaler,
+    count_params,
+    is_expert_param,
+    parallelize_stage,
+)
 
 import tpamp  # noqa: E402
 from tpamp.grad_stats import local_tensor  # noqa: E402
@@ -849,7 +924,8 @@ def run_pipeline(run: "Run", x, y, train: bool) -> list:
     losses = [] if st.is_last_stage else None
     target = y if st.is_last_stage else None
     scale = run.optimizer.get_loss_scale().clone()  # the step may change it afterwards
-    if train:
+    if train:  # the MoE load-balancing loss's grad: scaled like the main loss (PipelineLoss)
+        MoEAuxLossAutoScaler.set_loss_scale(scale.float() / run.num_microbatches)
         schedule.step(*inputs, target=target, losses=losses, return_outputs=False)
     else:
         with torch.no_grad():
@@ -886,10 +962,17 @@ def _all_reduce_grads(grads, group, divide_by: int = 1) -> None:
 
 
 def all_reduce_data_parallel_grads(stage, st) -> None:
-    """Average every grad over the DP group (for a DTensor grad: its local shard)."""
+    """Average every grad over the DP group (for a DTensor grad: its local shard). Expert
+    params (``allreduce = False``) are summed over the expert-data-parallel group instead (the
+    ranks holding the same experts) and divided by DP, as Megatron-core's DDP scales them
+    (edp / dp after its average over edp): their grads already hold the tokens of every EP
+    rank, so both kinds end at the mean over all DP ranks' losses."""
     if st.dims.dp > 1:
-        grads = [local_tensor(p.grad) for p in stage.parameters() if p.grad is not None]
-        _all_reduce_grads(grads, st.dp_group, divide_by=st.dims.dp)
+        params = [p for p in stage.parameters() if p.grad is not None]
+        dense = [local_tensor(p.grad) for p in params if not is_expert_param(p)]
+        _all_reduce_grads(dense, st.dp_group, divide_by=st.dims.dp)
+        expert = [local_tensor(p.grad) for p in params if is_expert_param(p)]
+        _all_reduce_grads(expert, st.expert_data_parallel_group, divide_by=st.dims.dp)
 
 
 def all_reduce_embedding_grads(stage, st) -> None:
@@ -920,10 +1003,22 @@ def setup_distributed(args):
     init_process_group_for_attempt(  # keys of its own for each torchrun attempt
         "nccl" if use_cuda else "gloo", timeout=datetime.timedelta(seconds=args.dist_timeout)
     )
-    st = initialize_model_parallel(
-        args.tensor_model_parallel_size, args.pipeline_model_parallel_size
-    )
+    st = model_parallel_state(args.tensor_model_parallel_size,
+                              args.pipeline_model_parallel_size, args.expert_model_parallel_size)
     return st, device
+
+
+def model_parallel_state(tp: int, pp: int, ep: int = 1):
+    """The TP x PP x DP layout with ``ep`` expert-parallel ranks (expert TP = TP, so EP is
+    carved out of DP: Megatron-core's expert order tp-ep-dp-pp), on the default process group
+    (every rank calls it; tpamp.parallel, docs/spec.md section 19)."""
+    return initialize_model_parallel(tp, pp, expert_model_parallel_size=ep)
+
+
+def expert_parallel(st, args) -> ExpertParallel:
+    """This rank's place among the EP ranks (what the MoE layers dispatch over)."""
+    ep = args.expert_model_parallel_size
+    return ExpertParallel(ep, st.ep_rank, st.ep_group if ep > 1 else None)
 
 
 def virtual_stages(args) -> int:
@@ -933,16 +1028,16 @@ def virtual_stages(args) -> int:
 
 
 def build_stage(cfg: GPTConfig, st, dtype, device, seed: int, fsdp2: bool = False,
-                virtual: int = 1):
+                virtual: int = 1, ep: ExpertParallel | None = None):
     """This rank's stage (a GPTStage, or with ``virtual`` > 1 the GPTChunks of an interleaved
     schedule): seeded fp32 init, tied head copied from the first stage, cast to
     ``dtype`` (fp32 islands, e.g. --fp32-final-layernorm, stay fp32), then TP-sharded with
     parallelize_module (vocab-parallel embedding and head copy). Cast before sharding: the
     grad hooks that parallelize_stage puts on the DTensor params do not survive a later cast."""
     if virtual > 1:
-        stage = GPTChunks(cfg, st.dims.pp, st.pp_rank, virtual)
+        stage = GPTChunks(cfg, st.dims.pp, st.pp_rank, virtual, ep)
     else:
-        stage = GPTStage(cfg, st.dims.pp, st.pp_rank)
+        stage = GPTStage(cfg, st.dims.pp, st.pp_rank, ep)
     stage.init_weights(seed)
     stage.to(device)
     weight = stage.word_embedding_weight() if st.embedding_group is not None else None
@@ -1169,6 +1264,9 @@ def model_config(args) -> GPTConfig:
         fp32_residual_connection=args.fp32_residual_connection,
         attention_softmax_in_fp32=args.attention_softmax_in_fp32,
         fp32_final_layernorm=args.fp32_final_layernorm,
+        num_experts=args.num_experts,
+        moe_router_topk=args.moe_router_topk or 2,
+        moe_aux_loss_coeff=args.moe_aux_loss_coeff or 0.0,
     )
 
 
@@ -1182,7 +1280,7 @@ def build(args, st, device) -> Run:
     data = ByteData(text, args.seq_length, args.valid_fraction)
     torch.manual_seed(args.seed)
     stage = build_stage(cfg, st, dtype, device, args.seed, fsdp2=args.use_torch_fsdp2,
-                        virtual=virtual_stages(args))
+                        virtual=virtual_stages(args), ep=expert_parallel(st, args))
     optimizer = build_optimizer(stage, args, st, dtype)
     # Megatron-LM: the schedule advances only on successful steps (scheduler.step() in the loop)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer.optimizer,
@@ -1213,12 +1311,18 @@ def describe(run: Run) -> str:
     """The first line: model, layout, precision and numerics flags, batch and data."""
     args, cfg, st = run.args, run.cfg, run.st
     numerics = [name for name in NUMERICS_FLAGS if getattr(args, name)]
+    moe = ""
+    if cfg.num_experts is not None:
+        moe = (f", MoE {cfg.num_experts} experts top-{cfg.moe_router_topk}, aux loss coeff "
+               f"{cfg.moe_aux_loss_coeff:g}")
     return (
         f"GPT {count_params(cfg) / 1e6:.2f}M params ({cfg.num_layers} layers, hidden "
-        f"{cfg.hidden_size}, {cfg.num_attention_heads} heads, seq {cfg.seq_length}, vocab 256) | "
+        f"{cfg.hidden_size}, {cfg.num_attention_heads} heads, seq {cfg.seq_length}, vocab 256"
+        f"{moe}) | "
         f"{dist.get_world_size()} ranks: TP {st.dims.tp} x PP {st.dims.pp}"
         f"{pipeline_label(args) if st.dims.pp > 1 else ''} x DP {st.dims.dp}"
-        f"{' (FSDP2 fully_shard)' if args.use_torch_fsdp2 else ''} on "
+        f"{' (FSDP2 fully_shard)' if args.use_torch_fsdp2 else ''}"
+        f"{f' (EP {args.expert_model_parallel_size})' if cfg.num_experts is not None else ''} on "
         f"{run.device.type} ({dist.get_backend()}) | {str(run.dtype).replace('torch.', '')}"
         f"{''.join(' +' + n for n in numerics)} | "
         f"global batch {run.global_batch} = micro {args.micro_batch_size} x "
@@ -1296,6 +1400,8 @@ def train_step(run: Run, tracer, log_now: bool):
     if not (args.use_distributed_optimizer or args.use_torch_fsdp2):
         all_reduce_data_parallel_grads(run.stage, st)
     all_reduce_embedding_grads(run.stage, st)
+    if args.inject_inf_grad is not None:
+        inject_inf_grad(run, args.inject_inf_grad)
     loss = None
     if st.is_last_stage:  # the DP mean, so that every DP replica judges the same loss
         loss = mean_over_dp(losses, st)
@@ -1306,6 +1412,24 @@ def train_step(run: Run, tracer, log_now: bool):
     if result.update_successful:
         run.scheduler.step()
     return loss, result
+
+
+def inject_inf_grad(run: Run, spec: str) -> None:
+    """--inject-inf-grad ITER:RANK:NAME: an inf in the first element of the local grad of the
+    param with global name NAME on global rank RANK at iteration ITER (counted by the
+    calls of this function in this process: the run's first iteration is 1, also after
+    --load)."""
+    it, rank, name = spec.split(":", 2)
+    run.injection_calls = getattr(run, "injection_calls", 0) + 1
+    if run.injection_calls != int(it) or dist.get_rank() != int(rank):
+        return
+    for pname, param in run.stage.global_named_parameters():
+        if pname == name:
+            grad = getattr(param, "main_grad", None)
+            grad = grad if grad is not None else local_tensor(param.grad)
+            grad.view(-1)[0] = float("inf")
+            return
+    raise ValueError(f"--inject-inf-grad: rank {rank} holds no parameter {name!r}")
 
 
 def log_iteration(run: Run, it, loss, lr, loss_scale, result, log_now, extra) -> None:
@@ -1408,6 +1532,10 @@ def summarize(run: Run, history, val_loss: float, elapsed: float) -> None:
         "distributed_optimizer": args.use_distributed_optimizer,
         "torch_fsdp2": args.use_torch_fsdp2,
         "optimizer": args.optimizer,
+        "num_experts": args.num_experts,
+        "moe_router_topk": args.moe_router_topk,
+        "moe_aux_loss_coeff": args.moe_aux_loss_coeff,
+        "ep": args.expert_model_parallel_size,
     }
     run.say(
         f"done: {summary['iterations']} iterations in {elapsed:.1f} s "
