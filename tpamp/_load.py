@@ -14,7 +14,7 @@ import torch.distributed as dist
 from tpamp._checks import check_mapping
 from tpamp._guards import gather_rows, reset_step_guard
 from tpamp.common import local_tensor
-from tpamp.state_formats import check_saved_scales
+from tpamp.state_formats import check_saved_scales, restore_code_dtypes
 
 Tensor = torch.Tensor
 
@@ -270,6 +270,7 @@ def load_wrapper_state(wrapper, state_dict, *, mains_key: str, match_mains, afte
     if detector is not None and state_dict.get("spike_detector") is not None:
         detector.load_state_dict(state_dict["spike_detector"])
     wrapper.optimizer.load_state_dict(state_dict["optimizer"])
+    restore_code_dtypes(wrapper.optimizer, state_dict["optimizer"])  # 8-bit codes, not floats
     scaler = getattr(wrapper, "grad_scaler", None)
     scaler_state = state_dict.get("grad_scaler")
     if scaler is not None:
