@@ -144,6 +144,25 @@ inline float* read_moment(const MomentRef& r, int64_t b, int64_t n, float* __res
   return buf;
 }
 
+// The floor tables of the uint8 format widened to 32 bits (built once): with the byte tables g++
+// keeps the encode loop scalar, with these it vectorizes it (32-bit gathers).
+struct WideFloors {
+  uint32_t is_signed[2 * kDynamicSlots];
+  uint32_t is_unsigned[2 * kDynamicSlots];
+};
+
+const WideFloors& wide_floors() {
+  static const WideFloors w = [] {
+    WideFloors t;
+    for (int i = 0; i < 2 * kDynamicSlots; ++i) {
+      t.is_signed[i] = kDynamicFloorSigned[i];
+      t.is_unsigned[i] = kDynamicFloorUnsigned[i];
+    }
+    return t;
+  }();
+  return w;
+}
+
 // The max |value| of a block's n values (NaN if any).
 inline float block_absmax(int64_t n, const float* __restrict buf) {
   int64_t i = 0;
@@ -197,7 +216,8 @@ inline void write_moment(const MomentRef& r, int64_t b, int64_t n, const float* 
       r.scales[b] = s.scale;
       const float div = s.div;
       const float* __restrict q = r.sqrt ? kDynamicMapUnsigned : kDynamicMapSigned;
-      const uint8_t* __restrict floors = r.sqrt ? kDynamicFloorUnsigned : kDynamicFloorSigned;
+      const WideFloors& wide = wide_floors();
+      const uint32_t* __restrict floors = r.sqrt ? wide.is_unsigned : wide.is_signed;
       alignas(64) uint32_t codes[kMomentBlock];  // 32-bit lanes, then narrowed (see the header)
       for (int64_t k = 0; k < n; ++k) codes[k] = dynamic_encode_bits(buf[k] / div, q, floors);
       uint8_t* __restrict out = static_cast<uint8_t*>(r.data) + o;
