@@ -537,8 +537,10 @@ def restore_code_dtypes(optimizer, saved: Dict) -> None:
 def layout_free_state(state: Dict) -> Dict:
     """``state`` for a layout-free (torch.distributed.checkpoint) save: float32 and bfloat16
     moments as they are (views), 8-bit moments decoded to float32 values (new tensors) without
-    their scales, whose blocks depend on this rank's layout. Loading re-encodes them: the
-    codes come back identical, a scale to within one float32 ulp."""
+    their scales, whose blocks depend on this rank's layout. Loading re-encodes them:
+    float8_e4m3fn codes come back identical, a scale to within one float32 ulp; uint8 codes
+    too, except in a block whose largest |value| is negative (the signed map's most negative
+    entry is -0.993, not -1: that block's scale shrinks by 0.7% and a code may move by one)."""
     if not any(k in state for k in SCALE_KEYS.values()):
         return state
     out = {k: v for k, v in state.items() if k not in SCALE_KEYS.values()}
