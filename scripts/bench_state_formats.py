@@ -9,6 +9,8 @@ clip_grad=1.0, zero count on, the one-pass fused step) with the state stored as:
     fp32      exp_avg / exp_avg_sq float32, fp32 main params (today's default)
     bf16      both moments bfloat16
     bf16+rem  both moments bfloat16, bf16 params + int16 remainders (no fp32 master)
+    u8        both moments 8-bit (uint8 codes of the dynamic map, one float32 scale per 256)
+    u8+rem    uint8 moments + remainders
     fp8       both moments 8-bit (float8_e4m3fn codes, one float32 scale per 256 elements)
     fp8+rem   8-bit moments + remainders
 
@@ -56,6 +58,9 @@ CONFIGS = {
     "bf16": dict(exp_avg_dtype=torch.bfloat16, exp_avg_sq_dtype=torch.bfloat16),
     "bf16+rem": dict(exp_avg_dtype=torch.bfloat16, exp_avg_sq_dtype=torch.bfloat16,
                      store_param_remainders=True),
+    "u8": dict(exp_avg_dtype=torch.uint8, exp_avg_sq_dtype=torch.uint8),
+    "u8+rem": dict(exp_avg_dtype=torch.uint8, exp_avg_sq_dtype=torch.uint8,
+                   store_param_remainders=True),
     "fp8": dict(exp_avg_dtype=torch.float8_e4m3fn, exp_avg_sq_dtype=torch.float8_e4m3fn),
     "fp8+rem": dict(exp_avg_dtype=torch.float8_e4m3fn, exp_avg_sq_dtype=torch.float8_e4m3fn,
                     store_param_remainders=True),
@@ -164,7 +169,7 @@ def _kernel_bench(args):
         for key, dtype in (("m", m_dtype), ("v", v_dtype)):
             st[key] = torch.zeros(n, dtype=dtype)
             st[key + "_scales"] = (torch.zeros(ops.moment_blocks(n))
-                                   if dtype == torch.float8_e4m3fn else None)
+                                   if dtype in (torch.float8_e4m3fn, torch.uint8) else None)
         states[name] = st
 
     def step(st):

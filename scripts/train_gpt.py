@@ -135,7 +135,7 @@ MULTI_STAGE_SCHEDULES = ("Interleaved1F1B", "LoopedBFS")
 PIPELINE_SCHEDULES = SINGLE_STAGE_SCHEDULES + MULTI_STAGE_SCHEDULES
 
 # --exp-avg-dtype / --exp-avg-sq-dtype (torch dtypes in build_optimizer)
-STATE_DTYPE_CHOICES = ("bf16", "fp32", "fp8")
+STATE_DTYPE_CHOICES = ("bf16", "fp32", "fp8", "uint8")
 PROG = "train_gpt.py"
 VOCAB_SIZE = 256  # byte-level tokens
 
@@ -233,8 +233,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     a("--seed", type=int, default=1234)
     # optimizer-state storage (Megatron-core's precision-aware optimizer flags; tpamp.state_formats)
     a("--exp-avg-dtype", choices=STATE_DTYPE_CHOICES, default="fp32",
-      help="storage of Adam's exp_avg: fp32, bf16, or fp8 (8-bit e4m3fn codes, a scale per "
-           "256 elements)")
+      help="storage of Adam's exp_avg: fp32, bf16, uint8 (8-bit codes of the dynamic map of "
+           "torchao's AdamW8bit, a scale per 256 elements: the 8-bit format to use) or fp8 "
+           "(8-bit e4m3fn codes, a scale per 256 elements)")
     a("--exp-avg-sq-dtype", choices=STATE_DTYPE_CHOICES, default="fp32",
       help="storage of Adam's exp_avg_sq (as --exp-avg-dtype)")
     a("--store-param-remainders", action="store_true",
@@ -802,7 +803,8 @@ import tpamp  # noqa: E402
 from tpamp.grad_stats import local_tensor  # noqa: E402
 from tpamp.parallel import initialize_model_parallel  # noqa: E402
 
-_STATE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp8": torch.float8_e4m3fn}
+_STATE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp8": torch.float8_e4m3fn,
+                 "uint8": torch.uint8}
 
 
 # ----------------------------------------------------------------------------- data

@@ -25,6 +25,7 @@ pytestmark = [
 ]
 CPU = torch.ops.tpamp
 F8 = torch.float8_e4m3fn
+U8 = torch.uint8  # codes of the dynamic map
 # a tail, a block, a block + 1, more than one warp's round (16 x 256), > one chunk (65536)
 SIZES = (1, 256, 257, 4097, 65536 + 300)
 
@@ -46,8 +47,8 @@ def _case(seed, m_dtype, v_dtype, remainders, model_dtype=torch.bfloat16):
         vsc.append(b if b is not None else torch.empty(0))
         steps.append(torch.tensor([3.0], dtype=torch.float64 if i % 2 else torch.float32))
         grads.append(torch.randn(n, generator=g).to(torch.bfloat16 if i % 2 else torch.float32))
-    any8m = m_dtype == F8
-    any8v = v_dtype == F8
+    any8m = m_dtype in (F8, U8)
+    any8v = v_dtype in (F8, U8)
     return [params, ms, vs, steps, models, grads], (msc if any8m else []), (vsc if any8v else [])
 
 
@@ -61,6 +62,9 @@ def _clone(lists):
     (F8, torch.bfloat16, False),
     (torch.float32, F8, False),
     (torch.float32, torch.float32, True),
+    (U8, U8, True),
+    (U8, F8, False),
+    (torch.bfloat16, U8, False),
 ])
 def test_narrow_adam_matches_cpu_twin(order, m_dtype, v_dtype, remainders):
     case, msc, vsc = _case(7, m_dtype, v_dtype, remainders)

@@ -696,6 +696,10 @@ def test_resume_with_narrow_state_is_bit_identical():
 # -- DistributedOptimizer, DP 2 and 4, bf16 and fp16 models ----------------------------------
 
 CONFIGS["8bit"] = dict(exp_avg_dtype=torch.float8_e4m3fn, exp_avg_sq_dtype=torch.float8_e4m3fn)
+# the uint8 (dynamic map) format
+CONFIGS["u8"] = dict(exp_avg_dtype=torch.uint8, exp_avg_sq_dtype=torch.uint8)
+CONFIGS["u8+rem"] = dict(exp_avg_dtype=torch.uint8, exp_avg_sq_dtype=torch.uint8,
+                         store_param_remainders=True)
 
 
 def _dist_worker(rank, world_size, cfg_name, dtype):
@@ -728,7 +732,7 @@ def _dist_worker(rank, world_size, cfg_name, dtype):
         ref.step()
         opt.zero_grad()
     for p, q in zip(model.parameters(), ref_model.parameters()):
-        if cfg_name.startswith("8bit"):
+        if cfg_name.startswith(("8bit", "u8")):
             # 8-bit blocks follow the shards (other block boundaries than one rank's): close
             torch.testing.assert_close(p.float(), q.float(), rtol=0,
                                        atol=2e-2 * float(q.abs().max()) + 1e-3)
@@ -736,7 +740,8 @@ def _dist_worker(rank, world_size, cfg_name, dtype):
             assert torch.equal(p, q)
     n = sum(p.numel() for p in model.parameters())
     per_param = opt.optimizer_state_bytes() / n
-    expect = {"fp32": 12, "bf16": 8, "bf16+rem": 6, "8bit": 6.1, "8bit+rem": 4.1}[cfg_name]
+    expect = {"fp32": 12, "bf16": 8, "bf16+rem": 6, "8bit": 6.1, "8bit+rem": 4.1, "u8": 6.1,
+              "u8+rem": 4.1}[cfg_name]
     assert per_param <= expect / world_size + 0.2, per_param
     # save/load (same layout) round trip keeps every bit
     sd = opt.state_dict()
@@ -749,6 +754,7 @@ def _dist_worker(rank, world_size, cfg_name, dtype):
     ("bf16+rem", 2, torch.bfloat16), ("8bit+rem", 2, torch.bfloat16),
     ("bf16+rem", 4, torch.bfloat16), ("8bit+rem", 4, torch.bfloat16),
     ("bf16", 2, torch.float16), ("8bit", 4, torch.float16),
+    ("u8+rem", 2, torch.bfloat16), ("u8", 4, torch.float16),
 ])
 def test_distributed_optimizer_narrow_state(cfg_name, world_size, dtype):
     if not _kernel_built():
@@ -759,7 +765,9 @@ def test_distributed_optimizer_narrow_state(cfg_name, world_size, dtype):
 # -- torch.distributed.checkpoint (tpamp.checkpoint): layout- and configuration-free ---------
 
 @pytest.mark.parametrize("src,dst", [("8bit+rem", "fp32"), ("fp32", "bf16+rem"),
-                                     ("bf16+rem", "8bit+rem"), ("8bit+rem", "8bit+rem")])
+                                     ("bf16+rem", "8bit+rem"), ("8bit+rem", "8bit+rem"),
+                                     ("u8+rem", "fp32"), ("bf16+rem", "u8+rem"),
+                                     ("u8+rem", "u8+rem")])
 def test_dcp_checkpoint_converts_between_configurations(tmp_path, src, dst):
     from tpamp.checkpoint import load_checkpoint, save_checkpoint
 
@@ -779,7 +787,7 @@ def test_dcp_checkpoint_converts_between_configurations(tmp_path, src, dst):
         elif dst == "bf16+rem":
             assert torch.equal(m2, m1.to(torch.bfloat16).float())
         else:  # 8-bit: the same values up to one re-quantization (exact codes for 8-bit src)
-            c, s = ops.encode_moment(m1, torch.float8_e4m3fn)
+            c, s = ops.encode_moment(m1, CONFIGS[dst]["exp_avg_dtype"])
             torch.testing.assert_close(m2, ops.decode_moment(c, s), rtol=1e-6, atol=0)
     for group in b.optimizer.param_groups:
         for p in group["params"]:

@@ -399,7 +399,8 @@ _SETTING_NAMES = (
     "store_param_remainders",
 )
 # the optimizer-state storage options (narrow moments, param remainders): 0 where a wrapper has none
-_STATE_DTYPE_CODES = {torch.float32: 1.0, torch.bfloat16: 2.0, torch.float8_e4m3fn: 3.0}
+_STATE_DTYPE_CODES = {torch.float32: 1.0, torch.bfloat16: 2.0, torch.float8_e4m3fn: 3.0,
+                      torch.uint8: 4.0}
 _WRAPPER_KINDS = {"MixedPrecisionOptimizer": 1.0, "FP32Optimizer": 2.0, "TorchAMPOptimizer": 3.0,
                   "DistributedOptimizer": 4.0, "LayerWiseDistributedOptimizer": 5.0}
 _SCALER_KINDS = {None: 0.0, "ConstantGradScaler": 1.0, "DynamicGradScaler": 2.0,

@@ -15,7 +15,7 @@ from tpamp._checks import check_mapping
 from tpamp._guards import gather_rows, reset_step_guard
 from tpamp.common import local_tensor
 from tpamp.param_groups import OVERRIDE_KEY, match_saved_groups
-from tpamp.state_formats import check_saved_scales
+from tpamp.state_formats import check_saved_scales, restore_code_dtypes
 
 Tensor = torch.Tensor
 
@@ -320,9 +320,11 @@ def align_saved_groups(wrapper, state_dict, *, mains_key: str, per_group_mains: 
 def load_inner_state(optimizer, inner_sd) -> None:
     """``optimizer.load_state_dict(inner_sd)`` (checked and aligned before), keeping the
     entries of a live group that the saved group lacks (torch.optim keeps only the saved
-    group's: an ``override_key`` added since, say)."""
+    group's: an ``override_key`` added since, say), and 8-bit moment codes as the codes they
+    are (torch.optim casts them to float32: state_formats.restore_code_dtypes)."""
     live_entries = [dict(g) for g in optimizer.param_groups]
     optimizer.load_state_dict(inner_sd)
+    restore_code_dtypes(optimizer, inner_sd)
     for g, before_load in zip(optimizer.param_groups, live_entries):
         for k, v in before_load.items():
             g.setdefault(k, v)

@@ -35,6 +35,7 @@ from tpamp import _ext
 
 # the narrow-state formats, also importable from here under their names of before
 # (tpamp.ops.encode_moment...; "X as X" marks a re-export)
+from tpamp.state_formats import BLOCKWISE_DTYPES as BLOCKWISE_DTYPES
 from tpamp.state_formats import MOMENT_BLOCK as MOMENT_BLOCK
 from tpamp.state_formats import MOMENT_DTYPES as MOMENT_DTYPES
 from tpamp.state_formats import decode_moment as decode_moment
@@ -669,7 +670,8 @@ def fused_adam_step_(
         maximize: ascend instead of descend (torch.optim's maximize).
         exp_avg_scales, exp_avg_sq_scales: narrow state (formats in :mod:`tpamp.state_formats`
             and csrc/kernels/optimizer_step.h): exp_avgs[i] and
-            exp_avg_sqs[i] may be bfloat16 or float8_e4m3fn; an 8-bit one needs its float32
+            exp_avg_sqs[i] may be bfloat16, uint8 (dynamic-map codes) or float8_e4m3fn; an
+            8-bit one needs its float32
             per-block scales (shape [moment_blocks(numel)], contiguous) at index i of these
             lists (None for the others). params[i] may be the int16 remainder of a bfloat16
             model_params[i] (no fp32 master: see :func:`join_remainders`); the step is then
@@ -733,10 +735,10 @@ def _master_like(t: Tensor) -> Tensor:
 def _scale_list(scales, moments, device) -> List[Tensor]:
     """The op's scale list: empty when no moment is 8-bit, else one tensor per param (an
     empty placeholder where a moment is not 8-bit)."""
-    if not any(m.dtype == torch.float8_e4m3fn for m in moments):
+    if not any(m.dtype in BLOCKWISE_DTYPES for m in moments):
         return []
     if scales is None:
-        raise ValueError("8-bit (float8_e4m3fn) moments need their per-block scales")
+        raise ValueError("8-bit (uint8 or float8_e4m3fn) moments need their per-block scales")
     return [s if s is not None else torch.empty(0, dtype=torch.float32, device=device)
             for s in scales]
 
@@ -750,7 +752,7 @@ def _check_narrow_state(op, params, exp_avgs, exp_avg_sqs, model_params, scale_l
             if t.dtype not in MOMENT_DTYPES:
                 raise TypeError(f"{op}: {name}[{i}] has dtype {t.dtype}; expected one of "
                                 f"{MOMENT_DTYPES}")
-            if t.dtype == torch.float8_e4m3fn:
+            if t.dtype in BLOCKWISE_DTYPES:
                 sc = scales[i]
                 if sc.dtype != torch.float32 or sc.numel() != moment_blocks(t.numel()):
                     raise ValueError(

@@ -12,10 +12,14 @@ Options of :class:`tpamp.MixedPrecisionOptimizer` and :class:`tpamp.DistributedO
 the names of Megatron-core's precision-aware optimizer and Transformer Engine's FusedAdam:
 
 * ``exp_avg_dtype``, ``exp_avg_sq_dtype``: ``torch.float32`` (default), ``torch.bfloat16``
-  (round to nearest even) or ``torch.float8_e4m3fn`` (8-bit codes with one float32 scale per
-  block of :data:`MOMENT_BLOCK` = 256 elements; exp_avg_sq keeps the codes of its square root).
-  The state keeps torch.optim's keys (``exp_avg``, ``exp_avg_sq``, ``step``) in these dtypes,
-  plus ``exp_avg_scale`` / ``exp_avg_sq_scale`` (float32, one per block) for 8-bit.
+  (round to nearest even), ``torch.uint8`` (the recommended 8-bit format: codes of the dynamic
+  quantization map of bitsandbytes and torchao's AdamW8bit, :func:`dynamic_map`, signed for
+  exp_avg and unsigned for exp_avg_sq, with one float32 absmax scale per block of
+  :data:`MOMENT_BLOCK` = 256 elements) or ``torch.float8_e4m3fn`` (e4m3fn codes with one
+  float32 scale per block; exp_avg_sq keeps the codes of its square root; about 5x the drift of
+  uint8, kept for checkpoints that hold it). The state keeps torch.optim's keys (``exp_avg``,
+  ``exp_avg_sq``, ``step``) in these dtypes, plus ``exp_avg_scale`` / ``exp_avg_sq_scale``
+  (float32, one per block) for 8-bit.
 * ``store_param_remainders=True`` (bf16 model params only): no float32 master copy; the master
   is the bf16 param's bits plus an int16 remainder (:func:`join_remainders`), rebuilt exactly
   inside the kernel, so the fp32 master values are bit-identical to the fp32-master step's. The
@@ -53,7 +57,9 @@ __all__ = [
     # bit formats (the kernels' reference)
     "MOMENT_BLOCK",
     "MOMENT_DTYPES",
+    "BLOCKWISE_DTYPES",
     "SATURATED_SCALE",
+    "dynamic_map",
     "moment_blocks",
     "encode_moment",
     "decode_moment",
@@ -69,6 +75,7 @@ __all__ = [
     "check_saved_scales",
     # conversion between formats
     "convert_adam_state",
+    "restore_code_dtypes",
     "layout_free_state",
     # DTensor wrapping
     "dtensor_like",
@@ -91,8 +98,68 @@ _FLT_MAX = torch.finfo(torch.float32).max
 #: The scale of an 8-bit block holding +-inf: FLT_MAX / 448 in float32 (0x1.249248p+119), as
 #: csrc/kernels/optimizer_step.h kFp8SaturatedScale; 448 times it is FLT_MAX.
 SATURATED_SCALE = float.fromhex("0x1.249248p+119")
-#: The dtypes a stored moment may have (float8_e4m3fn: 8-bit codes with per-block scales).
-MOMENT_DTYPES = (torch.float32, torch.bfloat16, torch.float8_e4m3fn)
+#: The dtypes a stored moment may have: uint8 (codes of the dynamic 8-bit map,
+#: :func:`dynamic_map`) and float8_e4m3fn (e4m3fn codes), both with one float32 scale per block.
+MOMENT_DTYPES = (torch.float32, torch.bfloat16, torch.float8_e4m3fn, torch.uint8)
+#: The 8-bit moment dtypes: codes with one float32 scale per block of MOMENT_BLOCK elements.
+BLOCKWISE_DTYPES = (torch.float8_e4m3fn, torch.uint8)
+
+
+def _dynamic_map_values(signed: bool):
+    """The 256 values of bitsandbytes' ``create_dynamic_map(signed, max_exponent_bits=7,
+    total_bits=8)``, as torchao builds them (float32 linspace and means, scaled by a power of
+    ten in float32, sorted), as Python floats."""
+    data = []
+    for i in range(7):  # decades 1e-6 .. 1e0, 2^i (signed) or 2^(i+1) (unsigned) steps each
+        items = 2 ** i + 1 if signed else 2 ** (i + 1) + 1
+        bounds = torch.linspace(0.1, 1, items)
+        means = (bounds[:-1] + bounds[1:]) / 2.0
+        data += ((10 ** (i - 6)) * means).tolist()
+        if signed:
+            data += (-(10 ** (i - 6)) * means).tolist()
+    data += [0.0, 1.0]
+    return sorted(data)
+
+
+_DYNAMIC_MAPS = {}
+
+
+def dynamic_map(signed: bool, device=None) -> Tensor:
+    """The dynamic (tree) quantization map of the uint8 moment format: a float32 tensor of
+    256 increasing values in [-1, 1] (the value of code c is ``map[c]``), bitsandbytes'
+    ``create_dynamic_map`` with 7 exponent bits as torchao's AdamW8bit uses it.
+
+    signed=True (exp_avg): 0, 1.0 and +-127 values, 2^i per decade [1e-6, 1e0) (decade i=0..6:
+    the midpoints of 2^i equal steps of [0.1, 1] x 10^(i-6)), most negative -0.99297.
+    signed=False (exp_avg_sq): 0, 1.0 and 254 positive values, 2^(i+1) per decade.
+    Returns a new tensor on ``device`` (default CPU); csrc/kernels/optimizer_step.h holds the
+    same values (kDynamicMapSigned / kDynamicMapUnsigned)."""
+    key = bool(signed)
+    if key not in _DYNAMIC_MAPS:
+        _DYNAMIC_MAPS[key] = torch.tensor(_dynamic_map_values(key), dtype=torch.float32)
+    return _DYNAMIC_MAPS[key].to(device, copy=True)
+
+
+def _encode_dynamic(blocks: Tensor, signed: bool):
+    """codes (int64, shape of ``blocks``) and scales of float32 ``blocks`` [nb, MOMENT_BLOCK]
+    in the uint8 format (see :func:`encode_moment`)."""
+    absmax = blocks.abs().amax(dim=1) if blocks.shape[0] else blocks.new_zeros(0)
+    finite = absmax <= _FLT_MAX
+    scale = torch.where(absmax == math.inf, torch.full_like(absmax, _FLT_MAX), absmax)
+    div = torch.where((absmax > 0) & finite, absmax, torch.ones_like(absmax))
+    div = torch.where(absmax == math.inf, torch.full_like(absmax, _FLT_MAX), div)
+    div = torch.where(absmax.isnan(), absmax, div)
+    y = blocks / div[:, None]
+    q = dynamic_map(signed, blocks.device)
+    # floor: the largest c with q[c] <= y (0 when none), then up when y - q[c] >= (q[c+1] -
+    # q[c]) / 2 (ties up), as torchao's quantize_8bit_with_qmap; a NaN y gives code 255 (positive
+    # sign bit) or 0, as the kernels' bit-indexed search
+    yy = torch.where(y.isnan(), torch.where(y.view(torch.int32) < 0, -2.0, 2.0), y)
+    c = (torch.searchsorted(q, yy.contiguous(), right=True) - 1).clamp(0, 255)
+    cu = (c + 1).clamp(max=255)
+    lo, hi = q[c], q[cu]
+    up = (yy - lo >= (hi - lo) * 0.5) & (c < 255)
+    return c + up.to(c.dtype), scale
 
 
 def _flat_memory_order(t: Tensor) -> Tensor:
@@ -119,7 +186,14 @@ def encode_moment(x: Tensor, dtype: torch.dtype, sqrt: bool = False):
     """Store float32 moment values ``x`` in ``dtype`` as the kernels do; returns
     (stored tensor shaped/strided like x, scales or None).
 
-    float32: a copy; bfloat16: round to nearest even; float8_e4m3fn: per block of
+    float32: a copy; bfloat16: round to nearest even; uint8 (the dynamic map, docs/spec.md
+    section 9): per block of :data:`MOMENT_BLOCK` elements in memory order, scale = absmax
+    (float32), y = x / absmax (float32 division; an all-zero block divides by 1), code = the
+    nearest entry of :func:`dynamic_map` (signed for exp_avg, unsigned with ``sqrt=True`` for
+    exp_avg_sq, which keeps the value itself, no root): the largest c with map[c] <= y, plus
+    one when y - map[c] >= (map[c+1] - map[c]) / 2 (torchao's quantize_8bit_with_qmap, bit for
+    bit); a block holding +-inf has scale FLT_MAX (inf codes +-1.0's neighbour: the largest
+    entry); float8_e4m3fn: per block of
     :data:`MOMENT_BLOCK` elements in memory order, scale = absmax / 448 (float32),
     codes = e4m3fn(x * (448 / absmax)) (round to nearest even), scales float32
     [moment_blocks(numel)]; ``sqrt=True`` (exp_avg_sq) quantizes sqrt(x) instead. A block
@@ -131,9 +205,15 @@ def encode_moment(x: Tensor, dtype: torch.dtype, sqrt: bool = False):
     if dtype not in MOMENT_DTYPES:
         raise ValueError(f"a moment dtype must be one of {MOMENT_DTYPES}, got {dtype}")
     x = x.detach().float()
-    if dtype != torch.float8_e4m3fn:
+    if dtype not in BLOCKWISE_DTYPES:
         return x.to(dtype, copy=True), None
     flat = _flat_memory_order(x)
+    if dtype == torch.uint8:
+        n = flat.numel()
+        nb = moment_blocks(n)
+        blocks = torch.nn.functional.pad(flat, (0, nb * MOMENT_BLOCK - n)).view(nb, MOMENT_BLOCK)
+        codes, scale = _encode_dynamic(blocks, signed=not sqrt)
+        return _unflatten_like(codes.view(-1)[:n].to(torch.uint8), x), scale
     if sqrt:  # correctly rounded (as the kernels' sqrt); torch's vectorized float sqrt is not
         flat = flat.double().sqrt().float()
     n = flat.numel()
@@ -159,19 +239,23 @@ def encode_moment(x: Tensor, dtype: torch.dtype, sqrt: bool = False):
 
 def decode_moment(t: Tensor, scales: Optional[Tensor] = None, sqrt: bool = False) -> Tensor:
     """The float32 values of a stored moment, a new tensor (the inverse of :func:`encode_moment`;
-    exact for float32/bfloat16, value = (float(code) * scale) (squared with sqrt=True) for 8-bit)."""
-    if t.dtype != torch.float8_e4m3fn:
+    exact for float32/bfloat16; value = map[code] * scale for uint8 (:func:`dynamic_map`,
+    unsigned with sqrt=True); value = (float(code) * scale) (squared with sqrt=True) for
+    float8_e4m3fn)."""
+    if t.dtype not in BLOCKWISE_DTYPES:
         return t.to(torch.float32, copy=True)
     if scales is None:
-        raise ValueError("an 8-bit (float8_e4m3fn) moment needs its per-block scales")
-    flat = _flat_memory_order(t).float()
+        raise ValueError(f"an 8-bit ({t.dtype}) moment needs its per-block scales")
+    flat = _flat_memory_order(t)
+    flat = (dynamic_map(not sqrt, t.device)[flat.long()] if t.dtype == torch.uint8
+            else flat.float())
     n = flat.numel()
     nb = moment_blocks(n)
     if scales.numel() != nb:
         raise ValueError(f"an 8-bit moment of {n} elements has {nb} blocks, got {scales.numel()} scales")
     vals = torch.nn.functional.pad(flat, (0, nb * MOMENT_BLOCK - n)).view(nb, MOMENT_BLOCK)
     vals = (vals * scales.reshape(nb, 1).float()).view(-1)[:n]
-    if sqrt:
+    if sqrt and t.dtype == torch.float8_e4m3fn:
         vals = vals * vals
     return _unflatten_like(vals, t)
 
@@ -222,8 +306,8 @@ def check_state_options(
     for name, dtype in (("exp_avg_dtype", exp_avg_dtype), ("exp_avg_sq_dtype", exp_avg_sq_dtype)):
         if dtype not in MOMENT_DTYPES:
             raise ValueError(
-                f"{name} must be one of torch.float32, torch.bfloat16, torch.float8_e4m3fn, "
-                f"got {dtype!r}"
+                f"{name} must be one of torch.float32, torch.bfloat16, torch.uint8 (8-bit "
+                f"dynamic map), torch.float8_e4m3fn, got {dtype!r}"
             )
     if not isinstance(store_param_remainders, bool):
         raise TypeError(
@@ -272,8 +356,8 @@ def check_saved_scales(state, where: str = "state_dict['optimizer']['state']") -
     optimizer's configuration (it converts every moment to its own dtypes, reading 8-bit codes
     through these scales):
 
-    * an 8-bit moment (``exp_avg`` / ``exp_avg_sq`` of dtype torch.float8_e4m3fn) needs its
-      scale key (:data:`SCALE_KEYS`): KeyError naming both;
+    * an 8-bit moment (``exp_avg`` / ``exp_avg_sq`` of dtype torch.uint8 or
+      torch.float8_e4m3fn) needs its scale key (:data:`SCALE_KEYS`): KeyError naming both;
     * a scale key needs its moment, a float tensor of ``moment_blocks(numel)`` elements
       (``numel``: the moment's local elements; one float32 scale per :data:`MOMENT_BLOCK`),
       finite and >= 0 (0 only for an all-zero block); a moment with a scale key that is not
@@ -288,9 +372,9 @@ def check_saved_scales(state, where: str = "state_dict['optimizer']['state']") -
         swhere = f"{where}[{pid!r}]"
         for key, skey in SCALE_KEYS.items():
             moment, scales = entry.get(key), entry.get(skey)
-            if isinstance(moment, Tensor) and moment.dtype == torch.float8_e4m3fn and scales is None:
+            if isinstance(moment, Tensor) and moment.dtype in BLOCKWISE_DTYPES and scales is None:
                 raise KeyError(
-                    f"{swhere}[{key!r}] holds 8-bit (float8_e4m3fn) codes but {swhere} has no "
+                    f"{swhere}[{key!r}] holds 8-bit ({moment.dtype}) codes but {swhere} has no "
                     f"{skey!r}: without its per-block scales the codes have no values; refusing "
                     "to load it (nothing was changed)"
                 )
@@ -322,7 +406,7 @@ def check_saved_scales(state, where: str = "state_dict['optimizer']['state']") -
     for _, scales, _, moment in to_read:
         sc = local_tensor(scales).float()
         codes = local_tensor(moment)
-        if codes.dtype == torch.float8_e4m3fn:
+        if codes.dtype in BLOCKWISE_DTYPES:
             exact = torch.ones((), dtype=torch.bool, device=sc.device)
         else:  # codes cast to another dtype: must round-trip through e4m3fn exactly
             c = codes.float()
@@ -372,7 +456,7 @@ def new_adam_state(like: Tensor, step_dtype, exp_avg_dtype, exp_avg_sq_dtype) ->
     state = {"step": torch.zeros((), dtype=step_dtype, device=like.device)}
     for key, dtype in (("exp_avg", exp_avg_dtype), ("exp_avg_sq", exp_avg_sq_dtype)):
         state[key] = torch.zeros_like(like, dtype=dtype, memory_format=torch.preserve_format)
-        if dtype == torch.float8_e4m3fn:
+        if dtype in BLOCKWISE_DTYPES:
             state[SCALE_KEYS[key]] = torch.zeros(
                 moment_blocks(like.numel()), dtype=torch.float32, device=like.device)
     return state
@@ -383,7 +467,7 @@ def needs_conversion(state: Dict, exp_avg_dtype, exp_avg_sq_dtype) -> bool:
     for key, dtype in (("exp_avg", exp_avg_dtype), ("exp_avg_sq", exp_avg_sq_dtype)):
         if key not in state:
             continue
-        if state[key].dtype != dtype or (SCALE_KEYS[key] in state) != (dtype == torch.float8_e4m3fn):
+        if state[key].dtype != dtype or (SCALE_KEYS[key] in state) != (dtype in BLOCKWISE_DTYPES):
             return True
     return False
 
@@ -409,8 +493,10 @@ def convert_adam_state(state: Dict, like: Tensor, exp_avg_dtype, exp_avg_sq_dtyp
         scales = state.get(SCALE_KEYS[key])
         sq = key == "exp_avg_sq"
         if scales is not None:  # 8-bit codes, maybe cast to another float dtype on load
-            codes = v.to(torch.float8_e4m3fn) if v.dtype != torch.float8_e4m3fn else v
-            if dtype == torch.float8_e4m3fn and codes.is_contiguous() and like.is_contiguous():
+            # uint8: dynamic-map codes (torch.optim's load keeps integer state); any other
+            # dtype: e4m3fn codes, maybe cast to float32 by torch.optim's load
+            codes = v if v.dtype in BLOCKWISE_DTYPES else v.to(torch.float8_e4m3fn)
+            if dtype == codes.dtype and codes.is_contiguous() and like.is_contiguous():
                 out[key] = codes.reshape(like.shape).to(like.device)  # the same codes: exact
                 out[SCALE_KEYS[key]] = scales.float().to(like.device)
                 continue
@@ -427,11 +513,34 @@ def convert_adam_state(state: Dict, like: Tensor, exp_avg_dtype, exp_avg_sq_dtyp
     return out
 
 
+def restore_code_dtypes(optimizer, saved: Dict) -> None:
+    """After ``optimizer.load_state_dict(saved)`` (a torch.optim optimizer and the state dict it
+    loaded): torch.optim casts floating state to the param's dtype and integer state too (8-bit
+    codes come back as float32 numbers); cast every 8-bit moment (``exp_avg`` / ``exp_avg_sq``
+    saved as torch.uint8 or torch.float8_e4m3fn with its scale key, :data:`SCALE_KEYS`) back to
+    its saved dtype, exactly (codes are integers 0..255 or e4m3fn values), so
+    :func:`convert_adam_state` reads them as the codes they are. Saved params are matched to
+    the optimizer's by position in ``param_groups``, as torch.optim does. In place."""
+    saved_state = saved.get("state", {})
+    for saved_group, group in zip(saved.get("param_groups", []), optimizer.param_groups):
+        for pid, p in zip(saved_group["params"], group["params"]):
+            entry, live = saved_state.get(pid), optimizer.state.get(p)
+            if not entry or not live:
+                continue
+            for key, skey in SCALE_KEYS.items():
+                v = entry.get(key)
+                if (skey in entry and isinstance(v, Tensor) and v.dtype in BLOCKWISE_DTYPES
+                        and isinstance(live.get(key), Tensor) and live[key].dtype != v.dtype):
+                    live[key] = live[key].to(v.dtype)
+
+
 def layout_free_state(state: Dict) -> Dict:
     """``state`` for a layout-free (torch.distributed.checkpoint) save: float32 and bfloat16
     moments as they are (views), 8-bit moments decoded to float32 values (new tensors) without
-    their scales, whose blocks depend on this rank's layout. Loading re-encodes them: the
-    codes come back identical, a scale to within one float32 ulp."""
+    their scales, whose blocks depend on this rank's layout. Loading re-encodes them:
+    float8_e4m3fn codes come back identical, a scale to within one float32 ulp; uint8 codes
+    too, except in a block whose largest |value| is negative (the signed map's most negative
+    entry is -0.993, not -1: that block's scale shrinks by 0.7% and a code may move by one)."""
     if not any(k in state for k in SCALE_KEYS.values()):
         return state
     out = {k: v for k, v in state.items() if k not in SCALE_KEYS.values()}

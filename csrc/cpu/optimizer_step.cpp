@@ -85,9 +85,10 @@ void adam_chunk(const G* g, float* p, float* m, float* v, M* model, int64_t n,
 
 static_assert(kChunkSize % kMomentBlock == 0, "a chunk holds whole moment blocks");
 
-enum class Kind : int { kFloat, kBFloat16, kFp8 };
+enum class Kind : int { kFloat, kBFloat16, kFp8, kDynamic };
 
 Kind kind_of(at::ScalarType t) {
+  if (t == at::kByte) return Kind::kDynamic;  // uint8: codes of the dynamic map
   return t == at::kFloat ? Kind::kFloat : (t == at::kBFloat16 ? Kind::kBFloat16 : Kind::kFp8);
 }
 
@@ -97,7 +98,7 @@ struct MomentRef {
   Kind kind;
   void* data;     // at the chunk's first element
   float* scales;  // at the chunk's first block (8-bit only)
-  bool sqrt;      // 8-bit exp_avg_sq: the codes hold sqrt(value)
+  bool sqrt;      // exp_avg_sq: e4m3fn codes hold sqrt(value); uint8 uses the unsigned map
 };
 
 // The loops below call the scalar format functions of kernels/optimizer_step.h (the CUDA
@@ -132,8 +133,48 @@ inline float* read_moment(const MomentRef& r, int64_t b, int64_t n, float* __res
       }
       return buf;
     }
+    case Kind::kDynamic: {
+      const uint8_t* __restrict in = static_cast<const uint8_t*>(r.data) + o;
+      const float scale = r.scales[b];
+      const float* __restrict q = r.sqrt ? kDynamicMapUnsigned : kDynamicMapSigned;
+      for (int64_t i = 0; i < n; ++i) buf[i] = q[in[i]] * scale;
+      return buf;
+    }
   }
   return buf;
+}
+
+// The floor tables of the uint8 format widened to 32 bits (built once): with the byte tables g++
+// keeps the encode loop scalar, with these it vectorizes it (32-bit gathers).
+struct WideFloors {
+  uint32_t is_signed[2 * kDynamicSlots];
+  uint32_t is_unsigned[2 * kDynamicSlots];
+};
+
+const WideFloors& wide_floors() {
+  static const WideFloors w = [] {
+    WideFloors t;
+    for (int i = 0; i < 2 * kDynamicSlots; ++i) {
+      t.is_signed[i] = kDynamicFloorSigned[i];
+      t.is_unsigned[i] = kDynamicFloorUnsigned[i];
+    }
+    return t;
+  }();
+  return w;
+}
+
+// The max |value| of a block's n values (NaN if any).
+inline float block_absmax(int64_t n, const float* __restrict buf) {
+  int64_t i = 0;
+  FVec vmax(0.0f);
+  if constexpr (kUseVec) {
+    for (; i + FVec::size() <= n; i += FVec::size()) {
+      vmax = at::vec::maximum(vmax, FVec::loadu(buf + i).abs());
+    }
+  }
+  float absmax = Lanes<FVec>::max_all(vmax);
+  for (; i < n; ++i) absmax = max_propagate_nan(absmax, fabsf(buf[i]));
+  return absmax;
 }
 
 // Stores the n values of buf (from read_moment) to block b of a bf16 or 8-bit moment (float32
@@ -166,6 +207,19 @@ inline void write_moment(const MomentRef& r, int64_t b, int64_t n, const float* 
       const float inv = s.inv;
       alignas(64) uint32_t codes[kMomentBlock];  // 32-bit lanes, then narrowed (see the header)
       for (int64_t k = 0; k < n; ++k) codes[k] = fp8_e4m3_encode_bits(buf[k] * inv);
+      uint8_t* __restrict out = static_cast<uint8_t*>(r.data) + o;
+      for (int64_t k = 0; k < n; ++k) out[k] = static_cast<uint8_t>(codes[k]);
+      break;
+    }
+    case Kind::kDynamic: {
+      const DynamicScale s = dynamic_scale(block_absmax(n, buf));
+      r.scales[b] = s.scale;
+      const float div = s.div;
+      const float* __restrict q = r.sqrt ? kDynamicMapUnsigned : kDynamicMapSigned;
+      const WideFloors& wide = wide_floors();
+      const uint32_t* __restrict floors = r.sqrt ? wide.is_unsigned : wide.is_signed;
+      alignas(64) uint32_t codes[kMomentBlock];  // 32-bit lanes, then narrowed (see the header)
+      for (int64_t k = 0; k < n; ++k) codes[k] = dynamic_encode_bits(buf[k] / div, q, floors);
       uint8_t* __restrict out = static_cast<uint8_t*>(r.data) + o;
       for (int64_t k = 0; k < n; ++k) out[k] = static_cast<uint8_t>(codes[k]);
       break;
@@ -388,7 +442,9 @@ void fused_adam_step_(at::TensorList params, at::TensorList exp_avgs, at::Tensor
       const int64_t first_block = c.offset / kMomentBlock;  // c.offset: a multiple of kChunkSize
       auto ref = [&](const at::Tensor& t, Kind k, at::TensorList scales, bool sq) {
         return MomentRef{k, static_cast<char*>(t.data_ptr()) + c.offset * t.element_size(),
-                         k == Kind::kFp8 ? scales[e].data_ptr<float>() + first_block : nullptr,
+                         k == Kind::kFp8 || k == Kind::kDynamic
+                             ? scales[e].data_ptr<float>() + first_block
+                             : nullptr,
                          sq};
       };
       adam_chunk_narrow(g, remainders ? nullptr : params[e].data_ptr<float>() + c.offset,

@@ -89,13 +89,23 @@ struct AdamFunctor {
   }
 };
 
-// Storage of a moment (kernels/optimizer_step.h): float32, bf16, or e4m3fn codes + block scales.
-enum MomentKind : int { kMomentFloat = 0, kMomentBf16 = 1, kMomentFp8 = 2 };
+// Storage of a moment (kernels/optimizer_step.h): float32, bf16, or e4m3fn / uint8 (dynamic map)
+// codes + block scales.
+enum MomentKind : int { kMomentFloat = 0, kMomentBf16 = 1, kMomentFp8 = 2, kMomentDynamic = 3 };
+constexpr int kMomentKinds = 4;
+
+__device__ __forceinline__ bool blockwise(int kind) {
+  return kind == kMomentFp8 || kind == kMomentDynamic;
+}
 
 __device__ __forceinline__ float load_moment(const void* data, int64_t i, int kind,
                                              float scale, bool sq) {
   if (kind == kMomentFloat) return static_cast<const float*>(data)[i];
   if (kind == kMomentBf16) return bf16_to_float(static_cast<const uint16_t*>(data)[i]);
+  if (kind == kMomentDynamic) {  // exp_avg_sq (sq): the unsigned map, the value itself
+    const uint8_t c = static_cast<const uint8_t*>(data)[i];
+    return (sq ? kDynamicMapUnsigned[c] : kDynamicMapSigned[c]) * scale;
+  }
   const float r = fp8_e4m3_decode(static_cast<const uint8_t*>(data)[i]) * scale;
   return sq ? r * r : r;
 }
@@ -132,8 +142,8 @@ struct NarrowAdamFunctor {
     for (int base = warp * static_cast<int>(kMomentBlock); base < c.n;
          base += kWarps * static_cast<int>(kMomentBlock)) {
       const int64_t block = (c.offset + base) / kMomentBlock;
-      const float ms_in = m_kind == kMomentFp8 ? m_scales[block] : 1.0f;
-      const float vs_in = v_kind == kMomentFp8 ? v_scales[block] : 1.0f;
+      const float ms_in = blockwise(m_kind) ? m_scales[block] : 1.0f;
+      const float vs_in = blockwise(v_kind) ? v_scales[block] : 1.0f;
       float mv[8], vv[8];
       float m_max = 0.0f, v_max = 0.0f;
 #pragma unroll 1  // unrolled, cicc took > 12 min per arch on this functor (40 s like this)
@@ -172,10 +182,17 @@ struct NarrowAdamFunctor {
         v_max = max_propagate_nan(v_max, fabsf(v));
       }
       MomentScale msc{1.0f, 1.0f}, vsc{1.0f, 1.0f};
-      if (m_kind == kMomentFp8) msc = moment_scale(warp_max(m_max));
-      if (v_kind == kMomentFp8) vsc = moment_scale(warp_max(v_max));
+      DynamicScale mdyn{1.0f, 1.0f}, vdyn{1.0f, 1.0f};
+      if (blockwise(m_kind)) m_max = warp_max(m_max);
+      if (blockwise(v_kind)) v_max = warp_max(v_max);
+      if (m_kind == kMomentFp8) msc = moment_scale(m_max);
+      if (v_kind == kMomentFp8) vsc = moment_scale(v_max);
+      if (m_kind == kMomentDynamic) mdyn = dynamic_scale(m_max);
+      if (v_kind == kMomentDynamic) vdyn = dynamic_scale(v_max);
       if (lane == 0 && m_kind == kMomentFp8) m_scales[block] = msc.scale;
       if (lane == 0 && v_kind == kMomentFp8) v_scales[block] = vsc.scale;
+      if (lane == 0 && m_kind == kMomentDynamic) m_scales[block] = mdyn.scale;
+      if (lane == 0 && v_kind == kMomentDynamic) v_scales[block] = vdyn.scale;
 #pragma unroll 1  // unrolled, cicc took > 12 min per arch on this functor (40 s like this)
       for (int k = 0; k < 8; ++k) {
         const int j = base + lane + 32 * k;
@@ -184,9 +201,17 @@ struct NarrowAdamFunctor {
         if (m_kind == kMomentFloat) static_cast<float*>(c.addr[2])[i] = mv[k];
         if (m_kind == kMomentBf16) static_cast<uint16_t*>(c.addr[2])[i] = float_to_bf16(mv[k]);
         if (m_kind == kMomentFp8) static_cast<uint8_t*>(c.addr[2])[i] = fp8_e4m3_encode(mv[k] * msc.inv);
+        if (m_kind == kMomentDynamic) {
+          static_cast<uint8_t*>(c.addr[2])[i] = static_cast<uint8_t>(
+              dynamic_encode_bits(mv[k] / mdyn.div, kDynamicMapSigned, kDynamicFloorSigned));
+        }
         if (v_kind == kMomentFloat) static_cast<float*>(c.addr[3])[i] = vv[k];
         if (v_kind == kMomentBf16) static_cast<uint16_t*>(c.addr[3])[i] = float_to_bf16(vv[k]);
         if (v_kind == kMomentFp8) static_cast<uint8_t*>(c.addr[3])[i] = fp8_e4m3_encode(vv[k] * vsc.inv);
+        if (v_kind == kMomentDynamic) {
+          static_cast<uint8_t*>(c.addr[3])[i] = static_cast<uint8_t>(
+              dynamic_encode_bits(vv[k] / vdyn.div, kDynamicMapUnsigned, kDynamicFloorUnsigned));
+        }
       }
     }
   }
@@ -282,6 +307,7 @@ int dtype_slot(at::ScalarType t) {
 }
 
 int moment_kind(at::ScalarType t) {
+  if (t == at::kByte) return kMomentDynamic;
   return t == at::kFloat ? kMomentFloat : (t == at::kBFloat16 ? kMomentBf16 : kMomentFp8);
 }
 
@@ -310,7 +336,7 @@ void fused_adam_step_(at::TensorList params, at::TensorList exp_avgs, at::Tensor
   // entries grouped by (grad dtype, model dtype, step dtype)
   std::vector<TensorEntry<kAdamDepth>> groups[3][3][2];
   // narrow state: grouped by (grad, model, step dtype) x (exp_avg kind, exp_avg_sq kind, remainders)
-  std::vector<TensorEntry<kNarrowDepth>> narrow[3][3][2][3][3][2];
+  std::vector<TensorEntry<kNarrowDepth>> narrow[3][3][2][kMomentKinds][kMomentKinds][2];
   for (size_t i = 0; i < params.size(); ++i) {
     const int mk = moment_kind(exp_avgs[i].scalar_type());
     const int vk = moment_kind(exp_avg_sqs[i].scalar_type());
@@ -320,8 +346,9 @@ void fused_adam_step_(at::TensorList params, at::TensorList exp_avgs, at::Tensor
       e.addr = {const_cast<void*>(grads[i].const_data_ptr()), params[i].data_ptr(),
                 exp_avgs[i].data_ptr(), exp_avg_sqs[i].data_ptr(),
                 has_model ? model_params[i].data_ptr() : nullptr, steps[i].data_ptr(),
-                mk == kMomentFp8 ? exp_avg_scales[i].data_ptr() : nullptr,
-                vk == kMomentFp8 ? exp_avg_sq_scales[i].data_ptr() : nullptr};
+                mk == kMomentFp8 || mk == kMomentDynamic ? exp_avg_scales[i].data_ptr() : nullptr,
+                vk == kMomentFp8 || vk == kMomentDynamic ? exp_avg_sq_scales[i].data_ptr()
+                                                         : nullptr};
       e.numel = params[i].numel();
       e.slot = 0;
       e.index = static_cast<int32_t>(i);
@@ -369,8 +396,8 @@ void fused_adam_step_(at::TensorList params, at::TensorList exp_avgs, at::Tensor
   for (int gi = 0; gi < 3; ++gi) {
     for (int mi = 0; mi < 3; ++mi) {
       for (int si = 0; si < 2; ++si) {
-        for (int mk = 0; mk < 3; ++mk) {
-          for (int vk = 0; vk < 3; ++vk) {
+        for (int mk = 0; mk < kMomentKinds; ++mk) {
+          for (int vk = 0; vk < kMomentKinds; ++vk) {
             for (int ri = 0; ri < 2; ++ri) {
               const auto& entries = narrow[gi][mi][si][mk][vk][ri];
               if (entries.empty()) continue;

@@ -57,22 +57,27 @@ inline void check_dense_list(const char* op, const char* name, at::TensorList ts
   }
 }
 
-// A moment list (float32, bfloat16 or float8_e4m3fn) and its scales: for every 8-bit entry i,
+// A moment list (float32, bfloat16, uint8 or float8_e4m3fn) and its scales: for every 8-bit
+// (uint8 or float8_e4m3fn) entry i,
 // scales[i] is a contiguous float32 tensor of num_moment_blocks(numel) elements (one per block
 // of kMomentBlock, kernels/optimizer_step.h); scales is empty when no entry is 8-bit.
 inline void check_moment_list(const char* op, const char* name, at::TensorList moments,
                               const char* scale_name, at::TensorList scales,
                               at::TensorList params, const at::Device& device) {
-  check_dense_list(op, name, moments, device, {at::kFloat, at::kBFloat16, at::kFloat8_e4m3fn},
-                   "float32, bfloat16 or float8_e4m3fn");
+  check_dense_list(op, name, moments, device,
+                   {at::kFloat, at::kBFloat16, at::kByte, at::kFloat8_e4m3fn},
+                   "float32, bfloat16, uint8 (dynamic-map codes) or float8_e4m3fn");
   check_same_layout(op, "params", params, name, moments);
+  auto is8 = [](const at::Tensor& t) {
+    return t.scalar_type() == at::kFloat8_e4m3fn || t.scalar_type() == at::kByte;
+  };
   bool any8 = false;
-  for (const auto& t : moments) any8 |= t.scalar_type() == at::kFloat8_e4m3fn;
+  for (const auto& t : moments) any8 |= is8(t);
   TORCH_CHECK(scales.size() == moments.size() || (!any8 && scales.empty()), op, ": ",
               scale_name, " has ", scales.size(), " tensors, ", name, " has ", moments.size(),
-              " (pass one per param when any is float8_e4m3fn, else none)");
+              " (pass one per param when any is uint8 or float8_e4m3fn, else none)");
   for (size_t i = 0; i < moments.size() && any8; ++i) {
-    if (moments[i].scalar_type() != at::kFloat8_e4m3fn) continue;
+    if (!is8(moments[i])) continue;
     const at::Tensor& sc = scales[i];
     const int64_t blocks = num_moment_blocks(moments[i].numel());
     TORCH_CHECK(sc.defined() && sc.device() == device && sc.scalar_type() == at::kFloat &&
