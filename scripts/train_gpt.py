@@ -640,7 +640,7 @@ def validate_args(args) -> None:
 #
 # A rank that dies or hangs ends its attempt; torchrun (--max-restarts N) starts every worker
 # again and the job resumes from the latest complete checkpoint (--save D --load D): the cost
-# is the work since the last save (docs/guide/restart.md, docs/spec.md section 21). The flags
+# is the work since the last save (docs/guide/restart.md, docs/spec.md section 20). The flags
 # and their checks run before torch is imported; the functions that use torch.distributed
 # (``dist``, imported below) run after the imports.
 

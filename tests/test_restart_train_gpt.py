@@ -1,5 +1,5 @@
 """scripts/train_gpt.py survives a dead or hung rank under ``torchrun --max-restarts 1``
-(docs/spec.md section 21, docs/guide/restart.md).
+(docs/spec.md section 20, docs/guide/restart.md).
 
 Each run is a real ``python -m torch.distributed.run --nproc-per-node 4 --max-restarts 1``
 subprocess (TP 2 x PP 2, a tiny GPT, --save D --save-interval 3 --load D). The reference is the

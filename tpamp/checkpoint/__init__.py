@@ -134,7 +134,7 @@ Megatron-LM's iteration directories (``iter_0000100``) and ``latest_checkpointed
 tracker (:data:`TRACKER_FILENAME`): :func:`iteration_dir`, :func:`read_latest_iteration`,
 :func:`write_latest_iteration`; :func:`clean_up_interrupted_saves` removes the staging
 directories that saves killed part-way left in such a directory (a job restarting after a
-failed rank, docs/spec.md section 21).
+failed rank, docs/spec.md section 20).
 
 The package, by job: :mod:`~tpamp.checkpoint.keys` (the entries' names),
 :mod:`~tpamp.checkpoint.layout` (global views, flat ranges as boxes),

@@ -56,7 +56,7 @@ def clean_up_interrupted_saves(root: str) -> List[str]:
     ``NAME`` when ``NAME`` is missing (else removed). What :func:`clean_up_after_killed_saves`
     does for one name at the next save of that name, done for all of them at once: call it on
     one rank when a job (re)starts, before any save into ``root`` begins (docs/spec.md
-    section 21). Returns the sorted names removed or put back; [] when ``root`` does not
+    section 20). Returns the sorted names removed or put back; [] when ``root`` does not
     exist. Raises OSError when ``root`` cannot be listed or a set-aside checkpoint cannot be
     renamed back."""
     if not os.path.isdir(root):
