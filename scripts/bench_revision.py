@@ -19,6 +19,10 @@ Run from the repository root, with the kernels of this tree built (``pip install
     python scripts/bench_revision.py --rev 98824f5 --json out.json
     python scripts/bench_revision.py --rev dd26f99 --rev-dir /tmp/tpamp-dd26f99  # built once
 
+Each process also measures its CPU time (``time.process_time``); with ``--threads 1`` on a
+busy machine the paired CPU-time ratios are the steadier figures (wall time then counts the
+time the process waited for a core).
+
 Quote the paired median with the machine, the torch version, the date and the load average
 (docs/benchmarks.md); a busy machine makes the rounds disagree.
 """
@@ -58,17 +62,19 @@ else:
         torch.optim.AdamW(params, lr=1e-4, weight_decay=0.01),
         grad_scaler=tpamp.DynamicGradScaler(initial_scale=1.0), clip_grad=1.0,
         log_num_zeros_in_grad=True)
-times = []
+times, cpu_times = [], []
 for i in range(warmup + steps):
     for p, g in zip(params, grads):
         p.grad = g.clone()
-    start = time.perf_counter()
+    start, cpu_start = time.perf_counter(), time.process_time()
     opt.step()
-    elapsed = time.perf_counter() - start
+    elapsed, cpu = time.perf_counter() - start, time.process_time() - cpu_start
     opt.zero_grad()
     if i >= warmup:
         times.append(elapsed * 1e3)
-print(json.dumps({"ms": statistics.median(times), "tpamp": tpamp.__file__}))
+        cpu_times.append(cpu * 1e3)
+print(json.dumps({"ms": statistics.median(times), "cpu_ms": statistics.median(cpu_times),
+                  "tpamp": tpamp.__file__}))
 """
 
 
@@ -136,7 +142,7 @@ def time_tree(tree: str, args, mode: str = "tpamp") -> float:
     row = json.loads(out.strip().splitlines()[-1])
     if not row["tpamp"].startswith(tree):
         raise SystemExit(f"the child imported {row['tpamp']}, not the tree {tree}")
-    return row["ms"]
+    return row["ms"], row["cpu_ms"]
 
 
 def main(argv=None) -> None:
@@ -165,14 +171,16 @@ def main(argv=None) -> None:
             rev_tree = prepare_kept(args.rev, os.path.abspath(args.rev_dir))
         else:
             rev_tree = prepare(args.rev, scratch)
-        rounds = []
+        rounds, cpu_rounds = [], []
         for r in range(args.rounds):
             order = [("work", ROOT, "tpamp"), ("rev", rev_tree, "tpamp")]
             if args.bare:
                 order.append(("bare", ROOT, "bare"))
             if r % 2:
                 order.reverse()  # ABBA: neither tree always runs first
-            ms = {name: time_tree(tree, args, mode) for name, tree, mode in order}
+            timed = {name: time_tree(tree, args, mode) for name, tree, mode in order}
+            ms = {name: t[0] for name, t in timed.items()}
+            cpu_rounds.append({name: t[1] for name, t in timed.items()})
             rounds.append(ms)
             line = (f"round {r + 1}: working tree {ms['work']:.2f} ms, {args.rev} "
                     f"{ms['rev']:.2f} ms, ratio {ms['work'] / ms['rev']:.3f}")
@@ -188,16 +196,22 @@ def main(argv=None) -> None:
             "median_ms_work": statistics.median(ms["work"] for ms in rounds),
             "median_ms_rev": statistics.median(ms["rev"] for ms in rounds),
             "paired_median_ratio": statistics.median(ratios),
+            "cpu_rounds": cpu_rounds,
+            "paired_median_cpu_ratio": statistics.median(c["work"] / c["rev"] for c in cpu_rounds),
             "load_average": os.getloadavg(),
         }
         print(f"paired median working tree / {args.rev}: {summary['paired_median_ratio']:.3f} "
               f"(medians {summary['median_ms_work']:.2f} vs {summary['median_ms_rev']:.2f} ms; "
               f"load average {summary['load_average'][0]:.2f})")
+        print(f"paired median of the process CPU time, working tree / {args.rev}: "
+              f"{summary['paired_median_cpu_ratio']:.3f}")
         if args.bare:
             for name, label in (("work", "working tree"), ("rev", args.rev)):
                 key = f"paired_median_{name}_over_bare"
                 summary[key] = statistics.median(ms[name] / ms["bare"] for ms in rounds)
-                print(f"paired median {label} / bare AdamW(fused=True): {summary[key]:.3f}")
+                summary[key + "_cpu"] = statistics.median(c[name] / c["bare"] for c in cpu_rounds)
+                print(f"paired median {label} / bare AdamW(fused=True): {summary[key]:.3f} "
+                      f"(process CPU time: {summary[key + '_cpu']:.3f})")
             summary["median_ms_bare"] = statistics.median(ms["bare"] for ms in rounds)
         if args.json:
             with open(args.json, "w", encoding="utf-8") as f:
