@@ -18,6 +18,29 @@
 #include <type_traits>
 
 namespace tpamp {
+
+// RoundedHere (kernels/optimizer_step.h) for the CPU lanes: an empty asm that takes the register
+// (or, for the portable emulation, the memory) of x and may have changed it, so the compiler
+// cannot contract a product before it with an add after it.
+template <>
+struct RoundedHere<FVec> {
+  static inline __attribute__((always_inline)) FVec apply(const FVec& x) {
+#if defined(CPU_CAPABILITY_AVX512)
+    __m512 r = x;
+    __asm__("" : "+v"(r));
+    return FVec(r);
+#elif defined(CPU_CAPABILITY_AVX2)
+    __m256 r = x;
+    __asm__("" : "+x"(r));
+    return FVec(r);
+#else
+    FVec r = x;
+    __asm__("" : "+m"(r));
+    return r;
+#endif
+  }
+};
+
 namespace cpu {
 namespace {
 
@@ -37,9 +60,15 @@ struct Tail {
   }
 };
 
-template <typename G, typename M>
-void adam_chunk(const G* g, float* p, float* m, float* v, M* model, int64_t n,
-                const AdamScalars& scalars) {
+// The Adam update of one chunk with fp32 state (the hot loop of the default configuration).
+// Flags: AdamFixedFlags (no branch in the loop) or AdamRuntimeFlags. Kept out of line so that
+// each instance is compiled on its own (inlined into the dtype dispatch, g++ left
+// adam_element out of line and the loop passed every register through the stack).
+template <typename G, typename M, typename Flags>
+__attribute__((noinline)) void adam_chunk(const G* __restrict g, float* __restrict p,
+                                          float* __restrict m, float* __restrict v,
+                                          M* __restrict model, int64_t n,
+                                          const AdamScalars& scalars, Flags flags) {
   constexpr bool kModel = !std::is_same_v<M, NoModel>;
   // a local copy: the stores below cannot alias it, so the scalars stay in registers
   const AdamScalars s = scalars;
@@ -49,8 +78,8 @@ void adam_chunk(const G* g, float* p, float* m, float* v, M* model, int64_t n,
     VecIO<float>::load(pp, p0, p1);
     VecIO<float>::load(mp, m0, m1);
     VecIO<float>::load(vp, v0, v1);
-    adam_element<FVec>(p0, m0, v0, g0, s);
-    adam_element<FVec>(p1, m1, v1, g1, s);
+    adam_element_flags<FVec>(p0, m0, v0, g0, s, flags);
+    adam_element_flags<FVec>(p1, m1, v1, g1, s, flags);
     VecIO<float>::template store<true, false>(pp, p0, p1);
     VecIO<float>::template store<true, false>(mp, m0, m1);
     VecIO<float>::template store<true, false>(vp, v0, v1);
@@ -79,6 +108,21 @@ void adam_chunk(const G* g, float* p, float* m, float* v, M* model, int64_t n,
     tm.out(m + i, r);
     tv.out(v + i, r);
   }
+}
+
+// f(flags) with the Adam branches of s fixed at compile time for AdamW (weight decay or none)
+// and Adam with L2 (beta1 >= 0.5, the lerp form every usual beta1 takes), read at run time
+// otherwise. The fixed instances hold no branch in their loops.
+template <typename F>
+void with_adam_flags(const AdamScalars& s, const F& f) {
+  if (s.lerp_small && !s.has_l2) {
+    if (s.has_param_decay) return f(AdamFixedFlags<false, true, true>{});
+    return f(AdamFixedFlags<false, false, true>{});
+  }
+  if (s.lerp_small && s.has_l2 && !s.has_param_decay) {
+    return f(AdamFixedFlags<true, false, true>{});
+  }
+  return f(AdamRuntimeFlags(s));
 }
 
 // -- narrow state (kernels/optimizer_step.h): bf16 / 8-bit moments, bf16 params + remainders --
@@ -308,6 +352,174 @@ void adam_chunk_narrow(const G* g, float* p, int16_t* rem, const MomentRef& mref
   }
 }
 
+// -- bf16 moments (+ remainders) in the one loop of adam_chunk ---------------------------------
+//
+// bf16 moments need no block scale, so their conversions (and the remainder join/split) are a
+// few integer operations per register: done here in one loop over the chunk instead of
+// adam_chunk_narrow's decode / update / encode loops over L1 buffers (which made the narrow step
+// slower than the fp32-state one although it moves fewer bytes). Each function computes exactly
+// what its scalar twin in kernels/optimizer_step.h computes, on every 32-bit lane of a float
+// register: bf16_rne_bits = float_to_bf16_bits, the join = join_remainder, the split =
+// split_remainder. AVX2 and AVX-512 only; elsewhere adam_chunk_narrow runs.
+#if defined(CPU_CAPABILITY_AVX512) || defined(CPU_CAPABILITY_AVX2)
+constexpr bool kBf16Pass = true;
+
+// The 32-bit integer lanes of one float register (FVec) and their 16-bit memory.
+struct Lanes32 {
+#if defined(CPU_CAPABILITY_AVX512)
+  using I = __m512i;
+  static I bits(const FVec& x) { return _mm512_castps_si512(x); }
+  static FVec from_bits(I u) { return FVec(_mm512_castsi512_ps(u)); }
+  static I set1(uint32_t c) { return _mm512_set1_epi32(static_cast<int>(c)); }
+  static I add(I a, I b) { return _mm512_add_epi32(a, b); }
+  static I and_(I a, I b) { return _mm512_and_si512(a, b); }
+  static I or_(I a, I b) { return _mm512_or_si512(a, b); }
+  static I shr16(I a) { return _mm512_srli_epi32(a, 16); }
+  static I shl16(I a) { return _mm512_slli_epi32(a, 16); }
+  // a > b ? x : y per lane (a, b < 2^31)
+  static I select_gt(I a, I b, I x, I y) {
+    return _mm512_mask_blend_epi32(_mm512_cmpgt_epi32_mask(a, b), y, x);
+  }
+  // 2 x 16 lanes from 2 x 16 uint16 / int16 (zero- / sign-extended)
+  static void load_u16(const uint16_t* p, I& a, I& b) {
+    a = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+    b = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 16)));
+  }
+  static void load_s16(const int16_t* p, I& a, I& b) {
+    a = _mm512_cvtepi16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+    b = _mm512_cvtepi16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 16)));
+  }
+  // the low 16 bits of every lane of a, then b
+  static void store16(void* p, I a, I b) {
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtepi32_epi16(a));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(p) + 1, _mm512_cvtepi32_epi16(b));
+  }
+#else
+  using I = __m256i;
+  static I bits(const FVec& x) { return _mm256_castps_si256(x); }
+  static FVec from_bits(I u) { return FVec(_mm256_castsi256_ps(u)); }
+  static I set1(uint32_t c) { return _mm256_set1_epi32(static_cast<int>(c)); }
+  static I add(I a, I b) { return _mm256_add_epi32(a, b); }
+  static I and_(I a, I b) { return _mm256_and_si256(a, b); }
+  static I or_(I a, I b) { return _mm256_or_si256(a, b); }
+  static I shr16(I a) { return _mm256_srli_epi32(a, 16); }
+  static I shl16(I a) { return _mm256_slli_epi32(a, 16); }
+  static I select_gt(I a, I b, I x, I y) {
+    return _mm256_blendv_epi8(y, x, _mm256_cmpgt_epi32(a, b));
+  }
+  static void load_u16(const uint16_t* p, I& a, I& b) {
+    a = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+    b = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 8)));
+  }
+  static void load_s16(const int16_t* p, I& a, I& b) {
+    a = _mm256_cvtepi16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+    b = _mm256_cvtepi16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 8)));
+  }
+  static void store16(void* p, I a, I b) {
+    const I low = set1(0xffffu);  // the low halves, so that the unsigned saturation keeps them
+    const I packed = _mm256_packus_epi32(and_(a, low), and_(b, low));  // a0-3 b0-3 a4-7 b4-7
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm256_permute4x64_epi64(packed, 0xd8));
+  }
+#endif
+};
+static_assert(2 * sizeof(Lanes32::I) / sizeof(float) == kVecStep, "two registers per step");
+
+// float_to_bf16_bits of every lane of x (in the low 16 bits of its lane)
+inline __attribute__((always_inline)) Lanes32::I bf16_rne_bits(const FVec& x) {
+  using L = Lanes32;
+  const L::I u = L::bits(x);
+  const L::I high = L::shr16(u);
+  const L::I rounded = L::shr16(L::add(L::add(u, L::set1(0x7fffu)), L::and_(high, L::set1(1u))));
+  const L::I nan = L::or_(high, L::set1(0x0040u));
+  return L::select_gt(L::and_(u, L::set1(0x7fffffffu)), L::set1(0x7f800000u), nan, rounded);
+}
+
+// The update of one chunk with bf16 moments m, v (bits) and either fp32 masters p (kRem false)
+// or bf16 model params with int16 remainders rem (kRem true, M = at::BFloat16).
+template <typename G, typename M, typename Flags, bool kRem>
+__attribute__((noinline)) void adam_chunk_bf16(const G* __restrict g, float* __restrict p,
+                                               int16_t* __restrict rem, uint16_t* __restrict m,
+                                               uint16_t* __restrict v, M* __restrict model,
+                                               int64_t n, const AdamScalars& scalars,
+                                               Flags flags) {
+  using L = Lanes32;
+  constexpr bool kModel = !std::is_same_v<M, NoModel>;
+  static_assert(!kRem || std::is_same_v<M, at::BFloat16>, "remainders go with bf16 params");
+  const AdamScalars s = scalars;  // in registers (see adam_chunk)
+  auto step = [&](const G* gp, float* pp, int16_t* rp, uint16_t* mp, uint16_t* vp, M* modelp) {
+    FVec g0, g1, p0, p1, m0, m1, v0, v1;
+    L::I a, b;
+    VecIO<G>::load(gp, g0, g1);
+    if constexpr (kRem) {
+      L::I ra, rb;
+      L::load_u16(reinterpret_cast<const uint16_t*>(modelp), a, b);
+      L::load_s16(rp, ra, rb);
+      p0 = L::from_bits(L::add(L::shl16(a), ra));
+      p1 = L::from_bits(L::add(L::shl16(b), rb));
+    } else {
+      VecIO<float>::load(pp, p0, p1);
+    }
+    L::load_u16(mp, a, b);
+    m0 = L::from_bits(L::shl16(a));
+    m1 = L::from_bits(L::shl16(b));
+    L::load_u16(vp, a, b);
+    v0 = L::from_bits(L::shl16(a));
+    v1 = L::from_bits(L::shl16(b));
+    adam_element_flags<FVec>(p0, m0, v0, g0, s, flags);
+    adam_element_flags<FVec>(p1, m1, v1, g1, s, flags);
+    L::store16(mp, bf16_rne_bits(m0), bf16_rne_bits(m1));
+    L::store16(vp, bf16_rne_bits(v0), bf16_rne_bits(v1));
+    if constexpr (kRem) {
+      const L::I u0 = L::bits(p0), u1 = L::bits(p1);
+      const L::I half = L::set1(0x8000u);
+      L::store16(rp, u0, u1);
+      L::store16(modelp, L::shr16(L::add(u0, half)), L::shr16(L::add(u1, half)));
+    } else {
+      VecIO<float>::template store<true, false>(pp, p0, p1);
+      if constexpr (kModel) VecIO<M>::template store<true, false>(modelp, p0, p1);
+    }
+  };
+  int64_t i = 0;
+  for (; i + kVecStep <= n; i += kVecStep) {
+    step(g + i, kRem ? nullptr : p + i, kRem ? rem + i : nullptr, m + i, v + i,
+         kModel ? model + i : nullptr);
+  }
+  if (i < n) {  // through zero-padded copies, as adam_chunk
+    const int64_t r = n - i;
+    Tail<G> tg;
+    Tail<float> tp;
+    Tail<int16_t> trem;
+    Tail<uint16_t> tm, tv;
+    Tail<std::conditional_t<kModel, M, float>> tmodel;
+    tg.in(g + i, r);
+    tm.in(m + i, r);
+    tv.in(v + i, r);
+    if constexpr (kRem) {
+      trem.in(rem + i, r);
+      tmodel.in(model + i, r);
+    } else {
+      tp.in(p + i, r);
+    }
+    step(tg.buf, tp.buf, trem.buf, tm.buf, tv.buf,
+         kModel ? reinterpret_cast<M*>(tmodel.buf) : nullptr);
+    tm.out(m + i, r);
+    tv.out(v + i, r);
+    if constexpr (kRem) {
+      trem.out(rem + i, r);
+    } else {
+      tp.out(p + i, r);
+    }
+    if constexpr (kModel) tmodel.out(model + i, r);
+  }
+}
+#else
+constexpr bool kBf16Pass = false;
+// declared for the call in fused_adam_step_, which discards it here (if constexpr)
+template <typename G, typename M, typename Flags, bool kRem>
+void adam_chunk_bf16(const G* g, float* p, int16_t* rem, uint16_t* m, uint16_t* v, M* model,
+                     int64_t n, const AdamScalars& scalars, Flags flags);
+#endif
+
 template <typename G, typename M, bool kMomentum>
 void sgd_chunk(const G* g, float* p, float* buf, M* model, int64_t n, bool first,
                const SgdScalars& scalars) {
@@ -438,6 +650,28 @@ void fused_adam_step_(at::TensorList params, at::TensorList exp_avgs, at::Tensor
     const Kind mk = kind_of(exp_avgs[e].scalar_type());
     const Kind vk = kind_of(exp_avg_sqs[e].scalar_type());
     const bool remainders = params[e].scalar_type() == at::kShort;
+    if (kBf16Pass && mk == Kind::kBFloat16 && vk == Kind::kBFloat16) {
+      using G = std::remove_const_t<std::remove_pointer_t<decltype(g)>>;
+      using M = std::remove_pointer_t<decltype(model)>;
+      uint16_t* m = static_cast<uint16_t*>(exp_avgs[e].data_ptr()) + c.offset;
+      uint16_t* v = static_cast<uint16_t*>(exp_avg_sqs[e].data_ptr()) + c.offset;
+      with_adam_flags(scalars[e], [&](auto flags) {
+        if constexpr (kBf16Pass) {
+          if (!remainders) {
+            adam_chunk_bf16<G, M, decltype(flags), false>(
+                g, params[e].data_ptr<float>() + c.offset, nullptr, m, v, model, c.n,
+                scalars[e], flags);
+          } else if constexpr (std::is_same_v<M, at::BFloat16>) {
+            adam_chunk_bf16<G, M, decltype(flags), true>(
+                g, nullptr, params[e].data_ptr<int16_t>() + c.offset, m, v, model, c.n,
+                scalars[e], flags);
+          } else {
+            TORCH_CHECK(false, "tpamp: remainders without bf16 params");  // validated before
+          }
+        }
+      });
+      return;
+    }
     if (remainders || mk != Kind::kFloat || vk != Kind::kFloat) {
       const int64_t first_block = c.offset / kMomentBlock;  // c.offset: a multiple of kChunkSize
       auto ref = [&](const at::Tensor& t, Kind k, at::TensorList scales, bool sq) {
@@ -453,9 +687,11 @@ void fused_adam_step_(at::TensorList params, at::TensorList exp_avgs, at::Tensor
                         ref(exp_avg_sqs[e], vk, exp_avg_sq_scales, true), model, c.n, scalars[e]);
       return;
     }
-    adam_chunk(g, params[e].data_ptr<float>() + c.offset,
-               exp_avgs[e].data_ptr<float>() + c.offset,
-               exp_avg_sqs[e].data_ptr<float>() + c.offset, model, c.n, scalars[e]);
+    with_adam_flags(scalars[e], [&](auto flags) {
+      adam_chunk(g, params[e].data_ptr<float>() + c.offset,
+                 exp_avgs[e].data_ptr<float>() + c.offset,
+                 exp_avg_sqs[e].data_ptr<float>() + c.offset, model, c.n, scalars[e], flags);
+    });
   });
   for (const auto& st : steps) increment_step(st);
 }

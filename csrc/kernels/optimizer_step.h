@@ -69,21 +69,71 @@ TPAMP_INLINE AdamScalars adam_scalars(const AdamHyper& h, double step, float gra
   return s;
 }
 
-// One Adam/AdamW update of p (fp32 main param), m (exp_avg), v (exp_avg_sq) from the grad g
-// (already widened to float32, not yet scaled). sqrt_v: null, or where sqrt(v) of the new v
-// goes (the square root the denominator takes, IEEE-rounded; 8-bit exp_avg_sq stores it).
+// Always inlined, also on the host: the CPU launcher's hot loops call the functions marked so
+// once per vector register, and an out-of-line call there passes the registers through the stack
+// and reloads every scalar (g++ 12 stopped inlining adam_element into the fp32-state loop once
+// the narrow-state loops also called it).
+#if defined(__CUDACC__) || defined(__HIPCC__)
+#define TPAMP_ALWAYS_INLINE __host__ __device__ __forceinline__
+#elif defined(__GNUC__)
+#define TPAMP_ALWAYS_INLINE inline __attribute__((always_inline))
+#else
+#define TPAMP_ALWAYS_INLINE inline
+#endif
+
+// The three branches of an Adam step (AdamScalars::has_l2, has_param_decay, lerp_small), read
+// from the scalars at run time (AdamRuntimeFlags) or fixed at compile time (AdamFixedFlags: the
+// CPU launcher's loops are instantiated per combination, so they hold no branch).
+struct AdamRuntimeFlags {
+  bool l2;
+  bool param_decay;
+  bool lerp_small;
+  explicit TPAMP_INLINE AdamRuntimeFlags(const AdamScalars& s)
+      : l2(s.has_l2), param_decay(s.has_param_decay), lerp_small(s.lerp_small) {}
+};
+
+template <bool kL2, bool kParamDecay, bool kLerpSmall>
+struct AdamFixedFlags {
+  static constexpr bool l2 = kL2;
+  static constexpr bool param_decay = kParamDecay;
+  static constexpr bool lerp_small = kLerpSmall;
+};
+
+// x, rounded to float32 where it stands: the compiler may not contract the product x into an
+// add after it (g++ contracts a * b + c into one fma across statements once no branch separates
+// them, and the CPU loops have none). torch.optim's p.mul_(1 - lr * wd) is an op of its own, so
+// the decayed param is rounded before the update is added; the scaled grad is rounded before
+// Adam's L2 term is added (ATen's g.add(p, alpha=wd) is one fma of p * wd and g). Identity here
+// (the CUDA launcher and the SIMT build); the CPU lane type specializes it
+// (csrc/cpu/optimizer_step.cpp).
 template <typename V>
-TPAMP_INLINE void adam_element(V& p, V& m, V& v, V g, const AdamScalars& s,
-                               V* sqrt_v = nullptr) {
-  g = g * V(s.grad_scale);
-  if (s.has_l2) g = g + p * V(s.l2_decay);
-  if (s.has_param_decay) p = p * V(s.param_decay);
-  m = Lanes<V>::fmadd(V(s.lerp_coeff), g - m, s.lerp_small ? m : g);
+struct RoundedHere {
+  static TPAMP_ALWAYS_INLINE V apply(const V& x) { return x; }
+};
+
+// One Adam/AdamW update of p (fp32 main param), m (exp_avg), v (exp_avg_sq) from the grad g
+// (already widened to float32, not yet scaled), with the branches of f (AdamRuntimeFlags or
+// AdamFixedFlags; both give the same bits). sqrt_v: null, or where sqrt(v) of the new v goes
+// (the square root the denominator takes, IEEE-rounded; 8-bit exp_avg_sq stores it).
+template <typename V, typename Flags>
+TPAMP_ALWAYS_INLINE void adam_element_flags(V& p, V& m, V& v, V g, const AdamScalars& s,
+                                            const Flags& f, V* sqrt_v = nullptr) {
+  g = RoundedHere<V>::apply(g * V(s.grad_scale));
+  if (f.l2) g = g + p * V(s.l2_decay);
+  if (f.param_decay) p = RoundedHere<V>::apply(p * V(s.param_decay));
+  m = Lanes<V>::fmadd(V(s.lerp_coeff), g - m, f.lerp_small ? m : g);
   v = v * V(s.beta2) + V(s.one_minus_beta2) * g * g;
   const V root = Lanes<V>::sqrt(v);
   if (sqrt_v != nullptr) *sqrt_v = root;
   const V denom = root / V(s.bias_correction2_sqrt) + V(s.eps);
   p = p + V(s.neg_step_size) * m / denom;
+}
+
+// adam_element_flags with the branches read from s.
+template <typename V>
+TPAMP_ALWAYS_INLINE void adam_element(V& p, V& m, V& v, V g, const AdamScalars& s,
+                                      V* sqrt_v = nullptr) {
+  adam_element_flags<V>(p, m, v, g, s, AdamRuntimeFlags(s), sqrt_v);
 }
 
 // -- narrow storage of the Adam state (docs/spec.md section 9) -----------------------------------
