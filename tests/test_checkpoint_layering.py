@@ -63,7 +63,8 @@ def test_the_package_reads_no_private_name_of_another_object():
 def test_the_public_names_of_the_one_module_still_import():
     names = ["CheckpointError", "save_checkpoint", "load_checkpoint", "global_view",
              "flat_range_chunks", "sharded_tensor_from_chunks", "iteration_dir",
-             "read_latest_iteration", "write_latest_iteration", "TRACKER_FILENAME"]
+             "read_latest_iteration", "write_latest_iteration", "TRACKER_FILENAME",
+             "clean_up_interrupted_saves"]
     assert sorted(tpamp.checkpoint.__all__) == sorted(names)
     for n in names:
         assert getattr(tpamp.checkpoint, n) is not None, n
