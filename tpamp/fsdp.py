@@ -184,7 +184,8 @@ def _expert_param_meshes(expert_mesh, mesh) -> list:
             f"expert_mesh {_describe_mesh(expert_mesh)} does not cover the ranks of mesh "
             f"{_describe_mesh(mesh)}: dense and expert params must be laid out on the same ranks"
         )
-    return [expert_mesh["edp", "ep"], expert_mesh["edp", "ep", "etp"]]
+    return [expert_mesh["edp", "ep"], expert_mesh["edp", "ep", "etp"], expert_mesh["edp"],
+            expert_mesh["edp", "etp"]]
 
 
 def _check_fsdp_params(optimizer, dp_dim: str, mesh=None, tp_dim: Optional[str] = None,
@@ -243,12 +244,25 @@ def _check_fsdp_params(optimizer, dp_dim: str, mesh=None, tp_dim: Optional[str] 
                 )
 
 
+def _is_edp_tp_mesh(mesh, edp_etp) -> bool:
+    """An ("edp", "tp") mesh on the ranks of ``expert_mesh["edp", "etp"]``: an expert param of a
+    TP plan on the dense TP mesh (expert-TP = TP), fully_shard'ed over the expert-DP dim."""
+    return (tuple(mesh.mesh_dim_names or ()) == ("edp", "tp")
+            and mesh.device_type == edp_etp.device_type
+            and mesh.mesh.tolist() == edp_etp.mesh.tolist())
+
+
 def _check_expert_param(p, where: str, expert_meshes) -> None:
-    """An expert param must be a DTensor of :func:`fully_shard_experts`: on
-    ``expert_mesh["edp", "ep"(, "etp")]`` with a shard over "edp" and "ep"."""
+    """An expert param must be a DTensor of :func:`fully_shard_experts`: a stack of experts on
+    ``expert_mesh["edp", "ep"(, "etp")]`` with a shard over "edp" and "ep", or one expert's
+    param (named by its global expert index) on ``expert_mesh["edp"(, "etp")]``, sharded over
+    "edp" and carrying no ``expert_dim`` (a stack without its "ep" dim would be saved in the
+    shape of this rank's experts, not the global one)."""
     from torch.distributed.tensor import DTensor
 
-    if not isinstance(p, DTensor) or not any(_same_mesh(p.device_mesh, m) for m in expert_meshes):
+    if not isinstance(p, DTensor) or not (
+            any(_same_mesh(p.device_mesh, m) for m in expert_meshes)
+            or _is_edp_tp_mesh(p.device_mesh, expert_meshes[3])):
         got = _describe_mesh(p.device_mesh) if isinstance(p, DTensor) else type(p).__name__
         raise ValueError(
             f"{where} is an expert param sharded on {got}, expected "
@@ -258,7 +272,13 @@ def _check_expert_param(p, where: str, expert_meshes) -> None:
             "count expert shards"
         )
     names = tuple(p.device_mesh.mesh_dim_names)
-    for dim in ("edp", "ep"):
+    if "ep" not in names and getattr(p, "expert_dim", None) is not None:
+        raise ValueError(
+            f"{where} is a stack of experts (expert_dim={p.expert_dim}) on "
+            f"{_describe_mesh(p.device_mesh)} without an 'ep' dim: put it on expert_mesh['ep'] "
+            "(Shard(expert_dim)) before fully_shard_experts, so that it has its global shape"
+        )
+    for dim in ("edp", "ep") if "ep" in names else ("edp",):
         if getattr(p.placements[names.index(dim)], "dim", None) is None:
             raise ValueError(
                 f"{where} is an expert param not sharded over {dim!r} (placements "
@@ -332,7 +352,11 @@ def fully_shard_optimizer(optimizer: torch.optim.Optimizer, mesh, *, tp_dim: str
     tp_dim: the name of the TP dim. pp_dim: the name of the PP dim.
     expert_mesh: with expert params (:func:`tpamp.is_expert_param`), ``ParallelState.expert_mesh``
         (dims pp, edp, ep, etp, on the ranks of ``mesh``); the expert params must be DTensors on
-        ``expert_mesh["edp", "ep"(, "etp")]`` as :func:`fully_shard_experts` makes them. Dense
+        ``expert_mesh["edp", "ep"(, "etp")]`` as :func:`fully_shard_experts` makes them (stacked
+        experts), or on ``expert_mesh["edp"(, "etp")]`` (or "edp" x the dense "tp" dim on the
+        same ranks, expert-TP = TP) for a param of one expert named by its
+        global expert index (mark it again with :func:`tpamp.mark_expert_param` after
+        fully_shard, which makes new params). Dense
         and expert statistics are reduced over every rank of ``mesh`` together (each rank holds
         a distinct piece of each expert param); an expert param replicated over expert-TP counts
         on expert-TP rank 0 (``expert_tensor_parallel_group`` is set from ``expert_mesh["etp"]``).
