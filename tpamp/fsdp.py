@@ -164,7 +164,9 @@ _EXPERT_DIMS = ("pp", "edp", "ep", "etp")
 
 def _expert_param_meshes(expert_mesh, mesh) -> list:
     """The meshes an expert param of this rank's stage may have after :func:`fully_shard_experts`:
-    ``expert_mesh["edp", "ep"]`` and ``expert_mesh["edp", "ep", "etp"]``. Raises TypeError /
+    ``expert_mesh["edp", "ep"]`` and ``expert_mesh["edp", "ep", "etp"]`` (stacked experts),
+    ``expert_mesh["edp"]`` and ``expert_mesh["edp", "etp"]`` (one expert's param; index 3 is
+    read by :func:`_is_edp_tp_mesh`). Raises TypeError /
     ValueError for an expert mesh that is not ``ParallelState.expert_mesh``-like or covers other
     ranks than ``mesh``."""
     from torch.distributed.device_mesh import DeviceMesh
@@ -266,7 +268,8 @@ def _check_expert_param(p, where: str, expert_meshes) -> None:
         got = _describe_mesh(p.device_mesh) if isinstance(p, DTensor) else type(p).__name__
         raise ValueError(
             f"{where} is an expert param sharded on {got}, expected "
-            f"{_describe_mesh(expert_meshes[0])} (or with 'etp'): put the stacked experts on "
+            f"{_describe_mesh(expert_meshes[0])} (or with 'etp'; one expert's param: "
+            f"{_describe_mesh(expert_meshes[2])}): put the stacked experts on "
             "expert_mesh['ep'] (Shard(expert_dim)) and shard their module with "
             "tpamp.fsdp.fully_shard_experts; otherwise the grad statistics would miss or double "
             "count expert shards"
@@ -372,7 +375,11 @@ def fully_shard_optimizer(optimizer: torch.optim.Optimizer, mesh, *, tp_dim: str
     DTensor; ValueError for a mesh of other dims, a param sharded on another mesh than
     ``mesh`` (or its stage's sub-mesh without the PP dim, and with a TP dim its DP
     sub-mesh; dims, sizes and ranks compared, both meshes named), a param not sharded over the DP dim, or grad_stats_group / tensor_parallel_group
-    given (this function sets them). Nothing is changed when it raises.
+    given (this function sets them; also expert_grad_stats_group /
+    expert_tensor_parallel_group), an expert param without ``expert_mesh``, on another mesh than
+    those above or not sharded over "edp" (and "ep"), an ``expert_mesh`` without the dims
+    (pp, edp, ep, etp) or on other ranks than ``mesh`` (TypeError if it is not a DeviceMesh).
+    Nothing is changed when it raises.
     """
     for key in ("grad_stats_group", "tensor_parallel_group", "expert_grad_stats_group",
                 "expert_tensor_parallel_group"):
