@@ -24,7 +24,9 @@ What happens:
   load-balancing loss with ``--moe-aux-loss-coeff``); ``--expert-model-parallel-size EP`` splits
   the experts over EP ranks carved out of DP (tokens travel by all-to-all over the EP group),
   the experts are TP-sharded like the dense MLP (``--expert-tensor-parallel-size`` = TP), and
-  expert grads are summed over the expert-data-parallel group and divided by DP.
+  expert grads are summed over the expert-data-parallel group and divided by DP. With
+  ``--use-torch-fsdp2`` (TP 1, PP 1) each expert's MLP is fully_shard'ed over the expert-DP
+  group (``tpamp.fsdp.fully_shard_experts``, divide factor DP).
 - Megatron's fp16 numerics, through ``tpamp.functional``: ``--fp32-residual-connection``
   (``tpamp.residual_add``; the residual stream, and so the activations passed between pipeline
   stages, are fp32), ``--attention-softmax-in-fp32`` (``tpamp.scale_mask_softmax``, always used
@@ -433,8 +435,16 @@ def validate_moe_args(args, tp: int, dp: int) -> None:
     _check(args, "expert_tensor_parallel_size", args.expert_tensor_parallel_size == tp,
            f"expected --tensor-model-parallel-size {tp} (the default): the experts are "
            "tensor-parallel over the TP group; another expert TP size is not supported")
-    _check(args, "use_torch_fsdp2", not args.use_torch_fsdp2,
-           "not supported with --num-experts (the main job's MoE runs without FSDP2)")
+    # FSDP2 with experts (each expert's MLP fully_shard'ed over the expert-DP group): the
+    # layouts run and checked so far are TP 1 and PP 1
+    _check(args, "use_torch_fsdp2", not args.use_torch_fsdp2 or (
+        tp == 1 and args.pipeline_model_parallel_size == 1),
+           "with --num-experts: expected --tensor-model-parallel-size 1 and "
+           "--pipeline-model-parallel-size 1 (FSDP2 with experts under TP or PP is not supported)")
+    _check(args, "log_param_grad_norms", not (args.use_torch_fsdp2 and args.log_param_grad_norms),
+           "with --num-experts and --use-torch-fsdp2 (the expert params differ between EP ranks, "
+           "the FSDP2 tracker needs the same names on every rank): expected no "
+           "--log-param-grad-norms")
 
 
 def validate_args(args) -> None:
@@ -794,8 +804,10 @@ from gpt_model import (  # noqa: E402
     GPTConfig,
     GPTStage,
     MoEAuxLossAutoScaler,
+    MoEMLP,
     count_params,
     is_expert_param,
+    mark_expert_params,
     parallelize_stage,
 )
 
@@ -1068,11 +1080,16 @@ def fully_shard_stage(stage: GPTStage, st, dtype) -> GPTStage:
         if module is not stage and module_has_fp32_attr(module) and list(module.parameters()):
             fully_shard(module, mesh=dp_mesh,
                         mp_policy=tpamp.fsdp.mixed_precision_policy(torch.float32))
+    for moe in (m for m in stage.modules() if isinstance(m, MoEMLP)):
+        for expert in moe.experts.values():  # one expert's MLP over the expert-DP group,
+            tpamp.fsdp.fully_shard_experts(    # grads divided by dp like dense ones
+                expert, st.expert_mesh, st.dims.dp, mp_policy=policy)
     for block in stage.blocks:
         fully_shard(block, mesh=dp_mesh, mp_policy=policy)
     fully_shard(stage, mesh=dp_mesh, mp_policy=policy)
     if stage.is_last and not stage.is_first:  # fully_shard made new params: mark the tied
         stage.head_weight.shared = True         # head copy again (counted once, on stage 0)
+    mark_expert_params(stage)  # and the expert params again
     return stage
 
 
@@ -1137,6 +1154,9 @@ def build_optimizer(stage, args, st, dtype):
         )
     if args.use_torch_fsdp2:  # the sharded fp32 params are the masters; stats over PP x DP x TP
         del kwargs["grad_stats_group"], kwargs["tensor_parallel_group"]
+        if args.num_experts is not None:  # expert params on the expert-DP dim (section 19)
+            kwargs.update(expert_mesh=st.expert_mesh, parallel_state=st,
+                          param_names=stage.global_named_parameters())
         return tpamp.fsdp.fully_shard_optimizer(adamw, st.mesh, **kwargs)
     if args.use_distributed_optimizer and not tpamp.is_elementwise_optimizer(adamw):
         # Muon, Adafactor: whole params per DP rank (tpamp.LayerWiseDistributedOptimizer,

@@ -268,6 +268,20 @@ def test_ep2_with_the_distributed_optimizer_matches_ep1(train):
 
 
 @needs_expert_stats
+def test_ep2_under_fsdp2_gives_the_losses_grad_norms_and_zeros_of_ep2_without(train):
+    """DP 4, EP 2, fp32: FSDP2 (dense params over DP, each expert's MLP over expert-DP with the
+    grads divided by dp; tpamp.fsdp.fully_shard_experts) gives the losses, grad norms and zero
+    counts of the same run without FSDP2; the loss falls and nothing is skipped."""
+    dp4 = ("--tensor-model-parallel-size", "1", "--pipeline-model-parallel-size", "1", *EP2)
+    plain, _, _ = train(*dp4)
+    fsdp, _, out = train(*dp4, "--use-torch-fsdp2")
+    _assert_same(plain, fsdp, ["loss", "grad_norm", "num_zeros", "skipped"])
+    assert not any(_series(fsdp, "skipped"))
+    assert fsdp[-1]["loss"] < fsdp[0]["loss"] - 0.5, out[-2000:]
+    assert "FSDP2" in out
+
+
+@needs_expert_stats
 def test_a_checkpoint_saved_at_ep2_resumes_at_ep1(train, tmp_path):
     """Save at iteration 3 of an EP 2 run, resume on EP 1 (--ckpt-step 3): iterations 4-6 are
     those of the uninterrupted EP 1 run (expert params and their optimizer state are named by
@@ -316,7 +330,12 @@ BAD_FLAGS = [
      ["--expert-tensor-parallel-size", "1", "--tensor-model-parallel-size 2"]),
     (["--expert-model-parallel-size", "2"], ["--expert-model-parallel-size", "2", "--num-experts N"]),
     (["--moe-router-topk", "1"], ["--moe-router-topk", "1", "--num-experts N"]),
-    (["--num-experts", "4", "--use-torch-fsdp2"], ["--use-torch-fsdp2", "--num-experts"]),
+    (["--num-experts", "4", "--use-torch-fsdp2", "--tensor-model-parallel-size", "2",
+      "--pipeline-model-parallel-size", "1"],
+     ["--use-torch-fsdp2", "--num-experts", "--tensor-model-parallel-size 1"]),
+    (["--num-experts", "4", "--use-torch-fsdp2", "--tensor-model-parallel-size", "1",
+      "--pipeline-model-parallel-size", "1", "--log-param-grad-norms", "3"],
+     ["--log-param-grad-norms", "--use-torch-fsdp2"]),
     (["--inject-inf-grad", "2:wte.weight"], ["--inject-inf-grad", "ITER:RANK:NAME"]),
     (["--inject-inf-grad", "2:4:wte.weight"], ["--inject-inf-grad", "below the 4 ranks"]),
 ]

@@ -54,9 +54,21 @@ copy of the word embedding) is marked ``shared = True`` and its grad summed with
 the caller (local shards: both have the same DP x TP placements). scripts/train_gpt.py
 ``--use-torch-fsdp2 --pipeline-model-parallel-size 2`` is the worked example.
 
-Not covered: HSDP (a ``Replicate`` DP dim: its replicas would be counted twice); expert params
-(mixture-of-experts, :func:`tpamp.is_expert_param`) are refused with ValueError (docs/spec.md
-section 19).
+Mixture-of-experts (docs/spec.md section 19), torchtitan's layout: expert params stacked over
+the experts are DTensors ``Shard(expert_dim)`` on ``ParallelState.expert_mesh["ep"]`` (each EP
+rank its experts); :func:`fully_shard_experts` shards their module over the expert-data-parallel
+dim ``expert_mesh["edp"]`` (FSDP2 makes them 2-D DTensors on ``expert_mesh["edp", "ep"]``) with
+the gradient divide factor of the dense params' DP size, so that expert grads end at 1/dp like
+dense ones (Megatron-LM's convention); dense params are fully_shard'ed on the DP mesh as above.
+Give ``fully_shard_optimizer(..., expert_mesh=state.expert_mesh)``: every rank holds a distinct
+piece of every expert param, so found_inf, the grad norm and the zero count of dense and expert
+params are reduced together over every rank (one found_inf, one norm, one clip coefficient,
+zeros added), an expert param replicated over expert-TP counted on expert-TP rank 0. Checkpoints
+save the expert DTensors in their global shape (placements over EDP and EP), so a checkpoint
+saved at EP 2 loads at EP 1 (or under the other wrappers).
+
+Not covered: HSDP (a ``Replicate`` DP dim: its replicas would be counted twice); context
+parallelism (a mesh with a ``cp`` dim is refused).
 """
 
 from __future__ import annotations
@@ -71,7 +83,10 @@ from tpamp.grad_stats import is_expert_param
 from tpamp.optimizer import FP32Optimizer
 from tpamp.param_norms import ParamGradNormTracker
 
-__all__ = ["mixed_precision_policy", "fully_shard_optimizer", "track_param_grad_norms"]
+__all__ = [
+    "mixed_precision_policy", "fully_shard_optimizer", "fully_shard_experts",
+    "track_param_grad_norms",
+]
 
 Tensor = torch.Tensor
 _POLICY_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -144,8 +159,39 @@ def _same_mesh(a, b) -> bool:
             and a.device_type == b.device_type and a.mesh.tolist() == b.mesh.tolist())
 
 
+_EXPERT_DIMS = ("pp", "edp", "ep", "etp")
+
+
+def _expert_param_meshes(expert_mesh, mesh) -> list:
+    """The meshes an expert param of this rank's stage may have after :func:`fully_shard_experts`:
+    ``expert_mesh["edp", "ep"]`` and ``expert_mesh["edp", "ep", "etp"]`` (stacked experts),
+    ``expert_mesh["edp"]`` and ``expert_mesh["edp", "etp"]`` (one expert's param; index 3 is
+    read by :func:`_is_edp_tp_mesh`). Raises TypeError /
+    ValueError for an expert mesh that is not ``ParallelState.expert_mesh``-like or covers other
+    ranks than ``mesh``."""
+    from torch.distributed.device_mesh import DeviceMesh
+
+    if not isinstance(expert_mesh, DeviceMesh):
+        raise TypeError(
+            f"expert_mesh must be a DeviceMesh (ParallelState.expert_mesh), got "
+            f"{type(expert_mesh).__name__}"
+        )
+    names = tuple(expert_mesh.mesh_dim_names or ())
+    if names != _EXPERT_DIMS:
+        raise ValueError(
+            f"expert_mesh must have dims {_EXPERT_DIMS} (ParallelState.expert_mesh), got {names}"
+        )
+    if sorted(expert_mesh.mesh.flatten().tolist()) != sorted(mesh.mesh.flatten().tolist()):
+        raise ValueError(
+            f"expert_mesh {_describe_mesh(expert_mesh)} does not cover the ranks of mesh "
+            f"{_describe_mesh(mesh)}: dense and expert params must be laid out on the same ranks"
+        )
+    return [expert_mesh["edp", "ep"], expert_mesh["edp", "ep", "etp"], expert_mesh["edp"],
+            expert_mesh["edp", "etp"]]
+
+
 def _check_fsdp_params(optimizer, dp_dim: str, mesh=None, tp_dim: Optional[str] = None,
-                       given=None) -> None:
+                       given=None, expert_meshes=None) -> None:
     from torch.distributed.tensor import DTensor
 
     # the meshes a param of a model sharded on ``mesh`` (without its PP dim) may have: the
@@ -162,19 +208,22 @@ def _check_fsdp_params(optimizer, dp_dim: str, mesh=None, tp_dim: Optional[str] 
                     "call fully_shard on the model before building the optimizer"
                 )
             if is_expert_param(p):
-                raise ValueError(
-                    f"{where} is an expert param (tpamp.is_expert_param: allreduce=False or an "
-                    f"'ep' mesh dim {tuple(p.device_mesh.mesh_dim_names or ())}); expert "
-                    "parallelism under FSDP2 is not supported yet (docs/spec.md section 19): use "
-                    "tpamp.MixedPrecisionOptimizer or tpamp.DistributedOptimizer with "
-                    "parallel_state="
-                )
+                if expert_meshes is None:
+                    raise ValueError(
+                        f"{where} is an expert param (tpamp.is_expert_param: allreduce=False or "
+                        f"an 'ep' mesh dim {tuple(p.device_mesh.mesh_dim_names or ())}): pass "
+                        "expert_mesh=state.expert_mesh (ParallelState) and shard the experts "
+                        "with tpamp.fsdp.fully_shard_experts (docs/spec.md section 19)"
+                    )
+                _check_expert_param(p, where, expert_meshes)
             if p.dtype != torch.float32:
                 raise TypeError(
                     f"{where} has dtype {p.dtype}; fully_shard's sharded params are the fp32 "
                     "master weights: keep the model fp32 and give the compute dtype to "
                     "MixedPrecisionPolicy(param_dtype=...) (tpamp.fsdp.mixed_precision_policy)"
                 )
+            if is_expert_param(p):
+                continue  # checked above, on its expert mesh
             if allowed and not any(_same_mesh(p.device_mesh, m) for m in allowed):
                 raise ValueError(
                     f"{where} was sharded on {_describe_mesh(p.device_mesh)}, but "
@@ -197,8 +246,94 @@ def _check_fsdp_params(optimizer, dp_dim: str, mesh=None, tp_dim: Optional[str] 
                 )
 
 
+def _is_edp_tp_mesh(mesh, edp_etp) -> bool:
+    """An ("edp", "tp") mesh on the ranks of ``expert_mesh["edp", "etp"]``: an expert param of a
+    TP plan on the dense TP mesh (expert-TP = TP), fully_shard'ed over the expert-DP dim."""
+    return (tuple(mesh.mesh_dim_names or ()) == ("edp", "tp")
+            and mesh.device_type == edp_etp.device_type
+            and mesh.mesh.tolist() == edp_etp.mesh.tolist())
+
+
+def _check_expert_param(p, where: str, expert_meshes) -> None:
+    """An expert param must be a DTensor of :func:`fully_shard_experts`: a stack of experts on
+    ``expert_mesh["edp", "ep"(, "etp")]`` with a shard over "edp" and "ep", or one expert's
+    param (named by its global expert index) on ``expert_mesh["edp"(, "etp")]``, sharded over
+    "edp" and carrying no ``expert_dim`` (a stack without its "ep" dim would be saved in the
+    shape of this rank's experts, not the global one)."""
+    from torch.distributed.tensor import DTensor
+
+    if not isinstance(p, DTensor) or not (
+            any(_same_mesh(p.device_mesh, m) for m in expert_meshes)
+            or _is_edp_tp_mesh(p.device_mesh, expert_meshes[3])):
+        got = _describe_mesh(p.device_mesh) if isinstance(p, DTensor) else type(p).__name__
+        raise ValueError(
+            f"{where} is an expert param sharded on {got}, expected "
+            f"{_describe_mesh(expert_meshes[0])} (or with 'etp'; one expert's param: "
+            f"{_describe_mesh(expert_meshes[2])}): put the stacked experts on "
+            "expert_mesh['ep'] (Shard(expert_dim)) and shard their module with "
+            "tpamp.fsdp.fully_shard_experts; otherwise the grad statistics would miss or double "
+            "count expert shards"
+        )
+    names = tuple(p.device_mesh.mesh_dim_names)
+    if "ep" not in names and getattr(p, "expert_dim", None) is not None:
+        raise ValueError(
+            f"{where} is a stack of experts (expert_dim={p.expert_dim}) on "
+            f"{_describe_mesh(p.device_mesh)} without an 'ep' dim: put it on expert_mesh['ep'] "
+            "(Shard(expert_dim)) before fully_shard_experts, so that it has its global shape"
+        )
+    for dim in ("edp", "ep") if "ep" in names else ("edp",):
+        if getattr(p.placements[names.index(dim)], "dim", None) is None:
+            raise ValueError(
+                f"{where} is an expert param not sharded over {dim!r} (placements "
+                f"{tuple(p.placements)}): expected Shard on 'ep' (the experts) and fully_shard's "
+                "Shard on 'edp'"
+            )
+
+
+def fully_shard_experts(module: torch.nn.Module, expert_mesh, data_parallel_size: int,
+                        **fully_shard_kwargs):
+    """``fully_shard(module, mesh=expert_mesh["edp"], **fully_shard_kwargs)`` for a module of
+    expert params (stacked experts as DTensors ``Shard(expert_dim)`` on ``expert_mesh["ep"]``),
+    with the gradient divide factor ``data_parallel_size`` instead of FSDP2's default (the EDP
+    size): each expert's grad is summed over the tokens of its EP group's ranks by the token
+    dispatch, then over EDP by the reduce-scatter, so dividing by the dense DP size (x CP) makes
+    expert grads end at 1/dp like dense ones (Megatron-LM scales expert grads by edp/dp).
+    On gloo (no PREMUL_SUM) the reduce-scatter is a SUM followed by the division. Returns
+    ``module`` (now an FSDPModule; its params are DTensors on ``expert_mesh["edp", "ep"]``). Call it before ``fully_shard`` of the enclosing modules.
+
+    expert_mesh: ``ParallelState.expert_mesh`` (dims pp, edp, ep, etp) or this stage's slice of
+        it with an "edp" dim. data_parallel_size: the dense params' DP (x CP) size, a positive int.
+    Raises TypeError for a module that is not an nn.Module or a data_parallel_size that is not
+    an int; ValueError for a data_parallel_size < 1 or a mesh without an "edp" dim.
+    """
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.fsdp import fully_shard
+
+    if not isinstance(module, torch.nn.Module):
+        raise TypeError(f"module must be a torch.nn.Module, got {type(module).__name__}")
+    if not isinstance(expert_mesh, DeviceMesh):
+        raise TypeError(f"expert_mesh must be a DeviceMesh, got {type(expert_mesh).__name__}")
+    if "edp" not in tuple(expert_mesh.mesh_dim_names or ()):
+        raise ValueError(
+            f"expert_mesh must have an 'edp' dim (ParallelState.expert_mesh), got dims "
+            f"{expert_mesh.mesh_dim_names}"
+        )
+    if isinstance(data_parallel_size, bool) or not isinstance(data_parallel_size, int):
+        raise TypeError(
+            f"data_parallel_size must be an int, got {type(data_parallel_size).__name__}"
+        )
+    if data_parallel_size < 1:
+        raise ValueError(f"data_parallel_size must be >= 1, got {data_parallel_size}")
+    fully_shard(module, mesh=expert_mesh["edp"], **fully_shard_kwargs)
+    module.set_gradient_divide_factor(float(data_parallel_size))
+    if dist.get_backend(expert_mesh["edp"].get_group()) == "gloo":
+        # gloo has no PREMUL_SUM: a SUM reduce-scatter, then the division on each shard
+        module.set_force_sum_reduction_for_comms(True)
+    return module
+
+
 def fully_shard_optimizer(optimizer: torch.optim.Optimizer, mesh, *, tp_dim: str = "tp",
-                          pp_dim: str = "pp", **kwargs) -> FP32Optimizer:
+                          pp_dim: str = "pp", expert_mesh=None, **kwargs) -> FP32Optimizer:
     """:class:`tpamp.FP32Optimizer` around ``optimizer`` for ``fully_shard``'ed params: the
     fp32 sharded DTensor params are the master weights (no copy is made) and found_inf, the
     grad norm, the zero count and per-parameter norms are reduced over every rank of ``mesh``.
@@ -218,6 +353,18 @@ def fully_shard_optimizer(optimizer: torch.optim.Optimizer, mesh, *, tp_dim: str
         ``shared = True`` (set it again after ``fully_shard``, which makes new params) so that
         it is counted once, as in :mod:`tpamp.grad_stats`.
     tp_dim: the name of the TP dim. pp_dim: the name of the PP dim.
+    expert_mesh: with expert params (:func:`tpamp.is_expert_param`), ``ParallelState.expert_mesh``
+        (dims pp, edp, ep, etp, on the ranks of ``mesh``); the expert params must be DTensors on
+        ``expert_mesh["edp", "ep"(, "etp")]`` as :func:`fully_shard_experts` makes them (stacked
+        experts), or on ``expert_mesh["edp"(, "etp")]`` (or "edp" x the dense "tp" dim on the
+        same ranks, expert-TP = TP) for a param of one expert named by its
+        global expert index (mark it again with :func:`tpamp.mark_expert_param` after
+        fully_shard, which makes new params). Dense
+        and expert statistics are reduced over every rank of ``mesh`` together (each rank holds
+        a distinct piece of each expert param); an expert param replicated over expert-TP counts
+        on expert-TP rank 0 (``expert_tensor_parallel_group`` is set from ``expert_mesh["etp"]``).
+        Pass ``parallel_state=`` and ``param_names=`` (kwargs) to name expert params with their
+        EP rank in ``last_nonfinite``.
     kwargs: the other arguments of :class:`tpamp.MixedPrecisionOptimizer` (grad_scaler,
         clip_grad, norm_type, log_num_zeros_in_grad, skip_nonfinite, spike_detector,
         fused_step, sync_free), with its guards (step guard, cross-rank settings check).
@@ -228,18 +375,29 @@ def fully_shard_optimizer(optimizer: torch.optim.Optimizer, mesh, *, tp_dim: str
     DTensor; ValueError for a mesh of other dims, a param sharded on another mesh than
     ``mesh`` (or its stage's sub-mesh without the PP dim, and with a TP dim its DP
     sub-mesh; dims, sizes and ranks compared, both meshes named), a param not sharded over the DP dim, or grad_stats_group / tensor_parallel_group
-    given (this function sets them). Nothing is changed when it raises.
+    given (this function sets them; also expert_grad_stats_group /
+    expert_tensor_parallel_group), an expert param without ``expert_mesh``, on another mesh than
+    those above or not sharded over "edp" (and "ep"), an ``expert_mesh`` without the dims
+    (pp, edp, ep, etp) or on other ranks than ``mesh`` (TypeError if it is not a DeviceMesh).
+    Nothing is changed when it raises.
     """
-    for key in ("grad_stats_group", "tensor_parallel_group"):
+    for key in ("grad_stats_group", "tensor_parallel_group", "expert_grad_stats_group",
+                "expert_tensor_parallel_group"):
         if key in kwargs:
             raise ValueError(f"fully_shard_optimizer sets {key} from the mesh; do not pass it")
     pp, dp_dim, tp = _mesh_dims(mesh, tp_dim, pp_dim)
     param_mesh = _param_mesh(mesh, pp, dp_dim, tp)
-    _check_fsdp_params(optimizer, dp_dim, param_mesh, tp, given=mesh)
+    expert_meshes = None if expert_mesh is None else _expert_param_meshes(expert_mesh, mesh)
+    _check_fsdp_params(optimizer, dp_dim, param_mesh, tp, given=mesh, expert_meshes=expert_meshes)
     tp_group = mesh[tp].get_group() if tp is not None else None
     dp_group = mesh[dp_dim].get_group() if mesh.ndim > 1 else mesh.get_group()
+    group = _mesh_group(mesh)
+    if expert_mesh is not None:
+        # one group for both: every rank holds a distinct piece of each dense and expert param
+        kwargs["expert_grad_stats_group"] = group
+        kwargs["expert_tensor_parallel_group"] = expert_mesh["etp"].get_group()
     opt = FP32Optimizer(
-        optimizer, grad_stats_group=_mesh_group(mesh), tensor_parallel_group=tp_group, **kwargs
+        optimizer, grad_stats_group=group, tensor_parallel_group=tp_group, **kwargs
     )
     _DP_GROUPS[opt] = dp_group
     return opt
