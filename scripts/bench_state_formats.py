@@ -80,7 +80,11 @@ def parse_args(argv=None):
     p.add_argument("--kernel", action="store_true",
                    help="time the fused step op alone (one thread, one tensor, no DP; --dps is ignored)")
     p.add_argument("--json", default=None)
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    unknown = [c for c in args.configs.split(",") if c not in CONFIGS]
+    if unknown:  # refused here: a worker's KeyError would leave its peers waiting
+        p.error(f"--configs: unknown {unknown}; expected names from {sorted(CONFIGS)}")
+    return args
 
 
 def _sizes(numel, tensors):
