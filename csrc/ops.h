@@ -38,7 +38,8 @@ using GradStatsResult = std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tenso
                         const std::optional<at::Tensor>& lr_tensor, double lr, double beta1,  \
                         double beta2, double eps, double weight_decay,                        \
                         bool decoupled_weight_decay, bool maximize,                           \
-                        at::TensorList exp_avg_scales, at::TensorList exp_avg_sq_scales);     \
+                        at::TensorList exp_avg_scales, at::TensorList exp_avg_sq_scales,      \
+                        const std::optional<at::Tensor>& stochastic_rounding);                \
   void fused_sgd_step_(at::TensorList params, at::TensorList momentum_buffers,                \
                        at::TensorList model_params, at::TensorList grads,                     \
                        const c10::List<bool>& first_step,                                     \

@@ -68,12 +68,16 @@ TORCH_LIBRARY(tpamp, m) {
   // Narrow state (kernels/optimizer_step.h): params[i] may be int16 remainders of a bf16
   // model_params[i]; exp_avgs/exp_avg_sqs may be bf16 or float8_e4m3fn, the latter with their
   // per-block float32 scales in exp_avg_scales/exp_avg_sq_scales (else those lists are empty).
+  // params[i] may be a bf16 param stepped in place with stochastic rounding (no master): then
+  // stochastic_rounding is an int64 [len(params), 2] tensor of (key, first element index) per
+  // param and model_params is empty (docs/spec.md section 21).
   m.def(
       "fused_adam_step_(Tensor(a!)[] params, Tensor(b!)[] exp_avgs, Tensor(c!)[] exp_avg_sqs, "
       "Tensor(d!)[] steps, Tensor(e!)[] model_params, Tensor[] grads, Tensor? grad_scale, "
       "Tensor? found_inf, Tensor? lr_tensor, float lr, float beta1, float beta2, float eps, "
       "float weight_decay, bool decoupled_weight_decay, bool maximize, "
-      "Tensor(f!)[] exp_avg_scales, Tensor(g!)[] exp_avg_sq_scales) -> ()");
+      "Tensor(f!)[] exp_avg_scales, Tensor(g!)[] exp_avg_sq_scales, "
+      "Tensor? stochastic_rounding=None) -> ()");
   m.def(
       "fused_sgd_step_(Tensor(a!)[] params, Tensor(b!)[] momentum_buffers, "
       "Tensor(c!)[] model_params, Tensor[] grads, bool[] first_step, Tensor? grad_scale, "

@@ -242,6 +242,13 @@ def parse_args(argv=None) -> argparse.Namespace:
       help="storage of Adam's exp_avg_sq (as --exp-avg-dtype)")
     a("--store-param-remainders", action="store_true",
       help="--bf16 only: keep bf16 params + int16 remainders instead of fp32 master params")
+    # bf16 params without masters, stochastic rounding (docs/spec.md section 21)
+    a("--no-master-weights", dest="master_weights", action="store_false",
+      help="--bf16 only, with --stochastic-rounding: keep no fp32 master params (2 bytes per "
+           "param + the moments)")
+    a("--stochastic-rounding", action="store_true",
+      help="--bf16 with --no-master-weights: the one-pass step writes the bf16 params with "
+           "stochastic rounding, seeded by --seed, the param's name, the step and the element")
     add_optimizer_arguments(p)  # --optimizer {adam,muon} and the --muon-* flags
     # precision and loss scaling (Megatron's flags)
     prec = p.add_mutually_exclusive_group()
@@ -331,6 +338,27 @@ def add_optimizer_arguments(p) -> None:
                         "(torch's 'original'), or match_rms_adamw 0.2 sqrt(max(rows, cols))")
     g.add_argument("--muon-no-split-qkv", dest="muon_split_qkv", action="store_false",
                    help="orthogonalise the fused QKV weight whole (default: Q, K, V apart)")
+
+
+def validate_master_args(args, dtype_flag: str) -> None:
+    """--no-master-weights / --stochastic-rounding (docs/spec.md section 21): both or neither,
+    --bf16 only, not with --store-param-remainders, --use-torch-fsdp2 or --optimizer muon."""
+    if not (args.stochastic_rounding or not args.master_weights):
+        return
+    _check(args, "stochastic_rounding", args.stochastic_rounding and not args.master_weights,
+           "--no-master-weights and --stochastic-rounding go together (round-to-nearest "
+           "without a master loses every update below half a bf16 ulp): expected both")
+    _check(args, "stochastic_rounding", args.bf16,
+           f"stochastic rounding writes bf16 params, this run has {dtype_flag} params: "
+           "expected --bf16")
+    _check(args, "stochastic_rounding", not args.store_param_remainders,
+           "--store-param-remainders keeps the master exactly, --no-master-weights keeps "
+           "none: expected one of them")
+    _check(args, "stochastic_rounding", not args.use_torch_fsdp2,
+           "with --use-torch-fsdp2 the sharded fp32 params are the masters: expected no "
+           "--stochastic-rounding")
+    _check(args, "stochastic_rounding", args.optimizer != "muon",
+           "--stochastic-rounding needs the one-pass Adam step: expected --optimizer adam")
 
 
 def validate_optimizer_args(args) -> None:
@@ -566,8 +594,9 @@ def validate_args(args) -> None:
         _check(args, "store_param_remainders", not args.use_torch_fsdp2,
                "with --use-torch-fsdp2 the sharded fp32 params are the masters: expected "
                "no --store-param-remainders")
+    validate_master_args(args, dtype_flag)
     narrow = (args.exp_avg_dtype != "fp32" or args.exp_avg_sq_dtype != "fp32"
-              or args.store_param_remainders)
+              or args.store_param_remainders or args.stochastic_rounding)
     if narrow:
         state = (f"--exp-avg-dtype {args.exp_avg_dtype} --exp-avg-sq-dtype "
                  f"{args.exp_avg_sq_dtype}{' --store-param-remainders' if args.store_param_remainders else ''}")
@@ -1147,6 +1176,9 @@ def build_optimizer(stage, args, st, dtype):
         grad_stats_group=st.model_parallel_group,
         tensor_parallel_group=st.tp_group,
     )
+    if args.stochastic_rounding:  # bf16, no master (validate_master_args)
+        kwargs.update(master_weights=False, stochastic_rounding=True,
+                      stochastic_rounding_seed=args.seed % 2**63)
     if args.spike_policy != "off":
         kwargs["spike_detector"] = tpamp.SpikeDetector(
             args.spike_policy, threshold=args.spike_threshold, window=args.spike_window,

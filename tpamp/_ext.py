@@ -251,7 +251,7 @@ def _register_fakes() -> None:
     def _fused_adam_step_(params, exp_avgs, exp_avg_sqs, steps, model_params, grads, grad_scale,
                           found_inf, lr_tensor, lr, beta1, beta2, eps, weight_decay,
                           decoupled_weight_decay, maximize, exp_avg_scales,
-                          exp_avg_sq_scales):
+                          exp_avg_sq_scales, stochastic_rounding=None):
         return None
 
     @lib.register_fake("tpamp::fused_sgd_step_")

@@ -397,6 +397,10 @@ _SETTING_NAMES = (
     "exp_avg_dtype",
     "exp_avg_sq_dtype",
     "store_param_remainders",
+    "master_weights",
+    "stochastic_rounding",
+    "stochastic_rounding_seed (low 52 bits)",
+    "stochastic_rounding_seed (high bits)",
 )
 # the optimizer-state storage options (narrow moments, param remainders): 0 where a wrapper has none
 _STATE_DTYPE_CODES = {torch.float32: 1.0, torch.bfloat16: 2.0, torch.float8_e4m3fn: 3.0,
@@ -454,6 +458,12 @@ def _settings(wrapper) -> List[float]:
         dtype = getattr(wrapper, key, None)
         v[key] = _STATE_DTYPE_CODES.get(dtype, 9.0) if dtype is not None else 0.0
     v["store_param_remainders"] = float(bool(getattr(wrapper, "store_param_remainders", False)))
+    # docs/spec.md section 21: ranks that round differently would drift apart
+    v["master_weights"] = float(bool(getattr(wrapper, "master_weights", True)))
+    v["stochastic_rounding"] = float(bool(getattr(wrapper, "stochastic_rounding", False)))
+    seed = int(getattr(wrapper, "stochastic_rounding_seed", 0))
+    v["stochastic_rounding_seed (low 52 bits)"] = float(seed & (2**52 - 1))
+    v["stochastic_rounding_seed (high bits)"] = float(seed >> 52)
     if scaler is None:
         return [v[n] for n in _SETTING_NAMES]
     if isinstance(scaler, torch.amp.GradScaler):

@@ -225,6 +225,12 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
             bf16 all-gather input shard then holds the masters' high halves between steps).
             They need the fused path; a step that would take the generic one raises
             RuntimeError before anything changes. :meth:`optimizer_state_bytes` counts them.
+        master_weights, stochastic_rounding, stochastic_rounding_seed: as for
+            MixedPrecisionOptimizer (docs/spec.md section 21): ``master_weights=False,
+            stochastic_rounding=True`` keeps no main shard for bf16 buckets; the bf16
+            all-gather input shard is the param, stepped in place with stochastic rounding
+            whose random bits depend on each element's index in its whole param (not on the
+            shard layout), so every DP size gives the bits of DP 1.
 
     Attributes:
         last_nonfinite: as MixedPrecisionOptimizer's (tpamp/nonfinite.py), but each param's
@@ -277,10 +283,16 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
         parallel_state=None,
         expert_data_parallel_group=None,
         expert_tensor_parallel_group=None,
+        master_weights: bool = True,
+        stochastic_rounding: bool = False,
+        stochastic_rounding_seed: int = 0,
     ):
         options = (exp_avg_dtype, exp_avg_sq_dtype, store_param_remainders)
         state_options = self._check_core_args(optimizer, grad_scaler, clip_grad, fused_step, *options,
                                               flat_pieces=True)
+        master_options = self._check_master_args(
+            optimizer, grad_scaler, fused_step, master_weights, stochastic_rounding,
+            stochastic_rounding_seed, store_param_remainders)
         _validation.check_int("bucket_size", bucket_size, low=1, allow_none=True)
         if data_parallel_group is None:
             raise ValueError(
@@ -299,6 +311,7 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
             sync_free=False, spike_detector=spike_detector, fused_step=fused_step,
             state_options=state_options, parallel_state=parallel_state,
             expert_tensor_parallel_group=expert_tensor_parallel_group,
+            master_options=master_options,
         )
         self.data_parallel_group = data_parallel_group
         self.grad_reduce_in_fp32 = bool(grad_reduce_in_fp32)
@@ -508,6 +521,10 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
         )
         if remainders:  # the masters' high halves: kept, an input of every step
             bucket.param_shard = torch.zeros(shard, dtype=dtype, device=dev)
+        if self.stochastic_rounding and dtype == torch.bfloat16:
+            # no master (docs/spec.md section 21): the bf16 shard is the param, kept between
+            # steps and stepped in place; the main shard is that same tensor
+            bucket.param_shard = bucket.main_shard = torch.zeros(shard, dtype=dtype, device=dev)
         for p, (a, b) in zip(params, offsets):
             # Megatron-LM's main_grad convention: the param's slot in the grad buffer
             p.main_grad = grad_data[a:b].view(local_tensor(p).shape)
@@ -534,11 +551,16 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
                         b.param_shard[s - lo:t - lo].copy_(flat[s - a:t - a])
                     else:
                         b.main_shard[s - lo:t - lo].copy_(flat[s - a:t - a])
-                if b.main_shard.dtype == torch.int16:  # no fp32 storage: a placeholder key
+                if b.main_shard.dtype != torch.float32:  # no fp32 storage: a placeholder key
                     piece.main = torch.nn.Parameter(
                         torch.zeros((), device=b.main_shard.device).expand(t - s),
                         requires_grad=True)
-                    self._remainders[id(piece.main)] = b.main_shard[s - lo:t - lo]
+                    if b.main_shard.dtype == torch.int16:
+                        self._remainders[id(piece.main)] = b.main_shard[s - lo:t - lo]
+                    else:  # stochastic rounding: the param's bf16 shard, its global index
+                        self._sr_params[id(piece.main)] = b.param_shard[s - lo:t - lo]
+                        self._sr_rows[id(piece.main)] = (state_formats.stochastic_rounding_key(
+                            self.stochastic_rounding_seed, name), s - a)
                 else:
                     piece.main = torch.nn.Parameter(b.main_shard[s - lo:t - lo],
                                                     requires_grad=True)
@@ -596,7 +618,9 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
                 a, b = q.param_range
                 srcs.append(local_tensor(q.param).detach().reshape(-1)[a:b])
                 rem = self._remainders.get(id(q.main))
-                if rem is None:
+                if id(q.main) in self._sr_params:  # the bf16 value itself (no master)
+                    dsts.append(self._sr_params[id(q.main)])
+                elif rem is None:
                     dsts.append(q.main.detach())
                 else:  # the bf16 value itself, remainder 0
                     dsts.append(self._bucket_of[id(q.param)].param_shard[
@@ -836,7 +860,8 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
         return out
 
     def _main_param_bytes(self) -> int:
-        return sum(b.main_shard.numel() * b.main_shard.element_size() for b in self._buckets)
+        return sum(b.main_shard.numel() * b.main_shard.element_size() for b in self._buckets
+                   if b.main_shard is not b.param_shard)  # no master: the param's own shard
 
     def fp32_state_bytes(self) -> int:
         """The old name of :meth:`optimizer_state_bytes` (one implementation; this name now
@@ -845,6 +870,8 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
 
     def _piece_master(self, q: _Piece) -> Tensor:
         """The fp32 master of a piece (a view; rebuilt from param + remainder: a new tensor)."""
+        if id(q.main) in self._sr_params:  # no master: the bf16 value (a new tensor)
+            return self._sr_params[id(q.main)].float()
         rem = self._remainders.get(id(q.main))
         if rem is None:
             return q.main.detach()
@@ -853,6 +880,9 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
 
     def _set_piece_master(self, q: _Piece, value: Tensor) -> None:
         """q's fp32 master = value (split exactly into param + remainder for remainders)."""
+        if id(q.main) in self._sr_params:  # no master: rounded to nearest into bf16
+            self._sr_params[id(q.main)].copy_(value.to(self._sr_params[id(q.main)].device))
+            return
         rem = self._remainders.get(id(q.main))
         if rem is None:
             q.main.copy_(value)
@@ -997,7 +1027,7 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
         """A bucket's fp32 main shard (a copy; rebuilt from param + remainder shards)."""
         if b.main_shard.dtype == torch.int16:
             return ops.join_remainders(b.param_shard, b.main_shard)
-        return b.main_shard.detach().clone()
+        return b.main_shard.detach().float()  # a copy (bf16 without master: its value)
 
     def _layout(self) -> Dict:
         return {
@@ -1037,11 +1067,14 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
         # remainder buckets (int16 main shard): the saved fp32 shard lands in a scratch
         # tensor, then is split exactly into the bf16 param shard + remainder
         scratch = {i: torch.empty(b.shard_size, dtype=torch.float32, device=self._device)
-                   for i, b in enumerate(self._buckets) if b.main_shard.dtype == torch.int16}
+                   for i, b in enumerate(self._buckets) if b.main_shard.dtype != torch.float32}
 
         def after_copy():
             for i, t in scratch.items():
                 b = self._buckets[i]
+                if b.main_shard is b.param_shard:  # no master: rounded to nearest into bf16
+                    b.param_shard.copy_(t)
+                    continue
                 hi, lo = ops.split_remainders(t)
                 b.param_shard.copy_(hi)
                 b.main_shard.copy_(lo)

@@ -27,7 +27,7 @@ from __future__ import annotations
 import contextlib
 import math
 import threading
-from typing import Iterator, List, NamedTuple, Optional, Sequence
+from typing import Dict, Iterator, List, NamedTuple, Optional, Sequence, Tuple
 
 import torch
 
@@ -43,6 +43,7 @@ from tpamp.state_formats import encode_moment as encode_moment
 from tpamp.state_formats import join_remainders as join_remainders
 from tpamp.state_formats import moment_blocks as moment_blocks
 from tpamp.state_formats import split_remainders as split_remainders
+from tpamp.state_formats import stochastic_round_bf16 as stochastic_round_bf16
 
 __all__ = [
     "GradStats",
@@ -641,6 +642,7 @@ def fused_adam_step_(
     maximize: bool = False,
     exp_avg_scales: Optional[Sequence[Optional[Tensor]]] = None,
     exp_avg_sq_scales: Optional[Sequence[Optional[Tensor]]] = None,
+    stochastic_rounding: Optional[Sequence[Tuple[int, int]]] = None,
 ) -> None:
     """One Adam/AdamW step of torch.optim.Adam/AdamW (for-loop/fused math) over a list of
     fp32 main params, reading the grads once and writing the fp16/bf16 model params, in place.
@@ -676,6 +678,16 @@ def fused_adam_step_(
             lists (None for the others). params[i] may be the int16 remainder of a bfloat16
             model_params[i] (no fp32 master: see :func:`join_remainders`); the step is then
             bit-identical to the fp32-master step on join_remainders(model, remainder).
+        stochastic_rounding: None, or per param a (key, first index) pair of ints (key in
+            [0, 2^63): :func:`tpamp.state_formats.stochastic_rounding_key`; first index >= 0:
+            the global position of params[i]'s first element in its flattened param, for a
+            ZeRO-1 piece its offset). Then params[i] may be a bfloat16 param with no master
+            (docs/spec.md section 21): it is widened to float32, stepped, and written back in
+            place with stochastic rounding (random bits
+            :func:`tpamp.state_formats.stochastic_rounding_bits` of (key, step count after the
+            increment, first index + position)); model_params must be None. Entries with a
+            float32 or int16 param ignore their pair. The reference (no extension) reads the
+            step counts of these params on the host.
 
     Raises ValueError/TypeError for mismatched lengths, shapes, devices or dtypes.
     Uses the extension's kernel (CPU or CUDA) when built, else the PyTorch reference.
@@ -697,6 +709,7 @@ def fused_adam_step_(
     scale_lists = [_scale_list(exp_avg_scales, exp_avgs, device),
                    _scale_list(exp_avg_sq_scales, exp_avg_sqs, device)]
     narrow = _check_narrow_state(op, params, exp_avgs, exp_avg_sqs, model_params, scale_lists)
+    sr_rows = _stochastic_rounding_rows(op, params, model_params, stochastic_rounding)
     lists = [params, grads, exp_avgs, exp_avg_sqs] + ([model_params] if model_params else [])
     kernels = _step_kernels(device, "fused_adam_step_")
     if kernels is not None and _kernel_layouts_ok(lists):
@@ -704,6 +717,7 @@ def fused_adam_step_(
         kernels.fused_adam_step_(
             params, exp_avgs, exp_avg_sqs, steps, model_params or [], grads, grad_scale,
             found_inf, lr_tensor, lr_float, *hyper, *scale_lists,
+            _stochastic_rounding_tensor(sr_rows, device),
         )
         return
     if narrow:
@@ -724,7 +738,54 @@ def fused_adam_step_(
     _check_device_scalar("grad_scale", grad_scale, device)
     _check_device_scalar("found_inf", found_inf, device)
     _adam_step_torch(params, grads, exp_avgs, exp_avg_sqs, steps, model_params, grad_scale,
-                     found_inf, lr_tensor, lr_float, *hyper, scale_lists=scale_lists)
+                     found_inf, lr_tensor, lr_float, *hyper, scale_lists=scale_lists,
+                     sr_rows=sr_rows)
+
+
+def _stochastic_rounding_rows(op, params, model_params, stochastic_rounding):
+    """The checked (key, first index) pairs as a tuple of int pairs, or None."""
+    if stochastic_rounding is None:
+        for i, p in enumerate(params):
+            if p.dtype == torch.bfloat16:
+                raise TypeError(
+                    f"{op}: params[{i}] is bfloat16 (a bf16 param with stochastic rounding), "
+                    "which needs stochastic_rounding=[(key, first index), ...]")
+        return None
+    rows = []
+    for i, row in enumerate(stochastic_rounding):
+        if (not isinstance(row, (tuple, list)) or len(row) != 2
+                or not all(isinstance(v, int) and not isinstance(v, bool) for v in row)):
+            raise TypeError(f"{op}: stochastic_rounding[{i}] must be a (key, first index) pair "
+                            f"of ints, got {row!r}")
+        key, first = row
+        if not 0 <= key < 2**63 or not 0 <= first < 2**63:
+            raise ValueError(f"{op}: stochastic_rounding[{i}] = {row!r}: expected 0 <= key < "
+                             "2^63 and 0 <= first index < 2^63")
+        rows.append((key, first))
+    if len(rows) != len(params):
+        raise ValueError(f"{op}: params has {len(params)} tensors, stochastic_rounding has "
+                         f"{len(rows)} pairs")
+    if model_params is not None and any(p.dtype == torch.bfloat16 for p in params):
+        raise ValueError(f"{op}: bfloat16 params (stochastic rounding) are their own model "
+                         "params: expected model_params=None")
+    return tuple(rows)
+
+
+_SR_TENSORS: Dict[tuple, Tensor] = {}
+
+
+def _stochastic_rounding_tensor(rows, device) -> Optional[Tensor]:
+    """The op's int64 [n, 2] tensor of ``rows`` on ``device`` (kept: the same params give the
+    same rows every step, so a device copy is made once)."""
+    if rows is None:
+        return None
+    key = (str(device), rows)
+    t = _SR_TENSORS.get(key)
+    if t is None:
+        if len(_SR_TENSORS) >= 256:
+            _SR_TENSORS.clear()
+        t = _SR_TENSORS[key] = torch.tensor(rows, dtype=torch.int64).reshape(-1, 2).to(device)
+    return t
 
 
 def _master_like(t: Tensor) -> Tensor:
@@ -760,6 +821,8 @@ def _check_narrow_state(op, params, exp_avgs, exp_avg_sqs, model_params, scale_l
                         f"{moment_blocks(t.numel())} elements, got {sc.dtype} with {sc.numel()}")
             narrow |= t.dtype != torch.float32
     for i, p in enumerate(params):
+        if p.dtype == torch.bfloat16:
+            narrow = True
         if p.dtype == torch.int16:
             narrow = True
             if model_params is None or model_params[i].dtype != torch.bfloat16:
@@ -771,7 +834,7 @@ def _check_narrow_state(op, params, exp_avgs, exp_avg_sqs, model_params, scale_l
 
 def _adam_step_torch(params, grads, exp_avgs, exp_avg_sqs, steps, model_params, grad_scale,
                      found_inf, lr_tensor, lr, beta1, beta2, eps, weight_decay, decoupled,
-                     maximize, scale_lists=([], [])):
+                     maximize, scale_lists=([], []), sr_rows=None):
     """The reference: csrc/kernels/optimizer_step.h written with tensor ops (float32, scalars
     from the step count in float64), sync-free: a set found_inf selects the old values.
     Narrow state is decoded to float32 first and encoded after (encode_moment, split_remainders)."""
@@ -786,7 +849,10 @@ def _adam_step_torch(params, grads, exp_avgs, exp_avg_sqs, steps, model_params, 
         m_scales = scale_lists[0][i] if scale_lists[0] else None
         v_scales = scale_lists[1][i] if scale_lists[1] else None
         rem = stored_p.dtype == torch.int16
+        sr = stored_p.dtype == torch.bfloat16  # stochastic rounding: the param is the master
         p = join_remainders(model_params[i], stored_p) if rem else stored_p
+        if sr:
+            p = stored_p.float()
         exp_avg = decode_moment(exp_avgs[i], m_scales)
         exp_avg_sq = decode_moment(exp_avg_sqs[i], v_scales, sqrt=True)
         step = steps[i].reshape(()).double() + 1.0
@@ -811,7 +877,10 @@ def _adam_step_torch(params, grads, exp_avgs, exp_avg_sqs, steps, model_params, 
         new_v, new_vs = encode_moment(v, exp_avg_sqs[i].dtype, sqrt=True)
         outs = [(exp_avgs[i], new_m), (exp_avg_sqs[i], new_v), (steps[i], new_step)]
         outs += [(sc, new) for sc, new in ((m_scales, new_ms), (v_scales, new_vs)) if new is not None]
-        if rem:
+        if sr:
+            key, first = sr_rows[i]
+            outs.append((stored_p, stochastic_round_bf16(new_p, key, int(step.item()), first)))
+        elif rem:
             model_new, rem_new = split_remainders(new_p)
             outs += [(stored_p, rem_new), (model_params[i], model_new)]
         else:

@@ -190,6 +190,20 @@ class MixedPrecisionOptimizer(OptimizerWrapper):
             naming the option otherwise, and a step that would still take the generic path
             (step hooks, an option set after construction) raises RuntimeError instead;
             ``step(param_grad_norms=True)`` works with them. :meth:`optimizer_state_bytes` counts what they save.
+        master_weights, stochastic_rounding, stochastic_rounding_seed: ``master_weights=False,
+            stochastic_rounding=True`` keeps no fp32 master and no remainder for bf16 params
+            (Megatron-core's precision-aware optimizer names; torchao's
+            ``bf16_stochastic_round``): the one-pass step widens the bf16 param to float32,
+            updates it and writes it back with stochastic rounding, the random bits a hash of
+            (``stochastic_rounding_seed``, the param's name, the step count, the element's index
+            in the param), so runs repeat and DP ranks and ZeRO-1 layouts agree bitwise
+            (docs/spec.md section 21; name params with ``param_names`` for keys that differ
+            between pipeline stages). 2 bytes per parameter plus the moments. Construction
+            raises TypeError for a non-bool option or non-int seed, ValueError for
+            stochastic_rounding with master_weights=True, master_weights=False without
+            stochastic_rounding, with store_param_remainders, fp16 params, no trainable bf16
+            param, a non-Adam or non-fused inner optimizer, or a loss scaler that may drop below
+            1 (:func:`tpamp.state_formats.check_master_options`).
         param_names: ``model.named_parameters()`` ((name, param) pairs) or a dict param ->
             name, as DistributedOptimizer takes: the names of ``last_nonfinite`` records (and
             the default of :meth:`track_param_grad_norms`). Under pipeline parallelism give
@@ -268,10 +282,16 @@ class MixedPrecisionOptimizer(OptimizerWrapper):
         store_param_remainders: bool = False,
         expert_grad_stats_group=None,
         expert_tensor_parallel_group=None,
+        master_weights: bool = True,
+        stochastic_rounding: bool = False,
+        stochastic_rounding_seed: int = 0,
     ):
         state_options = self._check_core_args(
             optimizer, grad_scaler, clip_grad, fused_step, exp_avg_dtype, exp_avg_sq_dtype,
             store_param_remainders)
+        master_options = self._check_master_args(
+            optimizer, grad_scaler, fused_step, master_weights, stochastic_rounding,
+            stochastic_rounding_seed, store_param_remainders)
         names = nonfinite_names(param_names)  # checked before anything changes
         _validation.check_group_member(grad_stats_group, "grad_stats_group")
         _validation.check_group_member(tensor_parallel_group, "tensor_parallel_group")
@@ -287,7 +307,7 @@ class MixedPrecisionOptimizer(OptimizerWrapper):
             sync_free=sync_free, spike_detector=spike_detector, fused_step=fused_step,
             state_options=state_options, expert_grad_stats_group=expert_grad_stats_group,
             expert_tensor_parallel_group=expert_tensor_parallel_group,
-            parallel_state=parallel_state,
+            parallel_state=parallel_state, master_options=master_options,
         )
 
         # (model param, main param) for each fp16/bf16 param, per group; fp32 params per group
@@ -299,7 +319,10 @@ class MixedPrecisionOptimizer(OptimizerWrapper):
             for pi, param in enumerate(group["params"]):
                 if param.dtype in _HALF_DTYPES and param.requires_grad:
                     has_fp16 |= param.dtype == torch.float16
-                    if self.store_param_remainders:  # bf16 (checked): no fp32 master
+                    if self.stochastic_rounding:  # bf16 (checked): no master, no remainder
+                        main = _remainder_placeholder(param)
+                        self._sr_params[id(main)] = local_tensor(param.detach())
+                    elif self.store_param_remainders:  # bf16 (checked): no fp32 master
                         main = _remainder_placeholder(param)
                         self._remainders[id(main)] = torch.zeros_like(
                             local_tensor(param.detach()), dtype=torch.int16)
@@ -320,6 +343,9 @@ class MixedPrecisionOptimizer(OptimizerWrapper):
         check_fp16_scaler(has_fp16, grad_scaler)
         self._set_device(self._pick_device())
         self._init_param_names(names, coords)
+        self._sr_rows = {id(main): (state_formats.stochastic_rounding_key(
+            self.stochastic_rounding_seed, self._param_name[id(main)]), 0)
+            for main in self._sr_params}
         _validation.register_wrapper(self)
 
     # -- the core every wrapper shares (FP32Optimizer, DistributedOptimizer) -------------
@@ -345,10 +371,32 @@ class MixedPrecisionOptimizer(OptimizerWrapper):
         _validation.check_narrow_state_scaler(grad_scaler, *options)
         return options
 
+    @staticmethod
+    def _check_master_args(optimizer, grad_scaler, fused_step, master_weights,
+                           stochastic_rounding, stochastic_rounding_seed,
+                           store_param_remainders) -> tuple:
+        """``master_weights``, ``stochastic_rounding``, ``stochastic_rounding_seed`` checked by
+        :func:`tpamp.state_formats.check_master_options` (docs/spec.md section 21), and a loss
+        scaler that never drops below 1 (the one-pass step's condition); returns them."""
+        options = state_formats.check_master_options(
+            optimizer, FUSED_KINDS.get(type(optimizer)), bool(fused_step), master_weights,
+            stochastic_rounding, stochastic_rounding_seed, store_param_remainders,
+            {p.dtype for g in optimizer.param_groups for p in g["params"]
+             if p.dtype in _HALF_DTYPES and p.requires_grad},
+        )
+        if options[1] and grad_scaler is not None and not getattr(
+                grad_scaler, "never_below_one", True):
+            raise ValueError(
+                f"master_weights=False, stochastic_rounding=True are kept only by the one-pass "
+                f"fused step, which needs a loss scaler that never drops below 1; this "
+                f"{type(grad_scaler).__name__} may drop below 1 (give it a minimum scale >= 1)")
+        return options
+
     def _init_core(self, optimizer, *, grad_scaler, clip_grad, norm_type, log_num_zeros_in_grad,
                    grad_stats_group, tensor_parallel_group, skip_nonfinite, sync_free,
                    spike_detector, fused_step, state_options, expert_grad_stats_group=None,
-                   expert_tensor_parallel_group=None, parallel_state=None) -> None:
+                   expert_tensor_parallel_group=None, parallel_state=None,
+                   master_options=(True, False, 0)) -> None:
         """The settings of the step every wrapper shares (after :meth:`_check_core_args` and
         the subclass's own checks; ValueError for a bad norm_type, a sync_free inner optimizer
         that cannot skip on the device, or a detector that cannot be used)."""
@@ -375,6 +423,14 @@ class MixedPrecisionOptimizer(OptimizerWrapper):
         self._fused_kind = _FUSED_KINDS.get(type(optimizer)) if self.fused_step else None
         # store_param_remainders: id(main placeholder) -> int16 remainder (local tensor)
         self._remainders: Dict[int, Tensor] = {}
+        # master_weights=False, stochastic_rounding=True (docs/spec.md section 21):
+        # id(main placeholder) -> the bf16 tensor the kernel steps in place (the model param's
+        # local data, or a DistributedOptimizer's param shard slice), and -> its (hash key,
+        # global index of its first element) for the kernel's random bits
+        self.master_weights, self.stochastic_rounding, self.stochastic_rounding_seed = \
+            master_options
+        self._sr_params: Dict[int, Tensor] = {}
+        self._sr_rows: Dict[int, tuple] = {}
         self.last_nonfinite: Optional[list] = []
         self._init_experts(expert_grad_stats_group, expert_tensor_parallel_group, parallel_state)
 
@@ -486,12 +542,14 @@ class MixedPrecisionOptimizer(OptimizerWrapper):
         total = sum(r.numel() * r.element_size() for r in self._remainders.values())
         for pairs in self._half_pairs:
             for _, main in pairs:
-                if id(main) not in self._remainders:
+                if id(main) not in self._remainders and id(main) not in self._sr_params:
                     total += local_tensor(main).numel() * 4
         return total
 
     def _master_value(self, main: Tensor, model: Tensor) -> Tensor:
         """The fp32 master of a pair as a tensor like ``main`` (rebuilt from the remainder)."""
+        if id(main) in self._sr_params:  # no master: the bf16 param's value, exactly
+            return state_formats.dtensor_like(local_tensor(model.detach()).float(), main)
         rem = self._remainders.get(id(main))
         if rem is None:
             return main.detach().clone()
@@ -501,8 +559,8 @@ class MixedPrecisionOptimizer(OptimizerWrapper):
         models, mains = [], []
         for pairs in self._half_pairs:
             for model, main in pairs:
-                if id(main) in self._remainders:
-                    continue  # the model param holds the master's high half itself
+                if id(main) in self._remainders or id(main) in self._sr_params:
+                    continue  # the model param holds the master (or its high half) itself
                 models.append(local_tensor(model.data if not _is_dtensor(model) else model))
                 mains.append(local_tensor(main.data if not _is_dtensor(main) else main))
         return mains, models
@@ -969,10 +1027,18 @@ class MixedPrecisionOptimizer(OptimizerWrapper):
         m_dtype = getattr(self, "exp_avg_dtype", torch.float32)
         v_dtype = getattr(self, "exp_avg_sq_dtype", torch.float32)
         narrow = m_dtype != torch.float32 or v_dtype != torch.float32
+        sr_params = getattr(self, "_sr_params", {})
+        # (a DistributedOptimizer's part may hold bf16 pieces without master and fp32 pieces:
+        # each fp32 entry gets a row the kernel ignores)
+        sr_rows = [] if any(id(e[0]) in sr_params for e in part) else None
         for main, _, _, _ in part:
             state = inner.state[main]
             rem = remainders.get(id(main))
             local = rem if rem is not None else local_tensor(main)  # what the kernel steps
+            if id(main) in sr_params:  # the bf16 param itself (stochastic rounding)
+                local = sr_params[id(main)]
+            if sr_rows is not None:
+                sr_rows.append(self._sr_rows.get(id(main), (0, 0)))
             if len(state) == 0:  # torch.optim.Adam's _init_group, with the step on the device
                 if narrow:
                     state.update(state_formats.moments_like(state_formats.new_adam_state(
@@ -996,10 +1062,12 @@ class MixedPrecisionOptimizer(OptimizerWrapper):
             m_scales.append(state.get("exp_avg_scale"))
             v_scales.append(state.get("exp_avg_sq_scale"))
         models = [local_tensor(e[1]) for e in part] if part[0][1] is not None else None
+        if sr_rows is not None:
+            models = None  # the bf16 params are stepped in place
         beta1, beta2 = group["betas"]
         ops.fused_adam_step_(
             mains, [e[2] for e in part], exp_avgs, exp_avg_sqs, steps,
-            exp_avg_scales=m_scales, exp_avg_sq_scales=v_scales,
+            exp_avg_scales=m_scales, exp_avg_sq_scales=v_scales, stochastic_rounding=sr_rows,
             model_params=models, grad_scale=grad_scale, found_inf=found_inf,
             lr=group["lr"], beta1=beta1, beta2=beta2, eps=group["eps"],
             weight_decay=group["weight_decay"],
@@ -1135,10 +1203,10 @@ class MixedPrecisionOptimizer(OptimizerWrapper):
             for pairs in self._half_pairs:
                 group = []
                 for _, main in pairs:
-                    if id(main) in self._remainders:
+                    held = self._remainders.get(id(main), self._sr_params.get(id(main)))
+                    if held is not None:  # no fp32 storage: the saved master lands here
                         t = scratch.setdefault(id(main), torch.empty(
-                            main.shape, dtype=torch.float32,
-                            device=self._remainders[id(main)].device))
+                            main.shape, dtype=torch.float32, device=held.device))
                         group.append(t)
                     else:
                         group.append(main)
@@ -1160,6 +1228,9 @@ class MixedPrecisionOptimizer(OptimizerWrapper):
                     hi, lo = ops.split_remainders(local_tensor(scratch[id(main)]))
                     local_tensor(model.detach()).copy_(hi)
                     rem.copy_(lo)
+                elif id(main) in self._sr_params:  # no master: rounded to nearest (exact for
+                    # a master saved by a stochastic-rounding run: its values are bf16)
+                    self._sr_params[id(main)].copy_(local_tensor(scratch[id(main)]))
         self._copy_mains_to_model()
         self._convert_state()
 
@@ -1178,7 +1249,7 @@ class MixedPrecisionOptimizer(OptimizerWrapper):
                 state = self.optimizer.state.get(main)
                 if not state or not state_formats.needs_conversion(state, m_dtype, v_dtype):
                     continue
-                rem = self._remainders.get(id(main))
+                rem = self._remainders.get(id(main), self._sr_params.get(id(main)))
                 like = rem if rem is not None else local_tensor(main)
                 new = state_formats.convert_adam_state(
                     {k: local_tensor(v) for k, v in state.items()}, like, m_dtype, v_dtype)
@@ -1215,7 +1286,8 @@ class MixedPrecisionOptimizer(OptimizerWrapper):
         model_of = {id(main): model for pairs in self._half_pairs for model, main in pairs}
         mains, state = {}, {}
         for name, main in named:
-            if id(main) in self._remainders:  # the fp32 master, rebuilt exactly (a new tensor)
+            if id(main) in self._remainders or id(main) in self._sr_params:
+                # the fp32 master, rebuilt exactly (a new tensor; the bf16 value without master)
                 view = global_view(self._master_value(main, model_of[id(main)]), tp_group,
                                    name=name)
             else:
@@ -1249,7 +1321,9 @@ class MixedPrecisionOptimizer(OptimizerWrapper):
                 with torch.no_grad():
                     saved = local_tensor(state["main_params"][name])
                     rem = self._remainders.get(id(main))
-                    if rem is None:
+                    if id(main) in self._sr_params:  # no master: rounded to nearest into bf16
+                        self._sr_params[id(main)].copy_(saved.to(self._sr_params[id(main)].device))
+                    elif rem is None:
                         local_tensor(main).copy_(saved)
                     else:  # exact: the fp32 master split into bf16 param + remainder
                         hi, lo = ops.split_remainders(saved.to(rem.device))

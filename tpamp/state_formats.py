@@ -65,8 +65,13 @@ __all__ = [
     "decode_moment",
     "join_remainders",
     "split_remainders",
+    "stochastic_rounding_bits",
+    "round_bf16_stochastic",
+    "stochastic_round_bf16",
+    "stochastic_rounding_key",
     # options
     "check_state_options",
+    "check_master_options",
     "refuse_generic_step",
     "new_adam_state",
     "needs_conversion",
@@ -281,6 +286,164 @@ def split_remainders(master: Tensor):
     return param, _unflatten_like(_flat_memory_order(rem), master)
 
 
+# -- bf16 params with stochastic rounding (docs/spec.md section 21) -------------------------
+#
+# csrc/kernels/optimizer_step.h (sr_mix64, sr_mix32, sr_stream, sr_salt, sr_random_bits,
+# float_to_bf16_sr_bits) defines them; these are the same functions with Python ints (the
+# per-param, per-step part) and int64 tensor ops (the per-element part).
+
+_M64 = (1 << 64) - 1
+_M32 = 0xFFFFFFFF
+
+
+def _mix64(z: int) -> int:
+    """splitmix64's finalizer (with its increment), on Python ints mod 2^64."""
+    z = (z + 0x9E3779B97F4A7C15) & _M64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _M64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _M64
+    return z ^ (z >> 31)
+
+
+def _mul32(x: Tensor, c: int) -> Tensor:
+    """(x * c) mod 2^32 for int64 x in [0, 2^32), without int64 overflow (16-bit halves of c)."""
+    return (x * (c & 0xFFFF) + (((x * (c >> 16)) & 0xFFFF) << 16)) & _M32
+
+
+def _mix32(x: Tensor) -> Tensor:
+    """lowbias32 on int64 tensors holding uint32 values."""
+    x = x ^ (x >> 16)
+    x = _mul32(x, 0x7FEB352D)
+    x = x ^ (x >> 15)
+    x = _mul32(x, 0x846CA68B)
+    return x ^ (x >> 16)
+
+
+def stochastic_rounding_key(seed: int, name: str) -> int:
+    """The hash key of a param (an int in [0, 2^63), as an int64 holds it): splitmix64 of the
+    run's ``seed`` mixed with the first 8 bytes of the BLAKE2b digest of the param's name (its
+    global name: the same on every DP rank and for every ZeRO-1 layout)."""
+    import hashlib
+
+    digest = int.from_bytes(hashlib.blake2b(name.encode("utf-8"), digest_size=8).digest(), "little")
+    return _mix64(_mix64(seed & _M64) ^ digest) >> 1
+
+
+def check_master_options(optimizer, fused_kind: Optional[str], fused_step: bool, master_weights,
+                         stochastic_rounding, stochastic_rounding_seed, store_param_remainders,
+                         half_dtypes):
+    """Validate ``master_weights``, ``stochastic_rounding`` and ``stochastic_rounding_seed``
+    (docs/spec.md section 21) before a wrapper changes anything; returns them as
+    (bool, bool, int).
+
+    ``master_weights=False, stochastic_rounding=True``: bf16 params keep no float32 master and
+    no remainder; the step writes the bf16 param with stochastic rounding. Raises TypeError for
+    a non-bool option or a non-int seed; ValueError for a seed outside [0, 2^63),
+    ``stochastic_rounding=True`` with ``master_weights=True`` (the master holds the update
+    exactly: nothing to round stochastically), ``master_weights=False`` without
+    ``stochastic_rounding=True`` (round to nearest without a master loses every update below
+    half a bf16 ulp), or with ``store_param_remainders=True`` (that keeps the master exactly),
+    a seed other than 0 without stochastic rounding, without the one-pass Adam step (an exact
+    torch.optim.Adam/AdamW, fused_step=True, no amsgrad/capturable/differentiable), with a
+    trainable fp16 param, or without any trainable bf16 param (``half_dtypes``: the dtypes of
+    the trainable 16-bit params)."""
+    for name, value in (("master_weights", master_weights),
+                        ("stochastic_rounding", stochastic_rounding)):
+        if not isinstance(value, bool):
+            raise TypeError(f"{name} must be a bool, got {type(value).__name__}")
+    if not isinstance(stochastic_rounding_seed, int) or isinstance(stochastic_rounding_seed, bool):
+        raise TypeError(f"stochastic_rounding_seed must be an int, got "
+                        f"{type(stochastic_rounding_seed).__name__}")
+    if not 0 <= stochastic_rounding_seed < 2**63:
+        raise ValueError(f"stochastic_rounding_seed must be in [0, 2^63), got "
+                         f"{stochastic_rounding_seed}")
+    if stochastic_rounding and master_weights:
+        raise ValueError(
+            "stochastic_rounding=True rounds the bf16 param the step writes when no fp32 master "
+            "is kept; with master_weights=True the master holds every update exactly (the param "
+            "is its round-to-nearest copy): pass master_weights=False, stochastic_rounding=True")
+    if not master_weights and not stochastic_rounding:
+        raise ValueError(
+            "master_weights=False needs stochastic_rounding=True: a bf16 param updated with "
+            "round-to-nearest and no master loses every update below half a bf16 ulp (keep the "
+            "master exactly in 2 bytes instead with store_param_remainders=True)")
+    if stochastic_rounding_seed != 0 and not stochastic_rounding:
+        raise ValueError(f"stochastic_rounding_seed={stochastic_rounding_seed} seeds stochastic "
+                         "rounding, which is off: pass stochastic_rounding=True (with "
+                         "master_weights=False) or leave the seed at 0")
+    if not stochastic_rounding:
+        return master_weights, stochastic_rounding, stochastic_rounding_seed
+    if store_param_remainders:
+        raise ValueError(
+            "master_weights=False, stochastic_rounding=True keeps no master; "
+            "store_param_remainders=True keeps it exactly as bf16 param + int16 remainder: "
+            "pass one of them")
+    if not (fused_step and fused_kind == "adam"):
+        raise ValueError(
+            f"master_weights=False, stochastic_rounding=True need the one-pass fused Adam step: "
+            f"an exact torch.optim.Adam or AdamW with fused_step=True; got "
+            f"{type(optimizer).__name__} with fused_step={fused_step}")
+    if torch.float16 in half_dtypes:
+        raise ValueError(
+            "master_weights=False, stochastic_rounding=True apply to bf16 params; this optimizer "
+            "has trainable float16 params (fp16 needs an fp32 master: master_weights=True)")
+    if torch.bfloat16 not in half_dtypes:
+        dtypes = sorted({str(p.dtype) for g in getattr(optimizer, "param_groups", [])
+                         for p in g["params"] if p.requires_grad})
+        raise ValueError(
+            f"master_weights=False, stochastic_rounding=True drop the fp32 master of bf16 "
+            f"params, but this optimizer has no trainable bf16 param (its trainable params are "
+            f"{dtypes or 'none'}; fp32 params are their own masters), so they would do nothing")
+    for gi, group in enumerate(getattr(optimizer, "param_groups", [])):
+        for opt_name in ("amsgrad", "capturable", "differentiable"):
+            if group.get(opt_name, False):
+                raise ValueError(
+                    f"master_weights=False, stochastic_rounding=True need the one-pass Adam "
+                    f"step, which has no {opt_name}; param group {gi} has {opt_name}=True")
+    return master_weights, stochastic_rounding, stochastic_rounding_seed
+
+
+def stochastic_rounding_bits(key: int, step: int, index: Tensor) -> Tensor:
+    """The 16 random bits (int64 values in [0, 2^16)) of the elements of global indices
+    ``index`` (int64 tensor, >= 0: positions in the flattened param) of the param with hash key
+    ``key`` at step count ``step`` (after this step's increment), as every launcher computes them:
+    r = mix32((j mod 2^32) ^ salt(j >> 32)) >> 16 with salt(h) = high 32 bits of
+    mix64(mix64(key ^ mix64(step)) ^ h) (csrc/kernels/optimizer_step.h)."""
+    stream = _mix64((key & _M64) ^ _mix64(int(step) & _M64))
+    index = index.to(torch.int64)
+    hi = index >> 32
+    salt = torch.zeros_like(index)
+    for h in torch.unique(hi).tolist():
+        salt = torch.where(hi == h, _mix64(stream ^ h) >> 32, salt)
+    return _mix32((index & _M32) ^ salt) >> 16
+
+
+def round_bf16_stochastic(x: Tensor, bits: Tensor) -> Tensor:
+    """float32 ``x`` to bfloat16 with stochastic rounding by ``bits`` (int64 in [0, 2^16), same
+    shape): bits(result) = (bits(x) + bits) >> 16 where |x| < the largest finite bf16 (bits
+    0x7f7f0000); larger magnitudes, +-inf and NaN round to nearest even (a plain cast), so the
+    result is inf only where round-to-nearest is inf (csrc/kernels/optimizer_step.h)."""
+    x = x.detach().float().contiguous()
+    u = x.view(torch.int32).to(torch.int64) & _M32
+    a = u & 0x7FFFFFFF
+    sr = (u + bits.reshape(x.shape).to(torch.int64)) >> 16
+    rne = (u + 0x7FFF + ((u >> 16) & 1)) >> 16  # the kernels' float_to_bf16_bits
+    nan = (u >> 16) | 0x0040  # a quiet NaN of the same sign
+    out = torch.where(a >= 0x7F7F0000, torch.where(a > 0x7F800000, nan, rne), sr)
+    out = out - (out >= 0x8000).to(torch.int64) * 0x10000
+    return out.to(torch.int16).view(torch.bfloat16)
+
+
+def stochastic_round_bf16(x: Tensor, key: int, step: int, first: int = 0) -> Tensor:
+    """``x`` (float32, dense) written to bfloat16 as the step writes a param with stochastic
+    rounding: element j (in memory order, the order the kernels walk) gets the random bits of
+    global index ``first`` + j (:func:`stochastic_rounding_bits`) and
+    :func:`round_bf16_stochastic`. Returns a new tensor shaped and strided like ``x``."""
+    flat = _flat_memory_order(x.detach().float())
+    index = first + torch.arange(flat.numel(), dtype=torch.int64, device=flat.device)
+    out = round_bf16_stochastic(flat, stochastic_rounding_bits(key, step, index))
+    return _unflatten_like(out, x)
+
+
 # -- options ---------------------------------------------------------------------------------
 
 #: state key -> the key of its per-block scales (8-bit moments only)
@@ -437,6 +600,13 @@ def refuse_generic_step(wrapper) -> None:
     ``exp_avg_dtype``, ``exp_avg_sq_dtype``, ``store_param_remainders``, absent meaning the
     defaults) keeps narrow state: the generic path (the inner optimizer's own step()) cannot
     keep it. Called before that path changes anything."""
+    if not getattr(wrapper, "master_weights", True):
+        raise RuntimeError(
+            "this step would take the generic path (inner optimizer.step(): step hooks, a "
+            "param group option the one-pass kernel lacks such as amsgrad set after "
+            "construction, or a loss scaler that may drop below 1), which cannot keep bf16 "
+            "params without masters (master_weights=False, stochastic_rounding=True); nothing "
+            "was changed")
     if (getattr(wrapper, "exp_avg_dtype", torch.float32) != torch.float32
             or getattr(wrapper, "exp_avg_sq_dtype", torch.float32) != torch.float32
             or getattr(wrapper, "store_param_remainders", False)):

@@ -352,6 +352,79 @@ void adam_chunk_narrow(const G* g, float* p, int16_t* rem, const MomentRef& mref
   }
 }
 
+// -- bf16 params with stochastic rounding (docs/spec.md section 21) --------------------------
+//
+// adam_chunk_narrow's block loop with the bf16 param as the master: per block of kMomentBlock
+// elements the param is widened to float32 (exact), the moments read (any storage), the vector
+// math of adam_chunk run, the moments written back and the param written with stochastic
+// rounding (float_to_bf16_sr_bits, random bits sr_random_bits of each element's global index
+// j0 + i). Its own function: the other loops are untouched.
+template <typename G>
+void adam_chunk_sr(const G* g, uint16_t* param, const MomentRef& mref, const MomentRef& vref,
+                   int64_t n, const AdamScalars& scalars, uint64_t stream, uint64_t j0) {
+  const AdamScalars s = scalars;
+  const bool v_root = vref.kind == Kind::kFp8 && vref.sqrt;
+  alignas(64) float pbuf[kMomentBlock];
+  alignas(64) float mbuf[kMomentBlock];
+  alignas(64) float vbuf[kMomentBlock];
+  for (int64_t b = 0; b * kMomentBlock < n; ++b) {
+    const int64_t o = b * kMomentBlock;
+    const int64_t k = std::min<int64_t>(kMomentBlock, n - o);
+    float* mb = read_moment(mref, b, k, mbuf);
+    float* vb = read_moment(vref, b, k, vbuf);
+    {
+      const uint16_t* __restrict in = param + o;
+      for (int64_t i = 0; i < k; ++i) pbuf[i] = bf16_to_float(in[i]);
+    }
+    auto step = [&](const G* gp, float* pp, float* mp, float* vp) {
+      FVec g0, g1, p0, p1, m0, m1, v0, v1, r0, r1;
+      VecIO<G>::load(gp, g0, g1);
+      VecIO<float>::load(pp, p0, p1);
+      VecIO<float>::load(mp, m0, m1);
+      VecIO<float>::load(vp, v0, v1);
+      adam_element<FVec>(p0, m0, v0, g0, s, v_root ? &r0 : nullptr);
+      adam_element<FVec>(p1, m1, v1, g1, s, v_root ? &r1 : nullptr);
+      VecIO<float>::template store<true, false>(pp, p0, p1);
+      VecIO<float>::template store<true, false>(mp, m0, m1);
+      if (v_root) {
+        VecIO<float>::template store<true, false>(vp, r0, r1);
+      } else {
+        VecIO<float>::template store<true, false>(vp, v0, v1);
+      }
+    };
+    int64_t i = 0;
+    for (; i + kVecStep <= k; i += kVecStep) step(g + o + i, pbuf + i, mb + i, vb + i);
+    if (i < k) {  // the last block's tail: through zero-padded copies, as adam_chunk
+      const int64_t r = k - i;
+      Tail<G> tg;
+      Tail<float> tp, tm, tv;
+      tg.in(g + o + i, r);
+      tp.in(pbuf + i, r);
+      tm.in(mb + i, r);
+      tv.in(vb + i, r);
+      step(tg.buf, tp.buf, tm.buf, tv.buf);
+      tp.out(pbuf + i, r);
+      tm.out(mb + i, r);
+      tv.out(vb + i, r);
+    }
+    write_moment(mref, b, k, mb);
+    write_moment(vref, b, k, vb);
+    // the random bits of j = j0 + o + i: the low word wraps at most once in a block
+    const uint64_t jb = j0 + static_cast<uint64_t>(o);
+    const uint32_t lo0 = static_cast<uint32_t>(jb);
+    const uint32_t salt0 = sr_salt(stream, jb >> 32);
+    const uint32_t salt1 = sr_salt(stream, (jb >> 32) + 1);
+    alignas(64) uint32_t bits[kMomentBlock];  // 32-bit lanes, then narrowed (see the header)
+    for (int64_t q = 0; q < k; ++q) {
+      const uint32_t lo = lo0 + static_cast<uint32_t>(q);
+      const uint32_t salt = select_bits(lo < lo0, salt1, salt0);
+      bits[q] = float_to_bf16_sr_bits(pbuf[q], sr_random_bits(lo, salt));
+    }
+    uint16_t* __restrict out = param + o;
+    for (int64_t q = 0; q < k; ++q) out[q] = static_cast<uint16_t>(bits[q]);
+  }
+}
+
 // -- bf16 moments (+ remainders) in the one loop of adam_chunk ---------------------------------
 //
 // bf16 moments need no block scale, so their conversions (and the remainder join/split) are a
@@ -630,12 +703,13 @@ void fused_adam_step_(at::TensorList params, at::TensorList exp_avgs, at::Tensor
                       const std::optional<at::Tensor>& lr_tensor, double lr, double beta1,
                       double beta2, double eps, double weight_decay, bool decoupled_weight_decay,
                       bool maximize, at::TensorList exp_avg_scales,
-                      at::TensorList exp_avg_sq_scales) {
+                      at::TensorList exp_avg_sq_scales,
+                      const std::optional<at::Tensor>& stochastic_rounding) {
   const char* op = "tpamp::fused_adam_step_";
   const at::Device device(at::kCPU);
   const StepArgs a = validate_adam_step(op, params, exp_avgs, exp_avg_sqs, steps, model_params,
                                         grads, grad_scale, found_inf, lr_tensor, exp_avg_scales,
-                                        exp_avg_sq_scales, device);
+                                        exp_avg_sq_scales, device, stochastic_rounding);
   if (params.empty()) return;
   // host memory: reading the device scalars is no sync
   if (a.has_found_inf && found_inf->item<float>() != 0.0f) return;
@@ -650,6 +724,23 @@ void fused_adam_step_(at::TensorList params, at::TensorList exp_avgs, at::Tensor
     const Kind mk = kind_of(exp_avgs[e].scalar_type());
     const Kind vk = kind_of(exp_avg_sqs[e].scalar_type());
     const bool remainders = params[e].scalar_type() == at::kShort;
+    if (params[e].scalar_type() == at::kBFloat16) {  // stochastic rounding (validated)
+      const int64_t first_block = c.offset / kMomentBlock;
+      auto ref = [&](const at::Tensor& t, Kind k, at::TensorList scales, bool sq) {
+        return MomentRef{k, static_cast<char*>(t.data_ptr()) + c.offset * t.element_size(),
+                         k == Kind::kFp8 || k == Kind::kDynamic
+                             ? scales[e].data_ptr<float>() + first_block
+                             : nullptr,
+                         sq};
+      };
+      const int64_t* row = stochastic_rounding->const_data_ptr<int64_t>() + 2 * e;
+      adam_chunk_sr(g, static_cast<uint16_t*>(params[e].data_ptr()) + c.offset,
+                    ref(exp_avgs[e], mk, exp_avg_scales, false),
+                    ref(exp_avg_sqs[e], vk, exp_avg_sq_scales, true), c.n, scalars[e],
+                    sr_stream(static_cast<uint64_t>(row[0]), read_step(steps[e]) + 1.0),
+                    static_cast<uint64_t>(row[1]) + static_cast<uint64_t>(c.offset));
+      return;
+    }
     if (kBf16Pass && mk == Kind::kBFloat16 && vk == Kind::kBFloat16) {
       using G = std::remove_const_t<std::remove_pointer_t<decltype(g)>>;
       using M = std::remove_pointer_t<decltype(model)>;

@@ -127,6 +127,9 @@ struct NarrowAdamFunctor {
   bool maximize;
   bool step_is_double;
   bool remainders;  // params are int16 remainders of the bf16 model params
+  // params are bf16, stepped in place with stochastic rounding (docs/spec.md section 21); the
+  // model slot holds a pointer to the param's (key, first element index) int64 pair
+  bool stochastic;
   int m_kind;
   int v_kind;
 
@@ -139,6 +142,14 @@ struct NarrowAdamFunctor {
     const G* g = static_cast<const G*>(c.addr[0]);
     float* m_scales = static_cast<float*>(c.addr[6]);
     float* v_scales = static_cast<float*>(c.addr[7]);
+    uint64_t sr_key_stream = 0, sr_first = 0;
+    if (stochastic) {
+      const int64_t* row = static_cast<const int64_t*>(c.addr[4]);
+      const double n = step_is_double ? *static_cast<const double*>(c.addr[5])
+                                      : static_cast<double>(*static_cast<const float*>(c.addr[5]));
+      sr_key_stream = sr_stream(static_cast<uint64_t>(row[0]), n + 1.0);
+      sr_first = static_cast<uint64_t>(row[1]);
+    }
     for (int base = warp * static_cast<int>(kMomentBlock); base < c.n;
          base += kWarps * static_cast<int>(kMomentBlock)) {
       const int64_t block = (c.offset + base) / kMomentBlock;
@@ -154,7 +165,9 @@ struct NarrowAdamFunctor {
         if (j >= c.n) continue;
         const int64_t i = c.offset + j;
         float p;
-        if (remainders) {
+        if (stochastic) {
+          p = bf16_to_float(static_cast<const uint16_t*>(c.addr[1])[i]);
+        } else if (remainders) {
           p = join_remainder(static_cast<const uint16_t*>(c.addr[4])[i],
                              static_cast<const int16_t*>(c.addr[1])[i]);
         } else {
@@ -165,7 +178,11 @@ struct NarrowAdamFunctor {
         float v_root;  // 8-bit exp_avg_sq holds sqrt(v): the root the step takes
         adam_element<float>(p, m, v, static_cast<float>(g[i]), s,
                             v_kind == kMomentFp8 ? &v_root : nullptr);
-        if (remainders) {
+        if (stochastic) {
+          const uint64_t jg = sr_first + static_cast<uint64_t>(i);
+          static_cast<uint16_t*>(c.addr[1])[i] = static_cast<uint16_t>(float_to_bf16_sr_bits(
+              p, sr_random_bits(static_cast<uint32_t>(jg), sr_salt(sr_key_stream, jg >> 32))));
+        } else if (remainders) {
           uint16_t bits;
           int16_t rem;
           split_remainder(p, bits, rem);
@@ -324,28 +341,34 @@ void fused_adam_step_(at::TensorList params, at::TensorList exp_avgs, at::Tensor
                       const std::optional<at::Tensor>& lr_tensor, double lr, double beta1,
                       double beta2, double eps, double weight_decay, bool decoupled_weight_decay,
                       bool maximize, at::TensorList exp_avg_scales,
-                      at::TensorList exp_avg_sq_scales) {
+                      at::TensorList exp_avg_sq_scales,
+                      const std::optional<at::Tensor>& stochastic_rounding) {
   const char* op = "tpamp::fused_adam_step_";
   const StepArgs a = validate_adam_step(op, params, exp_avgs, exp_avg_sqs, steps, model_params,
                                         grads, grad_scale, found_inf, lr_tensor, exp_avg_scales,
-                                        exp_avg_sq_scales, at::Device(kLauncherDevice));
+                                        exp_avg_sq_scales, at::Device(kLauncherDevice),
+                                        stochastic_rounding);
   if (params.empty()) return;
   const c10::cuda::CUDAGuard guard(a.device);
   const bool has_model = !model_params.empty();
   const AdamHyper h{lr, beta1, beta2, eps, weight_decay, decoupled_weight_decay};
   // entries grouped by (grad dtype, model dtype, step dtype)
   std::vector<TensorEntry<kAdamDepth>> groups[3][3][2];
-  // narrow state: grouped by (grad, model, step dtype) x (exp_avg kind, exp_avg_sq kind, remainders)
-  std::vector<TensorEntry<kNarrowDepth>> narrow[3][3][2][kMomentKinds][kMomentKinds][2];
+  // narrow state: grouped by (grad, model, step dtype) x (exp_avg kind, exp_avg_sq kind,
+  // master: fp32 / remainders / stochastic rounding)
+  std::vector<TensorEntry<kNarrowDepth>> narrow[3][3][2][kMomentKinds][kMomentKinds][3];
   for (size_t i = 0; i < params.size(); ++i) {
     const int mk = moment_kind(exp_avgs[i].scalar_type());
     const int vk = moment_kind(exp_avg_sqs[i].scalar_type());
     const bool rem = params[i].scalar_type() == at::kShort;
-    if (mk != kMomentFloat || vk != kMomentFloat || rem) {
+    const bool sr = params[i].scalar_type() == at::kBFloat16;  // no model_params (validated)
+    if (mk != kMomentFloat || vk != kMomentFloat || rem || sr) {
       TensorEntry<kNarrowDepth> e;
       e.addr = {const_cast<void*>(grads[i].const_data_ptr()), params[i].data_ptr(),
                 exp_avgs[i].data_ptr(), exp_avg_sqs[i].data_ptr(),
-                has_model ? model_params[i].data_ptr() : nullptr, steps[i].data_ptr(),
+                sr ? static_cast<void*>(stochastic_rounding->data_ptr<int64_t>() + 2 * i)
+                   : (has_model ? model_params[i].data_ptr() : nullptr),
+                steps[i].data_ptr(),
                 mk == kMomentFp8 || mk == kMomentDynamic ? exp_avg_scales[i].data_ptr() : nullptr,
                 vk == kMomentFp8 || vk == kMomentDynamic ? exp_avg_sq_scales[i].data_ptr()
                                                          : nullptr};
@@ -355,7 +378,7 @@ void fused_adam_step_(at::TensorList params, at::TensorList exp_avgs, at::Tensor
       e.flags = kWrite;
       narrow[dtype_slot(grads[i].scalar_type())]
             [has_model ? dtype_slot(model_params[i].scalar_type()) : 0]
-            [steps[i].scalar_type() == at::kDouble ? 1 : 0][mk][vk][rem ? 1 : 0]
+            [steps[i].scalar_type() == at::kDouble ? 1 : 0][mk][vk][sr ? 2 : (rem ? 1 : 0)]
                 .push_back(e);
       continue;
     }
@@ -398,7 +421,7 @@ void fused_adam_step_(at::TensorList params, at::TensorList exp_avgs, at::Tensor
       for (int si = 0; si < 2; ++si) {
         for (int mk = 0; mk < kMomentKinds; ++mk) {
           for (int vk = 0; vk < kMomentKinds; ++vk) {
-            for (int ri = 0; ri < 2; ++ri) {
+            for (int ri = 0; ri < 3; ++ri) {
               const auto& entries = narrow[gi][mi][si][mk][vk][ri];
               if (entries.empty()) continue;
               const size_t first = static_cast<size_t>(entries[0].index);
@@ -413,7 +436,7 @@ void fused_adam_step_(at::TensorList params, at::TensorList exp_avgs, at::Tensor
                         NarrowAdamFunctor<G, M>{h, ptr_or_null(grad_scale, a.has_grad_scale),
                                                 ptr_or_null(found_inf, a.has_found_inf),
                                                 ptr_or_null(lr_tensor, a.has_lr_tensor), maximize,
-                                                si == 1, ri == 1, mk, vk});
+                                                si == 1, ri == 1, ri == 2, mk, vk});
                   });
             }
           }

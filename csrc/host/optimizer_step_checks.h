@@ -138,8 +138,9 @@ inline StepArgs check_step_common(const char* op, at::TensorList params, at::Ten
   }
   TORCH_CHECK(device.type() == expect, op, ": expected tensors on ", expect, ", got ", device);
   if (allow_remainders) {
-    check_dense_list(op, "params", params, device, {at::kFloat, at::kShort},
-                     "float32 (fp32 main params) or int16 (remainders of bf16 model_params)");
+    check_dense_list(op, "params", params, device, {at::kFloat, at::kShort, at::kBFloat16},
+                     "float32 (fp32 main params), int16 (remainders of bf16 model_params) or "
+                     "bfloat16 (bf16 params with stochastic rounding)");
   } else {
     check_float_list(op, "params", params, device);
     check_fp32_list(op, "params", params);
@@ -172,9 +173,37 @@ inline StepArgs validate_adam_step(const char* op, at::TensorList params,
                                    const std::optional<at::Tensor>& found_inf,
                                    const std::optional<at::Tensor>& lr_tensor,
                                    at::TensorList exp_avg_scales, at::TensorList exp_avg_sq_scales,
-                                   const at::Device& launcher) {
+                                   const at::Device& launcher,
+                                   const std::optional<at::Tensor>& stochastic_rounding) {
   const StepArgs a = check_step_common(op, params, grads, model_params, grad_scale, found_inf,
                                        lr_tensor, launcher.type(), /*allow_remainders=*/true);
+  // bf16 params with stochastic rounding (docs/spec.md section 21): the param is its own master
+  // and model param; stochastic_rounding holds (key, global index of the first element) per
+  // param as a contiguous int64 [len(params), 2] tensor on the params' device.
+  const bool has_sr = stochastic_rounding.has_value() && stochastic_rounding->defined();
+  if (has_sr) {
+    const at::Tensor& t = *stochastic_rounding;
+    TORCH_CHECK(t.scalar_type() == at::kLong && t.dim() == 2 &&
+                    t.size(0) == static_cast<int64_t>(params.size()) && t.size(1) == 2 &&
+                    t.is_contiguous() && (params.empty() || t.device() == a.device),
+                op, ": stochastic_rounding must be a contiguous int64 tensor of shape [",
+                params.size(), ", 2] (key, first element index per param) on ", a.device,
+                ", got ", t.toString(), " of shape ", t.sizes(), " on ", t.device());
+  }
+  for (size_t i = 0; i < params.size(); ++i) {
+    if (params[i].scalar_type() != at::kBFloat16) continue;
+    TORCH_CHECK(has_sr && model_params.empty(), op, ": params[", i,
+                "] is bfloat16 (a bf16 param written with stochastic rounding), which needs the "
+                "stochastic_rounding tensor and no model_params (the param is its own model "
+                "param); got ", has_sr ? "" : "no stochastic_rounding, ", model_params.size(),
+                " model_params");
+  }
+  check_scalar_not_written(
+      op, "stochastic_rounding", stochastic_rounding,
+      {params, exp_avgs, exp_avg_sqs, model_params, steps, exp_avg_scales, exp_avg_sq_scales},
+      {"params", "exp_avgs", "exp_avg_sqs", "model_params", "steps", "exp_avg_scales",
+       "exp_avg_sq_scales"},
+      std::vector<bool>(7, true));
   check_moment_list(op, "exp_avgs", exp_avgs, "exp_avg_scales", exp_avg_scales, params, a.device);
   check_moment_list(op, "exp_avg_sqs", exp_avg_sqs, "exp_avg_sq_scales", exp_avg_sq_scales,
                     params, a.device);

@@ -238,6 +238,69 @@ TPAMP_INLINE void split_remainder(float x, uint16_t& param_bits, int16_t& remain
   param_bits = static_cast<uint16_t>((u + 0x8000u) >> 16);
 }
 
+// -- bf16 params with stochastic rounding (docs/spec.md section 21) --------------------------
+//
+// master_weights=False, stochastic_rounding=True: no float32 master and no remainder; the step
+// widens the bf16 param to float32 (exact), updates it in float32 and writes it back with
+// stochastic rounding: r = 16 random bits, bits(param) = (bits(x) + r) >> 16 (the 16 bits below
+// the bf16 cut, plus r, carry into the kept half with probability (low 16 bits of x) / 2^16, so
+// the expected value is x: unbiased). Values whose magnitude is at least the largest finite bf16
+// (bits 0x7f7f0000, 3.39e38), +-inf and NaN round to nearest even instead (as a plain cast), so a
+// result overflows to inf only where round-to-nearest also gives inf and NaN stays a quiet NaN of
+// the same sign. A bf16-representable x (low bits 0) is written unchanged.
+//
+// The random bits are a counter-based hash, the same function on every launcher and in the
+// PyTorch reference (tpamp.state_formats.stochastic_rounding_bits), so every device, thread
+// count, DP rank and ZeRO-1 shard layout gives the same bits: for the element of global index j
+// (its position in the flattened param, whatever piece of it a rank steps) of a param with key
+// k (64 bits: the run's seed mixed with the param's identity) at step count t (after this step's
+// increment):
+//   stream = mix64(k ^ mix64(t)),  salt = high 32 bits of mix64(stream ^ (j >> 32)),
+//   r = mix32((j mod 2^32) ^ salt) >> 16
+// with mix64 = splitmix64 (Steele, Lea, Flood 2014) and mix32 = lowbias32 (C. Wellons' hash
+// prospector), both bijections. Only 32-bit integer multiplies per element: the CPU loops
+// vectorize it.
+
+TPAMP_INLINE uint64_t sr_mix64(uint64_t z) {
+  z += 0x9e3779b97f4a7c15ull;
+  z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
+  z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
+  return z ^ (z >> 31);
+}
+
+TPAMP_INLINE uint32_t sr_mix32(uint32_t x) {
+  x ^= x >> 16;
+  x *= 0x7feb352du;
+  x ^= x >> 15;
+  x *= 0x846ca68bu;
+  x ^= x >> 16;
+  return x;
+}
+
+// The per-(param, step) stream of the hash above; step: the step count after the increment.
+TPAMP_INLINE uint64_t sr_stream(uint64_t key, double step) {
+  return sr_mix64(key ^ sr_mix64(static_cast<uint64_t>(step)));
+}
+
+// The salt of the elements whose global index has high word `hi` (j >> 32).
+TPAMP_INLINE uint32_t sr_salt(uint64_t stream, uint64_t hi) {
+  return static_cast<uint32_t>(sr_mix64(stream ^ hi) >> 32);
+}
+
+// The 16 random bits of the element with low index word lo (j mod 2^32) under `salt`.
+TPAMP_INLINE uint32_t sr_random_bits(uint32_t lo, uint32_t salt) { return sr_mix32(lo ^ salt) >> 16; }
+
+// x written to bf16 with stochastic rounding by the random bits r (< 2^16), rule above; the bf16
+// bits in the low 16 bits. Branch-free (select_bits), so the CPU loops vectorize it.
+TPAMP_INLINE uint32_t float_to_bf16_sr_bits(float x, uint32_t r) {
+  const uint32_t u = float_to_bits(x);
+  const uint32_t a = u & 0x7fffffffu;
+  const uint32_t nan = (u >> 16) | 0x0040u;
+  const uint32_t rne = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
+  const uint32_t special = select_bits(a > 0x7f800000u, nan, rne);
+  return select_bits(a >= 0x7f7f0000u, special, (u + r) >> 16);
+}
+
 // e4m3fn code of q, |q| <= 448 (larger finite values saturate to +-448), round to nearest even;
 // NaN -> 0x7f | sign. The same result as torch's float32 -> float8_e4m3fn conversion there.
 // Branch-free (select_bits); the code in the low 8 bits.
