@@ -110,7 +110,6 @@ def test_rounding_rule_matches_float64_reference():
     gen = torch.Generator().manual_seed(3)
     x = torch.cat([_specials(), torch.randn(5000, generator=gen) * 10.0 ** torch.randint(
         -40, 38, (5000,), generator=gen).float()])
-    x = x[x.isfinite()] if False else x
     r = torch.randint(0, 2**16, x.shape, generator=gen)
     r[:4] = torch.tensor([0, 65535, 32768, 1])
     got = sf.round_bf16_stochastic(x, r)
@@ -351,7 +350,7 @@ def test_unbiased_where_round_to_nearest_is_stuck():
         ref_opt.step()
         # round to nearest without master: 1 - lr * ~1.0 rounds back to 1.0 every step
         rtn = np.float32(torch.tensor(float(rtn) * (1 - lr * 0.1) - lr).to(BF16).item())
-    target = float(ref.weight.mean())
+    target = float(ref.weight.detach().mean())
     moved = 1.0 - target
     assert moved > 0.03
     sr_err = abs(float(model.weight.float().mean()) - target)

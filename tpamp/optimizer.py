@@ -343,9 +343,9 @@ class MixedPrecisionOptimizer(OptimizerWrapper):
         check_fp16_scaler(has_fp16, grad_scaler)
         self._set_device(self._pick_device())
         self._init_param_names(names, coords)
-        self._sr_rows = {id(main): (state_formats.stochastic_rounding_key(
-            self.stochastic_rounding_seed, self._param_name[id(main)]), 0)
-            for main in self._sr_params}
+        self._sr_rows = {main_id: (state_formats.stochastic_rounding_key(
+            self.stochastic_rounding_seed, self._param_name[main_id]), 0)
+            for main_id in self._sr_params}
         _validation.register_wrapper(self)
 
     # -- the core every wrapper shares (FP32Optimizer, DistributedOptimizer) -------------
