@@ -13,6 +13,8 @@ clip_grad=1.0, zero count on, the one-pass fused step) with the state stored as:
     u8+rem    uint8 moments + remainders
     fp8       both moments 8-bit (float8_e4m3fn codes, one float32 scale per 256 elements)
     fp8+rem   8-bit moments + remainders
+    sr        float32 moments, bf16 params without master, stochastic rounding (section 21)
+    bf16+sr   bf16 moments, bf16 params without master, stochastic rounding
 
 Reported per DP size (rank 0; every rank holds the same amount up to padding):
 * ``optimizer_state_bytes()`` / N: main params or remainders + moments (+ scales) per model
@@ -64,6 +66,9 @@ CONFIGS = {
     "fp8": dict(exp_avg_dtype=torch.float8_e4m3fn, exp_avg_sq_dtype=torch.float8_e4m3fn),
     "fp8+rem": dict(exp_avg_dtype=torch.float8_e4m3fn, exp_avg_sq_dtype=torch.float8_e4m3fn,
                     store_param_remainders=True),
+    "sr": dict(master_weights=False, stochastic_rounding=True, stochastic_rounding_seed=1),
+    "bf16+sr": dict(exp_avg_dtype=torch.bfloat16, exp_avg_sq_dtype=torch.bfloat16,
+                    master_weights=False, stochastic_rounding=True, stochastic_rounding_seed=1),
 }
 
 
@@ -165,7 +170,9 @@ def _kernel_bench(args):
         cfg = CONFIGS[name]
         m_dtype = cfg.get("exp_avg_dtype", torch.float32)
         v_dtype = cfg.get("exp_avg_sq_dtype", torch.float32)
-        if cfg.get("store_param_remainders"):
+        if cfg.get("stochastic_rounding"):  # the bf16 param itself, stepped in place
+            model, param = None, master.to(torch.bfloat16)
+        elif cfg.get("store_param_remainders"):
             model, param = ops.split_remainders(master)
         else:
             model, param = master.to(torch.bfloat16), master.clone()
@@ -177,8 +184,11 @@ def _kernel_bench(args):
         states[name] = st
 
     def step(st):
+        sr = st["model"] is None
         ops.fused_adam_step_([st["param"]], [grad], [st["m"]], [st["v"]], [st["step"]],
-                             model_params=[st["model"]], lr=1e-4, beta1=0.9, beta2=0.95,
+                             model_params=None if sr else [st["model"]],
+                             stochastic_rounding=[(12345, 0)] if sr else None,
+                             lr=1e-4, beta1=0.9, beta2=0.95,
                              eps=1e-8, weight_decay=0.1, decoupled_weight_decay=True,
                              exp_avg_scales=[st["m_scales"]], exp_avg_sq_scales=[st["v_scales"]])
 

@@ -593,6 +593,109 @@ void adam_chunk_bf16(const G* g, float* p, int16_t* rem, uint16_t* m, uint16_t* 
                      int64_t n, const AdamScalars& scalars, Flags flags);
 #endif
 
+// -- bf16 moments + bf16 params with stochastic rounding in one loop (docs/spec.md section 21) ---
+//
+// As adam_chunk_bf16 with remainders, but the param is the master (widened exactly) and is
+// written back with float_to_bf16_sr_bits; the random bits sr_random_bits of lanes whose
+// global index has one high word (the caller takes adam_chunk_sr for a chunk whose low index
+// word wraps). Integer lane math of the header's scalar functions, lane for lane.
+#if defined(CPU_CAPABILITY_AVX512) || defined(CPU_CAPABILITY_AVX2)
+struct SrLanes {
+#if defined(CPU_CAPABILITY_AVX512)
+  using I = __m512i;
+  static constexpr int kLanes = 16;
+  static I xor_(I a, I b) { return _mm512_xor_si512(a, b); }
+  static I mul(I a, I b) { return _mm512_mullo_epi32(a, b); }
+  static I shr15(I a) { return _mm512_srli_epi32(a, 15); }
+  static I iota() { return _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15); }
+#else
+  using I = __m256i;
+  static constexpr int kLanes = 8;
+  static I xor_(I a, I b) { return _mm256_xor_si256(a, b); }
+  static I mul(I a, I b) { return _mm256_mullo_epi32(a, b); }
+  static I shr15(I a) { return _mm256_srli_epi32(a, 15); }
+  static I iota() { return _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7); }
+#endif
+};
+
+// sr_random_bits(lo, salt) of every lane (lo: the lanes' low index words)
+inline __attribute__((always_inline)) Lanes32::I sr_bits_lanes(Lanes32::I lo, Lanes32::I salt) {
+  using L = Lanes32;
+  using S = SrLanes;
+  L::I x = S::xor_(lo, salt);
+  x = S::xor_(x, L::shr16(x));
+  x = S::mul(x, L::set1(0x7feb352du));
+  x = S::xor_(x, S::shr15(x));
+  x = S::mul(x, L::set1(0x846ca68bu));
+  x = S::xor_(x, L::shr16(x));
+  return L::shr16(x);
+}
+
+// float_to_bf16_sr_bits of every lane of x with the random bits r
+inline __attribute__((always_inline)) Lanes32::I bf16_sr_bits(const FVec& x, Lanes32::I r) {
+  using L = Lanes32;
+  const L::I u = L::bits(x);
+  return L::select_gt(L::and_(u, L::set1(0x7fffffffu)), L::set1(0x7f7effffu), bf16_rne_bits(x),
+                      L::shr16(L::add(u, r)));
+}
+
+template <typename G, typename Flags>
+__attribute__((noinline)) void adam_chunk_bf16_sr(const G* __restrict g,
+                                                  uint16_t* __restrict param,
+                                                  uint16_t* __restrict m, uint16_t* __restrict v,
+                                                  int64_t n, const AdamScalars& scalars,
+                                                  Flags flags, uint32_t lo0, uint32_t salt) {
+  using L = Lanes32;
+  const AdamScalars s = scalars;  // in registers (see adam_chunk)
+  const L::I vsalt = L::set1(salt);
+  const L::I iota = SrLanes::iota();
+  const L::I second = L::set1(static_cast<uint32_t>(SrLanes::kLanes));
+  auto step = [&](const G* gp, uint16_t* pp, uint16_t* mp, uint16_t* vp, uint32_t lo) {
+    FVec g0, g1, p0, p1, m0, m1, v0, v1;
+    L::I a, b;
+    VecIO<G>::load(gp, g0, g1);
+    L::load_u16(pp, a, b);
+    p0 = L::from_bits(L::shl16(a));
+    p1 = L::from_bits(L::shl16(b));
+    L::load_u16(mp, a, b);
+    m0 = L::from_bits(L::shl16(a));
+    m1 = L::from_bits(L::shl16(b));
+    L::load_u16(vp, a, b);
+    v0 = L::from_bits(L::shl16(a));
+    v1 = L::from_bits(L::shl16(b));
+    adam_element_flags<FVec>(p0, m0, v0, g0, s, flags);
+    adam_element_flags<FVec>(p1, m1, v1, g1, s, flags);
+    L::store16(mp, bf16_rne_bits(m0), bf16_rne_bits(m1));
+    L::store16(vp, bf16_rne_bits(v0), bf16_rne_bits(v1));
+    const L::I l0 = L::add(L::set1(lo), iota);
+    L::store16(pp, bf16_sr_bits(p0, sr_bits_lanes(l0, vsalt)),
+               bf16_sr_bits(p1, sr_bits_lanes(L::add(l0, second), vsalt)));
+  };
+  int64_t i = 0;
+  for (; i + kVecStep <= n; i += kVecStep) {
+    step(g + i, param + i, m + i, v + i, lo0 + static_cast<uint32_t>(i));
+  }
+  if (i < n) {  // through zero-padded copies, as adam_chunk
+    const int64_t r = n - i;
+    Tail<G> tg;
+    Tail<uint16_t> tp, tm, tv;
+    tg.in(g + i, r);
+    tp.in(param + i, r);
+    tm.in(m + i, r);
+    tv.in(v + i, r);
+    step(tg.buf, tp.buf, tm.buf, tv.buf, lo0 + static_cast<uint32_t>(i));
+    tp.out(param + i, r);
+    tm.out(m + i, r);
+    tv.out(v + i, r);
+  }
+}
+#else
+// declared for the call in fused_adam_step_, which discards it here (if constexpr)
+template <typename G, typename Flags>
+void adam_chunk_bf16_sr(const G* g, uint16_t* param, uint16_t* m, uint16_t* v, int64_t n,
+                        const AdamScalars& scalars, Flags flags, uint32_t lo0, uint32_t salt);
+#endif
+
 template <typename G, typename M, bool kMomentum>
 void sgd_chunk(const G* g, float* p, float* buf, M* model, int64_t n, bool first,
                const SgdScalars& scalars) {
@@ -734,11 +837,26 @@ void fused_adam_step_(at::TensorList params, at::TensorList exp_avgs, at::Tensor
                          sq};
       };
       const int64_t* row = stochastic_rounding->const_data_ptr<int64_t>() + 2 * e;
-      adam_chunk_sr(g, static_cast<uint16_t*>(params[e].data_ptr()) + c.offset,
-                    ref(exp_avgs[e], mk, exp_avg_scales, false),
-                    ref(exp_avg_sqs[e], vk, exp_avg_sq_scales, true), c.n, scalars[e],
-                    sr_stream(static_cast<uint64_t>(row[0]), read_step(steps[e]) + 1.0),
-                    static_cast<uint64_t>(row[1]) + static_cast<uint64_t>(c.offset));
+      const uint64_t stream = sr_stream(static_cast<uint64_t>(row[0]), read_step(steps[e]) + 1.0);
+      const uint64_t j0 = static_cast<uint64_t>(row[1]) + static_cast<uint64_t>(c.offset);
+      uint16_t* param = static_cast<uint16_t*>(params[e].data_ptr()) + c.offset;
+      // bf16 moments, one high index word in the chunk: the one-loop pass
+      if (kBf16Pass && mk == Kind::kBFloat16 && vk == Kind::kBFloat16 &&
+          (j0 & 0xffffffffull) + static_cast<uint64_t>(c.n) <= (1ull << 32)) {
+        using G = std::remove_const_t<std::remove_pointer_t<decltype(g)>>;
+        with_adam_flags(scalars[e], [&](auto flags) {
+          if constexpr (kBf16Pass) {
+            adam_chunk_bf16_sr<G, decltype(flags)>(
+                g, param, static_cast<uint16_t*>(exp_avgs[e].data_ptr()) + c.offset,
+                static_cast<uint16_t*>(exp_avg_sqs[e].data_ptr()) + c.offset, c.n, scalars[e],
+                flags, static_cast<uint32_t>(j0), sr_salt(stream, j0 >> 32));
+          }
+        });
+        return;
+      }
+      adam_chunk_sr(g, param, ref(exp_avgs[e], mk, exp_avg_scales, false),
+                    ref(exp_avg_sqs[e], vk, exp_avg_sq_scales, true), c.n, scalars[e], stream,
+                    j0);
       return;
     }
     if (kBf16Pass && mk == Kind::kBFloat16 && vk == Kind::kBFloat16) {
