@@ -631,12 +631,21 @@ inline __attribute__((always_inline)) Lanes32::I sr_bits_lanes(Lanes32::I lo, La
   return L::shr16(x);
 }
 
-// float_to_bf16_sr_bits of every lane of x with the random bits r
+// float_to_bf16_sr_bits of every lane of x with the random bits r (the round-to-nearest lanes,
+// |x| >= the largest finite bf16, inf, NaN, computed only when a lane has one: never in practice)
 inline __attribute__((always_inline)) Lanes32::I bf16_sr_bits(const FVec& x, Lanes32::I r) {
   using L = Lanes32;
   const L::I u = L::bits(x);
-  return L::select_gt(L::and_(u, L::set1(0x7fffffffu)), L::set1(0x7f7effffu), bf16_rne_bits(x),
-                      L::shr16(L::add(u, r)));
+  const L::I sr = L::shr16(L::add(u, r));
+  const L::I a = L::and_(u, L::set1(0x7fffffffu));
+  const L::I limit = L::set1(0x7f7effffu);
+#if defined(CPU_CAPABILITY_AVX512)
+  const bool any = _mm512_cmpgt_epi32_mask(a, limit) != 0;
+#else
+  const bool any = _mm256_movemask_epi8(_mm256_cmpgt_epi32(a, limit)) != 0;
+#endif
+  if (__builtin_expect(any, 0)) return L::select_gt(a, limit, bf16_rne_bits(x), sr);
+  return sr;
 }
 
 template <typename G, typename Flags>
