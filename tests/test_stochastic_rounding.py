@@ -517,3 +517,50 @@ def test_dcp_checkpoint_saves_the_bf16_values_and_resumes_exactly(tmp_path, dst)
     if dst == SR:
         _train(md, b, 2, start=3)
         assert all(torch.equal(p, q) for p, q in zip(straight.parameters(), md.parameters()))
+
+
+def _dcp_worker(rank, world_size, path):
+    import torch.distributed as dist
+
+    from tpamp.checkpoint import load_checkpoint, save_checkpoint
+
+    dp = dist.new_group(list(range(world_size)))
+
+    def build(seed):
+        model = _model(seed)
+        inner = torch.optim.AdamW(model.parameters(), lr=1e-3, betas=(0.9, 0.95),
+                                  weight_decay=0.1)
+        return model, tpamp.DistributedOptimizer(
+            inner, data_parallel_group=dp, bucket_size=3000,
+            param_names=list(model.named_parameters()), **SR)
+
+    def train(model, opt, steps, start=0):
+        gen = torch.Generator().manual_seed(11)
+        for i in range(start + steps):
+            grads = [(torch.randn(p.shape, generator=gen) * 1e-2).to(BF16)
+                     for p in model.parameters()]
+            if i < start:
+                continue
+            for p, g in zip(model.parameters(), grads):
+                p.main_grad.copy_(g)
+            assert opt.step().update_successful
+            opt.zero_grad()
+
+    straight, opt_a = build(0)
+    train(straight, opt_a, 5)
+    saved, opt_b = build(0)
+    train(saved, opt_b, 3)
+    save_checkpoint(path, dict(saved.named_parameters()), opt_b)
+    resumed, opt_c = build(3)
+    load_checkpoint(path, dict(resumed.named_parameters()), opt_c)
+    loaded = all(torch.equal(p, q) for p, q in zip(saved.parameters(), resumed.parameters()))
+    train(resumed, opt_c, 2, start=3)
+    return loaded, all(torch.equal(p, q) for p, q in zip(straight.parameters(),
+                                                          resumed.parameters()))
+
+
+def test_zero1_dcp_checkpoint_resumes_exactly(tmp_path):
+    if not KERNEL:
+        pytest.skip("CPU kernels not built")
+    for loaded, resumed in run_workers(_dcp_worker, 2, str(tmp_path), timeout=60):
+        assert loaded and resumed

@@ -1027,7 +1027,8 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
         """A bucket's fp32 main shard (a copy; rebuilt from param + remainder shards)."""
         if b.main_shard.dtype == torch.int16:
             return ops.join_remainders(b.param_shard, b.main_shard)
-        return b.main_shard.detach().float()  # a copy (bf16 without master: its value)
+        # a copy (bf16 without master: its value in float32)
+        return b.main_shard.detach().to(torch.float32, copy=True)
 
     def _layout(self) -> Dict:
         return {

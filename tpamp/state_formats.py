@@ -27,6 +27,12 @@ the names of Megatron-core's precision-aware optimizer and Transformer Engine's 
   round-to-nearest-even when the low half is exactly 0x8000; see csrc/kernels/optimizer_step.h
   for why 16 bits cannot do round-to-nearest-even).
 
+* ``master_weights=False, stochastic_rounding=True`` (bf16 model params only;
+  docs/spec.md section 21): no master and no remainder; the step writes the bf16 param with
+  stochastic rounding (:func:`round_bf16_stochastic`, random bits
+  :func:`stochastic_rounding_bits`): 2 bytes of param + the moments. Options checked by
+  :func:`check_master_options`.
+
 Both need the one-pass fused step (an exact ``torch.optim.Adam``/``AdamW``, ``fused_step=True``);
 the generic path refuses them. Bytes per parameter of state (master or remainder + two
 moments): 12 (fp32), 8 (bf16 moments), 6 (bf16 moments + remainders), about 4.03 (8-bit moments
