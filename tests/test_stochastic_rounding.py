@@ -564,3 +564,24 @@ def test_zero1_dcp_checkpoint_resumes_exactly(tmp_path):
         pytest.skip("CPU kernels not built")
     for loaded, resumed in run_workers(_dcp_worker, 2, str(tmp_path), timeout=60):
         assert loaded and resumed
+
+
+def _settings_worker(rank, world_size):
+    import torch.distributed as dist
+
+    model = _model()
+    group = dist.new_group(list(range(world_size)))
+    opt = _wrap(model, grad_stats_group=group, **dict(SR, stochastic_rounding_seed=7 + rank))
+    for p in model.parameters():
+        p.grad = torch.full_like(p, 1e-2)
+    try:
+        opt.step()
+    except ValueError as e:
+        return str(e)
+    return None
+
+
+def test_ranks_with_different_seeds_refuse_the_first_step():
+    """DP ranks must round alike: the settings check of the first step names the seed."""
+    for msg in run_workers(_settings_worker, 2, timeout=30):
+        assert msg is not None and "stochastic_rounding_seed" in msg, msg
