@@ -56,6 +56,11 @@ S.fused_adam_step_(ps, [torch.zeros(p.shape) for p in ps], [torch.zeros(p.shape)
                    [torch.zeros(1, dtype=torch.float64 if i % 2 else torch.float32)
                     for i in range(5)], [torch.empty(p.shape, dtype=torch.float16) for p in ps],
                    grads, scale, torch.zeros(1), None, 1e-3, 0.9, 0.999, 1e-8, 0.01, True, False, [], [])
+sp = [r(n).to(torch.bfloat16) for n in sizes]  # bf16 params, stochastic rounding (section 21)
+S.fused_adam_step_(sp, [torch.zeros(p.shape, dtype=torch.bfloat16) for p in sp],
+                   [torch.zeros(p.shape) for p in sp], [torch.zeros(1) for _ in sp], [], grads,
+                   scale, torch.zeros(1), None, 1e-3, 0.9, 0.999, 1e-8, 0.01, True, False, [], [],
+                   torch.tensor([[7 * i, 1000 * i] for i in range(5)], dtype=torch.int64))
 S.fused_sgd_step_(ps, [torch.zeros(p.shape) for p in ps], [], grads, [True, False] * 2 + [True],
                   None, None, torch.tensor([0.1]), 0.1, 0.9, 0.0, 0.0, True, False)
 print("launchers ran")
