@@ -174,7 +174,8 @@ inline StepArgs validate_adam_step(const char* op, at::TensorList params,
                                    const std::optional<at::Tensor>& lr_tensor,
                                    at::TensorList exp_avg_scales, at::TensorList exp_avg_sq_scales,
                                    const at::Device& launcher,
-                                   const std::optional<at::Tensor>& stochastic_rounding) {
+                                   const std::optional<at::Tensor>& stochastic_rounding =
+                                       std::nullopt) {
   const StepArgs a = check_step_common(op, params, grads, model_params, grad_scale, found_inf,
                                        lr_tensor, launcher.type(), /*allow_remainders=*/true);
   // bf16 params with stochastic rounding (docs/spec.md section 21): the param is its own master
