@@ -12,6 +12,14 @@ Tables (docs/spec.md section 9):
   the entry is the largest code c with map[c] <= the segment's lowest value (0 when none).
   Every segment holds at most one map entry above its lowest value (checked here), so one
   step (c += y >= map[c + 1]) finds the largest c with map[c] <= y.
+* kDynamicThresholdSigned / kDynamicThresholdUnsigned: for c = 0..254, the smallest float32 y
+  whose code is above c (T[c]; index 255 holds FLT_MAX, never read by the search). The code rule
+  is monotone in y, so code(y) = #{c <= 254 : T[c] <= y} for every float32 y but NaN (float
+  comparisons: -0.0 counts as 0.0); the CPU launcher's AVX2/AVX-512 encode counts this with a
+  branch-free binary search over in-register tables (csrc/cpu/dynamic_map_simd.h). Each T[c] is
+  found by bisection over the float32 bit patterns with the rule below and checked: code(T[c])
+  > c and code(the float32 below T[c]) <= c. (tests/test_dynamic_map.py checks every threshold
+  and its neighbours through the kernels of every CPU module against the numpy rule.)
 """
 
 import re
@@ -41,9 +49,8 @@ def floor_code(q, y):
     return max(c, 0)
 
 
-def table(q):
-    q = np.asarray(q, dtype=np.float32)
-    out = []
+def segments():
+    """(low, high, closed_high) of every segment of float32 y, in table order (sign, slot)."""
     for sign in (1.0, -1.0):
         for slot in range(SLOTS):
             if slot == 0:
@@ -56,15 +63,79 @@ def table(q):
                 lo_mag = 2.0 ** (E_LO + e) * (1 + m / (1 << SEG_BITS))
                 hi_mag = 2.0 ** (E_LO + e) * (1 + (m + 1) / (1 << SEG_BITS))
             if sign > 0:
-                low, high = lo_mag, hi_mag  # [low, high)
+                yield lo_mag, hi_mag, False  # [low, high)
             else:
                 low = -next_down(hi_mag) if hi_mag != float("inf") else -float("inf")
-                high = -lo_mag  # [low, high]
-            c = floor_code(q, low)
-            inside = [v for v in q if low < v <= high] if sign < 0 else [v for v in q if low < v < high]
-            assert len(inside) <= 1, (sign, slot, inside)
-            out.append(c)
+                yield low, -lo_mag, True  # [low, high]
+
+
+def table(q):
+    q = np.asarray(q, dtype=np.float32)
+    out = []
+    for low, high, closed in segments():
+        c = floor_code(q, low)
+        inside = [v for v in q if low < v <= high] if closed else [v for v in q if low < v < high]
+        assert len(inside) <= 1, (low, high, inside)
+        out.append(c)
     return out
+
+
+def code_table(q, ts):
+    """The code of every segment's lowest value; every segment holds at most one threshold
+    above its lowest value (checked), so code(y) = c + (ts[c] <= y), at most 255."""
+    qq = np.asarray(list(q) + [2.0], dtype=np.float32)
+    out = []
+    for low, high, closed in segments():
+        c = code_rule(qq, low)
+        inside = [t for t in ts[:255] if low < t <= high] if closed else [
+            t for t in ts[:255] if low < t < high]
+        assert len(inside) <= 1, (low, high, inside)
+        assert c == 255 or ts[c] > low
+        out.append(c)
+    return out
+
+
+def code_rule(q, y):
+    """The uint8 code of the float32 y (not NaN) in the map q (257 float32 values with 2.0 at
+    256): the largest c with q[c] <= y (0 when none), plus one when y - q[c] >= (q[c+1] -
+    q[c]) * 0.5 in float32, at most 255 (the rule of optimizer_step.h, torchao's)."""
+    y = np.float32(y)
+    c = max(int(np.searchsorted(q[:256], y, side="right")) - 1, 0)
+    with np.errstate(invalid="ignore", over="ignore"):
+        up = np.float32(y - q[c]) >= np.float32(np.float32(q[c + 1] - q[c]) * np.float32(0.5))
+    return min(c + int(up), 255)
+
+
+def ordered(y):
+    """float32 y -> an integer that orders as the float does (-0.0 just below +0.0)."""
+    b = struct.unpack("<I", struct.pack("<f", y))[0]
+    return (b ^ 0x7FFFFFFF) - (1 << 32) if b >> 31 else b
+
+
+def from_ordered(k):
+    b = (k + (1 << 32)) ^ 0x7FFFFFFF if k < 0 else k
+    return struct.unpack("<f", struct.pack("<I", b))[0]
+
+
+def thresholds(q):
+    """T[c], c = 0..254: the smallest float32 y with code_rule(q, y) > c; T[255] = FLT_MAX."""
+    q = np.asarray(list(q) + [2.0], dtype=np.float32)
+    lo_key, hi_key = ordered(-float("inf")), ordered(float("inf"))
+    out = []
+    for c in range(255):
+        lo, hi = lo_key, hi_key  # code(lo) <= c < code(hi)
+        assert code_rule(q, from_ordered(lo)) <= c < code_rule(q, from_ordered(hi))
+        while hi - lo > 1:
+            mid = (lo + hi) // 2
+            if code_rule(q, from_ordered(mid)) > c:
+                hi = mid
+            else:
+                lo = mid
+        t = from_ordered(hi)
+        assert code_rule(q, t) > c and code_rule(q, from_ordered(hi - 1)) <= c, c
+        out.append(t)
+    assert all(a < b for a, b in zip(out, out[1:]))
+    return out + [float(np.finfo(np.float32).max)]
 
 
 def c_floats(vals):
@@ -88,6 +159,16 @@ def main():
         print(f"TPAMP_TABLE uint8_t kDynamicFloor{name}[{len(floors)}] = {{")
         for i in range(0, len(floors), 24):
             print("    " + ", ".join(str(c) for c in floors[i:i + 24]) + ",")
+        print("};")
+        ts = thresholds(q)
+        print(f"TPAMP_TABLE float kDynamicThreshold{name}[256] = {{")
+        for i in range(0, 256, 4):
+            print("    " + c_floats(ts[i:i + 4]) + ",")
+        print("};")
+        codes = code_table(q, ts)
+        print(f"TPAMP_TABLE uint8_t kDynamicCode{name}[{len(codes)}] = {{")
+        for i in range(0, len(codes), 24):
+            print("    " + ", ".join(str(c) for c in codes[i:i + 24]) + ",")
         print("};")
 
 
