@@ -236,7 +236,8 @@ inline void write_moment(const MomentRef& r, int64_t b, int64_t n, const float* 
       break;
     }
     case Kind::kDynamic: {
-      const DynamicScale s = dynamic_scale(block_absmax(n, buf));
+      const DynamicScale s =
+          dynamic_scale(dynamic_absmax(buf, n, [&] { return block_absmax(n, buf); }));
       r.scales[b] = s.scale;
       dynamic_encode_block(buf, n, s.div, dynamic_tables(r.sqrt),
                            static_cast<uint8_t*>(r.data) + o);
