@@ -283,7 +283,7 @@ def test_modules_agree_on_a_usual_step(inputs, tmp_path):
         native, ["default"])
     outs = [_run_module(c, inputs, tmp_path) for c in caps]
     for key in outs[0]:
-        if key.endswith("/step"):
+        if key.endswith("/step") and not key.startswith("special"):  # NaN: see above
             for other in outs[1:]:
                 for a, b in zip(outs[0][key][:4], other[key][:4]):
                     assert _bits_equal(a, b), (key, other["module"])
