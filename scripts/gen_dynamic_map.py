@@ -15,11 +15,15 @@ Tables (docs/spec.md section 9):
 * kDynamicThresholdSigned / kDynamicThresholdUnsigned: for c = 0..254, the smallest float32 y
   whose code is above c (T[c]; index 255 holds FLT_MAX, never read by the search). The code rule
   is monotone in y, so code(y) = #{c <= 254 : T[c] <= y} for every float32 y but NaN (float
-  comparisons: -0.0 counts as 0.0); the CPU launcher's AVX2/AVX-512 encode counts this with a
+  comparisons: -0.0 counts as 0.0); the CPU launcher's AVX-512 encode counts this with a
   branch-free binary search over in-register tables (csrc/cpu/dynamic_map_simd.h). Each T[c] is
   found by bisection over the float32 bit patterns with the rule below and checked: code(T[c])
   > c and code(the float32 below T[c]) <= c. (tests/test_dynamic_map.py checks every threshold
   and its neighbours through the kernels of every CPU module against the numpy rule.)
+* kDynamicKeyedSigned / kDynamicKeyedUnsigned: segments as the floor tables' but from 2^-24
+  (KEY_E_LO; no threshold below it), one 32-bit entry each: the code of the segment's lowest
+  value and the low 16 bits of the one threshold inside (see key_table), for the AVX2 and the
+  scalar encode of the CPU launcher (one read per element).
 """
 
 import re
@@ -49,19 +53,22 @@ def floor_code(q, y):
     return max(c, 0)
 
 
-def segments():
-    """(low, high, closed_high) of every segment of float32 y, in table order (sign, slot)."""
+def segments(e_lo=E_LO):
+    """(low, high, closed_high) of every segment of float32 y, in table order (sign, slot);
+    slots per sign: |y| < 2^e_lo, -e_lo binades of 2^SEG_BITS segments, [1, inf] and NaN, one
+    unused."""
+    slots = -e_lo * (1 << SEG_BITS) + 3
     for sign in (1.0, -1.0):
-        for slot in range(SLOTS):
+        for slot in range(slots):
             if slot == 0:
-                lo_mag, hi_mag = 0.0, 2.0 ** E_LO
-            elif slot == SLOTS - 1:
+                lo_mag, hi_mag = 0.0, 2.0 ** e_lo
+            elif slot == slots - 1:
                 lo_mag, hi_mag = 1.0, float("inf")
             else:
                 t = slot - 1
                 e, m = divmod(t, 1 << SEG_BITS)
-                lo_mag = 2.0 ** (E_LO + e) * (1 + m / (1 << SEG_BITS))
-                hi_mag = 2.0 ** (E_LO + e) * (1 + (m + 1) / (1 << SEG_BITS))
+                lo_mag = 2.0 ** (e_lo + e) * (1 + m / (1 << SEG_BITS))
+                hi_mag = 2.0 ** (e_lo + e) * (1 + (m + 1) / (1 << SEG_BITS))
             if sign > 0:
                 yield lo_mag, hi_mag, False  # [low, high)
             else:
@@ -80,18 +87,30 @@ def table(q):
     return out
 
 
-def code_table(q, ts):
-    """The code of every segment's lowest value; every segment holds at most one threshold
-    above its lowest value (checked), so code(y) = c + (ts[c] <= y), at most 255."""
+KEY_E_LO = -24  # the keyed table's tiny segment |y| < 2^-24 holds no threshold of either map
+
+
+def key_table(q, ts):
+    """For the segments of KEY_E_LO (outside the tiny and the last segment, every float32 of a
+    segment shares sign, exponent and 7 mantissa bits, so the low 16 bits order it): code of
+    the segment's lowest value | (key of the threshold inside, or 0x10000 for none) << 8, where
+    key(y) = low 16 bits of y, complemented for negative y (increasing in y within a segment).
+    code(y) = code + (key(y) >= key): one 32-bit read per element."""
     qq = np.asarray(list(q) + [2.0], dtype=np.float32)
+    slots = -KEY_E_LO * (1 << SEG_BITS) + 3
     out = []
-    for low, high, closed in segments():
+    for i, (low, high, closed) in enumerate(segments(KEY_E_LO)):
+        slot = i % slots
         c = code_rule(qq, low)
         inside = [t for t in ts[:255] if low < t <= high] if closed else [
             t for t in ts[:255] if low < t < high]
         assert len(inside) <= 1, (low, high, inside)
-        assert c == 255 or ts[c] > low
-        out.append(c)
+        key = 0x10000
+        if inside:
+            assert slot not in (0, slots - 2, slots - 1), (slot, inside)
+            b = struct.unpack("<I", struct.pack("<f", inside[0]))[0]
+            key = (b & 0xFFFF) ^ (0xFFFF if b >> 31 else 0)
+        out.append(c | key << 8)
     return out
 
 
@@ -165,10 +184,10 @@ def main():
         for i in range(0, 256, 4):
             print("    " + c_floats(ts[i:i + 4]) + ",")
         print("};")
-        codes = code_table(q, ts)
-        print(f"TPAMP_TABLE uint8_t kDynamicCode{name}[{len(codes)}] = {{")
-        for i in range(0, len(codes), 24):
-            print("    " + ", ".join(str(c) for c in codes[i:i + 24]) + ",")
+        keyed = key_table(q, ts)
+        print(f"TPAMP_TABLE uint32_t kDynamicKeyed{name}[{len(keyed)}] = {{")
+        for i in range(0, len(keyed), 8):
+            print("    " + ", ".join(f"0x{c:x}u" for c in keyed[i:i + 8]) + ",")
         print("};")
 
 

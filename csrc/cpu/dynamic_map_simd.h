@@ -1,21 +1,23 @@
 // The uint8 moment format (the dynamic map, csrc/kernels/optimizer_step.h) on one block of the
-// CPU launcher: decode codes to float32 values and encode float32 values to codes, with the
-// AVX-512 / AVX2 instructions of the translation unit's capability (explicit gathers: g++ with
-// the generic tuning never emits them and broke the table lookups into scalar loads and
-// inserts, 9 ns per element with AVX-512) and the scalar functions of optimizer_step.h on the
-// default capability. Every path gives the bits of dynamic_encode_bits and of map[code] * scale.
+// CPU launcher: decode codes to float32 values, the block's max |x|, and encode float32 values to
+// codes, with the AVX-512 / AVX2 instructions of the translation unit's capability and plain
+// scalar code on the default one. Every path gives the bits of the CUDA launcher's
+// dynamic_encode_bits and of map[code] * scale; only how they are found differs. (g++'s
+// vectorizer turned the table search into scalar loads and inserts, 9 ns per element with
+// AVX-512; explicit 16-lane gathers cost ~3 ns per element on the AMD CPU measured.)
 //
-// Encode: y = x / div (a float32 division, as torchao), then code(y) = c + (T[c] <= y) with
-// c = kDynamicCode*[segment of y] (the code of the segment's lowest value; the segments are
-// dynamic_encode_bits', one sign, exponent and 7 mantissa bits each) and T the thresholds
-// kDynamicThreshold* (T[c] the smallest float32 whose code is above c): every segment holds at
-// most one threshold above its lowest value (scripts/gen_dynamic_map.py checks it when it
-// generates the tables), so one compare finishes the count. A count of 256 (|y| >= 1 over the
-// last threshold: never for a finite block, where |y| <= 1) narrows to 255 with unsigned
-// saturation, as dynamic_encode_bits clamps. NaN y (a block holding NaN divides by NaN) falls
-// in the last segment of its sign: 255 with a clear sign bit, 0 with a set one, as there.
-// tests/test_dynamic_map.py checks every float32 threshold and its neighbours through each CPU
-// module against the scalar rule.
+// Encode: y = x / div (a float32 division, as torchao), then the code:
+// * AVX-512: code(y) = #{c <= 254 : T[c] <= y} (kDynamicThreshold*: T[c] is the smallest float32
+//   whose code is above c; the rule is monotone in y), by an 8-level branch-free binary search
+//   whose thresholds come from registers (permutes), 8 registers interleaved per round.
+// * AVX2 and scalar: one read of a keyed table (kDynamicKeyed*, see dynamic_encode_scalar).
+// A NaN divisor (a block holding NaN; no y is NaN otherwise) takes the scalar loop, whose
+// segments put NaN where dynamic_encode_bits does (255 with a clear sign bit, else 0).
+// Decode: AVX-512 picks map[c] with 8 two-register permutes and 7 selects; AVX2 and scalar read
+// the table (scalar loads beat AVX2 gathers here: 0.2 against 0.45 ns per element).
+// scripts/gen_dynamic_map.py generates and checks the tables; tests/test_dynamic_map_modules.py
+// checks every float32 threshold of both maps and its neighbours in every CPU module against
+// the numpy rule and the emulated CUDA launcher.
 
 #pragma once
 
@@ -24,8 +26,10 @@
 #include <cstdint>
 #include <type_traits>
 
+// Registers per round of the AVX-512 encode (8: 0.30 ns per element on the CPU measured; 1: 0.57,
+// the levels' dependency chain unhidden).
 #ifndef TPAMP_DYNAMIC_UNROLL
-#define TPAMP_DYNAMIC_UNROLL 8  // registers per round of the AVX-512 encode (8: 0.30 ns per element here, 1: 0.57)
+#define TPAMP_DYNAMIC_UNROLL 8
 #endif
 
 #if defined(CPU_CAPABILITY_AVX512) || defined(CPU_CAPABILITY_AVX2)
@@ -35,30 +39,26 @@
 namespace tpamp {
 namespace cpu {
 
-// The tables of one map (signed: exp_avg; unsigned: exp_avg_sq), with the byte table padded so
-// that a 32-bit gather at its last byte stays inside.
+// The tables of one map (signed: exp_avg; unsigned: exp_avg_sq).
 struct DynamicTables {
   const float* map;        // 257 values
   const float* threshold;  // 256 thresholds
-  const uint8_t* code;     // 2 * kDynamicSlots codes (+ 4 bytes of padding)
+  const uint32_t* keyed;   // 2 * kDynamicKeySlots entries
 };
 
+// The keyed tables' segments: as dynamic_encode_bits' but from 2^kDynamicKeyLowExponent.
+constexpr int kDynamicKeyLowExponent = -24;
+constexpr int32_t kDynamicKeySlots = 24 * (1 << kDynamicSegmentBits) + 3;
+static_assert(sizeof(kDynamicKeyedSigned) == 2 * kDynamicKeySlots * sizeof(uint32_t),
+              "the keyed tables of scripts/gen_dynamic_map.py");
+constexpr int32_t kDynamicKeyBias =
+    ((127 + kDynamicKeyLowExponent) << kDynamicSegmentBits) - 1;
+static_assert(23 - kDynamicSegmentBits == 16, "segments of 7 mantissa bits: 16 bits below");
+
 inline const DynamicTables& dynamic_tables(bool is_unsigned) {
-  struct Padded {
-    uint8_t code[2 * kDynamicSlots + 4];
-  };
-  static const Padded* padded = [] {
-    static Padded p[2];
-    for (int u = 0; u < 2; ++u) {
-      const uint8_t* code = u ? kDynamicCodeUnsigned : kDynamicCodeSigned;
-      for (int i = 0; i < 2 * kDynamicSlots; ++i) p[u].code[i] = code[i];
-      for (int i = 2 * kDynamicSlots; i < 2 * kDynamicSlots + 4; ++i) p[u].code[i] = 0;
-    }
-    return p;
-  }();
   static const DynamicTables t[2] = {
-      {kDynamicMapSigned, kDynamicThresholdSigned, padded[0].code},
-      {kDynamicMapUnsigned, kDynamicThresholdUnsigned, padded[1].code}};
+      {kDynamicMapSigned, kDynamicThresholdSigned, kDynamicKeyedSigned},
+      {kDynamicMapUnsigned, kDynamicThresholdUnsigned, kDynamicKeyedUnsigned}};
   return t[is_unsigned ? 1 : 0];
 }
 
@@ -92,20 +92,19 @@ inline const DynamicLevels& dynamic_levels(const DynamicTables& t) {
   return levels[t.map == kDynamicMapUnsigned ? 1 : 0];
 }
 
-// The segment index of y's bits u, as dynamic_encode_bits computes it:
-// sign * kDynamicSlots + clamp(e + 1, 0, kDynamicSlots - 2), e = (|u| >> 16) - (105 << 7).
-constexpr int32_t kDynamicSegmentBias = ((127 + kDynamicLowExponent) << kDynamicSegmentBits) - 1;
-static_assert(23 - kDynamicSegmentBits == 16, "segments of 7 mantissa bits");
-
-// dynamic_encode_bits(y, ...) with two table reads instead of four: the code of y's segment,
-// plus one where the segment's threshold is <= y (see the top of this file).
+// dynamic_encode_bits(y, ...) with one table read: the entry of y's segment (sign, exponent
+// clamped to [-24, 0], 7 mantissa bits) holds the code of the segment's lowest value and the key
+// of the one threshold above it in the segment (0x10000: none); the key of y (its low 16 bits,
+// complemented for negative y) orders the segment's values, so code = code + (key(y) >= key).
+// NaN and |y| >= 1 fall in the last segment of their sign (no threshold: 255 positive, 0
+// negative), as in dynamic_encode_bits.
 inline uint32_t dynamic_encode_scalar(float y, const DynamicTables& t) {
   const uint32_t u = float_to_bits(y);
-  int32_t slot = static_cast<int32_t>((u & 0x7fffffffu) >> 16) - kDynamicSegmentBias;
-  slot = slot < 0 ? 0 : (slot > kDynamicSlots - 2 ? kDynamicSlots - 2 : slot);
-  const uint32_t c = t.code[slot + static_cast<int32_t>(u >> 31) * kDynamicSlots];
-  const uint32_t up = c + (t.threshold[c] <= y ? 1u : 0u);
-  return up > 255u ? 255u : up;
+  int32_t slot = static_cast<int32_t>((u & 0x7fffffffu) >> 16) - kDynamicKeyBias;
+  slot = slot < 0 ? 0 : (slot > kDynamicKeySlots - 2 ? kDynamicKeySlots - 2 : slot);
+  const uint32_t e = t.keyed[slot + static_cast<int32_t>(u >> 31) * kDynamicKeySlots];
+  const uint32_t key = (u & 0xffffu) ^ ((u >> 31) != 0u ? 0xffffu : 0u);
+  return (e & 0xffu) + (key >= (e >> 8) ? 1u : 0u);
 }
 
 // The max |x| of a block's n values for its scale, as the caller's NaN-propagating reduction
@@ -279,32 +278,35 @@ inline void dynamic_encode_block(const float* __restrict in, int64_t n, float di
     }
   }
 #elif defined(CPU_CAPABILITY_AVX2)
-  // dynamic_encode_scalar on 8 lanes: two gathers (0.8 ns per element here, against 2.0 for
-  // the scalar loop; an 8-lane binary search would need 16 permutes and 15 blends for its
-  // last level alone)
+  // dynamic_encode_scalar on 8 lanes: one gather (0.4 ns per element here, against 0.8 for a
+  // two-gather search and 2.0 for the scalar loop; an 8-lane binary search would need 16
+  // permutes and 15 blends for its last level alone)
   const __m256 d = _mm256_set1_ps(div);
   const __m256i abs_mask = _mm256_set1_epi32(0x7fffffff);
-  const __m256i bias = _mm256_set1_epi32(kDynamicSegmentBias);
-  const __m256i top = _mm256_set1_epi32(kDynamicSlots - 2);
-  const __m256i slots = _mm256_set1_epi32(kDynamicSlots);
+  const __m256i bias = _mm256_set1_epi32(kDynamicKeyBias);
+  const __m256i top = _mm256_set1_epi32(kDynamicKeySlots - 2);
+  const __m256i slots = _mm256_set1_epi32(kDynamicKeySlots);
   const __m256i zero = _mm256_setzero_si256();
   const __m256i low_byte = _mm256_set1_epi32(0xff);
+  const __m256i low16 = _mm256_set1_epi32(0xffff);
+  const int* keyed = reinterpret_cast<const int*>(t.keyed);
   auto codes8 = [&](const float* p) {
-    const __m256 y = _mm256_div_ps(_mm256_loadu_ps(p), d);
-    const __m256i u = _mm256_castps_si256(y);
+    const __m256i u = _mm256_castps_si256(_mm256_div_ps(_mm256_loadu_ps(p), d));
+    const __m256i neg = _mm256_srai_epi32(u, 31);
     __m256i slot =
         _mm256_sub_epi32(_mm256_srli_epi32(_mm256_and_si256(u, abs_mask), 16), bias);
     slot = _mm256_min_epi32(_mm256_max_epi32(slot, zero), top);
-    slot = _mm256_add_epi32(slot, _mm256_and_si256(_mm256_srai_epi32(u, 31), slots));
-    const __m256i c = _mm256_and_si256(
-        _mm256_i32gather_epi32(reinterpret_cast<const int*>(t.code), slot, 1), low_byte);
-    const __m256 th = _mm256_i32gather_ps(t.threshold, c, 4);
-    // c + 1 where th <= y: minus the all-ones compare mask
-    return _mm256_sub_epi32(c, _mm256_castps_si256(_mm256_cmp_ps(th, y, _CMP_LE_OQ)));
+    slot = _mm256_add_epi32(slot, _mm256_and_si256(neg, slots));
+    const __m256i e = _mm256_i32gather_epi32(keyed, slot, 4);
+    const __m256i key = _mm256_xor_si256(_mm256_and_si256(u, low16), _mm256_and_si256(neg, low16));
+    // key >= e >> 8 (both < 2^17): key + 1 > e >> 8; the code minus the all-ones mask
+    const __m256i up = _mm256_cmpgt_epi32(_mm256_sub_epi32(key, _mm256_set1_epi32(-1)),
+                                          _mm256_srli_epi32(e, 8));
+    return _mm256_sub_epi32(_mm256_and_si256(e, low_byte), up);
   };
   for (; i + 16 <= n; i += 16) {
     const __m256i a = codes8(in + i), b = codes8(in + i + 8);
-    // 32 -> 16 bits (values <= 256), then 16 -> 8 with unsigned saturation (256 -> 255)
+    // 32 -> 16 -> 8 bits (codes <= 255)
     const __m256i w = _mm256_permute4x64_epi64(_mm256_packus_epi32(a, b), 0xd8);
     const __m128i bytes =
         _mm_packus_epi16(_mm256_castsi256_si128(w), _mm256_extracti128_si256(w, 1));
