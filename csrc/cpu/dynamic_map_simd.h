@@ -38,6 +38,8 @@
 
 namespace tpamp {
 namespace cpu {
+// internal linkage: every capability module compiles its own variant of these functions
+namespace {
 
 // The tables of one map (signed: exp_avg; unsigned: exp_avg_sq).
 struct DynamicTables {
@@ -316,5 +318,6 @@ inline void dynamic_encode_block(const float* __restrict in, int64_t n, float di
   for (; i < n; ++i) out[i] = static_cast<uint8_t>(dynamic_encode_scalar(in[i] / div, t));
 }
 
+}  // namespace
 }  // namespace cpu
 }  // namespace tpamp
