@@ -79,13 +79,12 @@ struct DynamicLevels {
 
 inline const DynamicLevels& dynamic_levels(const DynamicTables& t) {
   static const DynamicLevels* levels = [] {
-    static DynamicLevels lv[2];
+    static DynamicLevels lv[2];  // zero-initialized: the unused entries of l5 and l4 stay 0
     for (int u = 0; u < 2; ++u) {
       const float* th = u ? kDynamicThresholdUnsigned : kDynamicThresholdSigned;
       float* dst[8] = {lv[u].l0, lv[u].l1, lv[u].l2, lv[u].l3,
                        lv[u].l4, lv[u].l5, lv[u].l6, &lv[u].l7};
       for (int j = 0; j < 8; ++j) {
-        for (int k = 0; k < 16; ++k) dst[j][k < (1 << (7 - j)) ? k : 0] = 0.0f;
         for (int q = 0; q < (1 << (7 - j)); ++q) dst[j][q] = th[((2 * q + 1) << j) - 1];
       }
     }
