@@ -12,6 +12,18 @@ Tables (docs/spec.md section 9):
   the entry is the largest code c with map[c] <= the segment's lowest value (0 when none).
   Every segment holds at most one map entry above its lowest value (checked here), so one
   step (c += y >= map[c + 1]) finds the largest c with map[c] <= y.
+* kDynamicThresholdSigned / kDynamicThresholdUnsigned: for c = 0..254, the smallest float32 y
+  whose code is above c (T[c]; index 255 holds FLT_MAX, never read by the search). The code rule
+  is monotone in y, so code(y) = #{c <= 254 : T[c] <= y} for every float32 y but NaN (float
+  comparisons: -0.0 counts as 0.0); the CPU launcher's AVX-512 encode counts this with a
+  branch-free binary search over in-register tables (csrc/cpu/dynamic_map_simd.h). Each T[c] is
+  found by bisection over the float32 bit patterns with the rule below and checked: code(T[c])
+  > c and code(the float32 below T[c]) <= c. (tests/test_dynamic_map.py checks every threshold
+  and its neighbours through the kernels of every CPU module against the numpy rule.)
+* kDynamicKeyedSigned / kDynamicKeyedUnsigned: segments as the floor tables' but from 2^-24
+  (KEY_E_LO; no threshold below it), one 32-bit entry each: the code of the segment's lowest
+  value and the low 16 bits of the one threshold inside (see key_table), for the AVX2 and the
+  scalar encode of the CPU launcher (one read per element).
 """
 
 import re
@@ -41,30 +53,108 @@ def floor_code(q, y):
     return max(c, 0)
 
 
-def table(q):
-    q = np.asarray(q, dtype=np.float32)
-    out = []
+def segments(e_lo=E_LO):
+    """(low, high, closed_high) of every segment of float32 y, in table order (sign, slot);
+    slots per sign: |y| < 2^e_lo, -e_lo binades of 2^SEG_BITS segments, [1, inf] and NaN, one
+    unused."""
+    slots = -e_lo * (1 << SEG_BITS) + 3
     for sign in (1.0, -1.0):
-        for slot in range(SLOTS):
+        for slot in range(slots):
             if slot == 0:
-                lo_mag, hi_mag = 0.0, 2.0 ** E_LO
-            elif slot == SLOTS - 1:
+                lo_mag, hi_mag = 0.0, 2.0 ** e_lo
+            elif slot == slots - 1:
                 lo_mag, hi_mag = 1.0, float("inf")
             else:
                 t = slot - 1
                 e, m = divmod(t, 1 << SEG_BITS)
-                lo_mag = 2.0 ** (E_LO + e) * (1 + m / (1 << SEG_BITS))
-                hi_mag = 2.0 ** (E_LO + e) * (1 + (m + 1) / (1 << SEG_BITS))
+                lo_mag = 2.0 ** (e_lo + e) * (1 + m / (1 << SEG_BITS))
+                hi_mag = 2.0 ** (e_lo + e) * (1 + (m + 1) / (1 << SEG_BITS))
             if sign > 0:
-                low, high = lo_mag, hi_mag  # [low, high)
+                yield lo_mag, hi_mag, False  # [low, high)
             else:
                 low = -next_down(hi_mag) if hi_mag != float("inf") else -float("inf")
-                high = -lo_mag  # [low, high]
-            c = floor_code(q, low)
-            inside = [v for v in q if low < v <= high] if sign < 0 else [v for v in q if low < v < high]
-            assert len(inside) <= 1, (sign, slot, inside)
-            out.append(c)
+                yield low, -lo_mag, True  # [low, high]
+
+
+def table(q):
+    q = np.asarray(q, dtype=np.float32)
+    out = []
+    for low, high, closed in segments():
+        c = floor_code(q, low)
+        inside = [v for v in q if low < v <= high] if closed else [v for v in q if low < v < high]
+        assert len(inside) <= 1, (low, high, inside)
+        out.append(c)
     return out
+
+
+KEY_E_LO = -24  # the keyed table's tiny segment |y| < 2^-24 holds no threshold of either map
+
+
+def key_table(q, ts):
+    """For the segments of KEY_E_LO (outside the tiny and the last segment, every float32 of a
+    segment shares sign, exponent and 7 mantissa bits, so the low 16 bits order it): code of
+    the segment's lowest value | (key of the threshold inside, or 0x10000 for none) << 8, where
+    key(y) = low 16 bits of y, complemented for negative y (increasing in y within a segment).
+    code(y) = code + (key(y) >= key): one 32-bit read per element."""
+    qq = np.asarray(list(q) + [2.0], dtype=np.float32)
+    slots = -KEY_E_LO * (1 << SEG_BITS) + 3
+    out = []
+    for i, (low, high, closed) in enumerate(segments(KEY_E_LO)):
+        slot = i % slots
+        c = code_rule(qq, low)
+        inside = [t for t in ts[:255] if low < t <= high] if closed else [
+            t for t in ts[:255] if low < t < high]
+        assert len(inside) <= 1, (low, high, inside)
+        key = 0x10000
+        if inside:
+            assert slot not in (0, slots - 2, slots - 1), (slot, inside)
+            b = struct.unpack("<I", struct.pack("<f", inside[0]))[0]
+            key = (b & 0xFFFF) ^ (0xFFFF if b >> 31 else 0)
+        out.append(c | key << 8)
+    return out
+
+
+def code_rule(q, y):
+    """The uint8 code of the float32 y (not NaN) in the map q (257 float32 values with 2.0 at
+    256): the largest c with q[c] <= y (0 when none), plus one when y - q[c] >= (q[c+1] -
+    q[c]) * 0.5 in float32, at most 255 (the rule of optimizer_step.h, torchao's)."""
+    y = np.float32(y)
+    c = max(int(np.searchsorted(q[:256], y, side="right")) - 1, 0)
+    with np.errstate(invalid="ignore", over="ignore"):
+        up = np.float32(y - q[c]) >= np.float32(np.float32(q[c + 1] - q[c]) * np.float32(0.5))
+    return min(c + int(up), 255)
+
+
+def ordered(y):
+    """float32 y -> an integer that orders as the float does (-0.0 just below +0.0)."""
+    b = struct.unpack("<I", struct.pack("<f", y))[0]
+    return (b ^ 0x7FFFFFFF) - (1 << 32) if b >> 31 else b
+
+
+def from_ordered(k):
+    b = (k + (1 << 32)) ^ 0x7FFFFFFF if k < 0 else k
+    return struct.unpack("<f", struct.pack("<I", b))[0]
+
+
+def thresholds(q):
+    """T[c], c = 0..254: the smallest float32 y with code_rule(q, y) > c; T[255] = FLT_MAX."""
+    q = np.asarray(list(q) + [2.0], dtype=np.float32)
+    lo_key, hi_key = ordered(-float("inf")), ordered(float("inf"))
+    out = []
+    for c in range(255):
+        lo, hi = lo_key, hi_key  # code(lo) <= c < code(hi)
+        assert code_rule(q, from_ordered(lo)) <= c < code_rule(q, from_ordered(hi))
+        while hi - lo > 1:
+            mid = (lo + hi) // 2
+            if code_rule(q, from_ordered(mid)) > c:
+                hi = mid
+            else:
+                lo = mid
+        t = from_ordered(hi)
+        assert code_rule(q, t) > c and code_rule(q, from_ordered(hi - 1)) <= c, c
+        out.append(t)
+    assert all(a < b for a, b in zip(out, out[1:]))
+    return out + [float(np.finfo(np.float32).max)]
 
 
 def c_floats(vals):
@@ -88,6 +178,16 @@ def main():
         print(f"TPAMP_TABLE uint8_t kDynamicFloor{name}[{len(floors)}] = {{")
         for i in range(0, len(floors), 24):
             print("    " + ", ".join(str(c) for c in floors[i:i + 24]) + ",")
+        print("};")
+        ts = thresholds(q)
+        print(f"TPAMP_TABLE float kDynamicThreshold{name}[256] = {{")
+        for i in range(0, 256, 4):
+            print("    " + c_floats(ts[i:i + 4]) + ",")
+        print("};")
+        keyed = key_table(q, ts)
+        print(f"TPAMP_TABLE uint32_t kDynamicKeyed{name}[{len(keyed)}] = {{")
+        for i in range(0, len(keyed), 8):
+            print("    " + ", ".join(f"0x{c:x}u" for c in keyed[i:i + 8]) + ",")
         print("};")
 
 

@@ -9,6 +9,7 @@
 #include "../host/optimizer_step_checks.h"
 #include "../kernels/optimizer_step.h"
 #include "../ops.h"
+#include "dynamic_map_simd.h"
 #include "launcher.h"
 #include "vec_lanes.h"
 
@@ -178,33 +179,12 @@ inline float* read_moment(const MomentRef& r, int64_t b, int64_t n, float* __res
       return buf;
     }
     case Kind::kDynamic: {
-      const uint8_t* __restrict in = static_cast<const uint8_t*>(r.data) + o;
-      const float scale = r.scales[b];
-      const float* __restrict q = r.sqrt ? kDynamicMapUnsigned : kDynamicMapSigned;
-      for (int64_t i = 0; i < n; ++i) buf[i] = q[in[i]] * scale;
+      dynamic_decode_block(static_cast<const uint8_t*>(r.data) + o, n, r.scales[b],
+                           dynamic_tables(r.sqrt), buf);
       return buf;
     }
   }
   return buf;
-}
-
-// The floor tables of the uint8 format widened to 32 bits (built once): with the byte tables g++
-// keeps the encode loop scalar, with these it vectorizes it (32-bit gathers).
-struct WideFloors {
-  uint32_t is_signed[2 * kDynamicSlots];
-  uint32_t is_unsigned[2 * kDynamicSlots];
-};
-
-const WideFloors& wide_floors() {
-  static const WideFloors w = [] {
-    WideFloors t;
-    for (int i = 0; i < 2 * kDynamicSlots; ++i) {
-      t.is_signed[i] = kDynamicFloorSigned[i];
-      t.is_unsigned[i] = kDynamicFloorUnsigned[i];
-    }
-    return t;
-  }();
-  return w;
 }
 
 // The max |value| of a block's n values (NaN if any).
@@ -256,16 +236,11 @@ inline void write_moment(const MomentRef& r, int64_t b, int64_t n, const float* 
       break;
     }
     case Kind::kDynamic: {
-      const DynamicScale s = dynamic_scale(block_absmax(n, buf));
+      const DynamicScale s =
+          dynamic_scale(dynamic_absmax(buf, n, [&] { return block_absmax(n, buf); }));
       r.scales[b] = s.scale;
-      const float div = s.div;
-      const float* __restrict q = r.sqrt ? kDynamicMapUnsigned : kDynamicMapSigned;
-      const WideFloors& wide = wide_floors();
-      const uint32_t* __restrict floors = r.sqrt ? wide.is_unsigned : wide.is_signed;
-      alignas(64) uint32_t codes[kMomentBlock];  // 32-bit lanes, then narrowed (see the header)
-      for (int64_t k = 0; k < n; ++k) codes[k] = dynamic_encode_bits(buf[k] / div, q, floors);
-      uint8_t* __restrict out = static_cast<uint8_t*>(r.data) + o;
-      for (int64_t k = 0; k < n; ++k) out[k] = static_cast<uint8_t>(codes[k]);
+      dynamic_encode_block(buf, n, s.div, dynamic_tables(r.sqrt),
+                           static_cast<uint8_t*>(r.data) + o);
       break;
     }
   }

@@ -1,0 +1,102 @@
+// Exhaustive check of the CPU launcher's uint8 encode (csrc/cpu/dynamic_map_simd.h) against the
+// CUDA launcher's rule (dynamic_encode_bits, csrc/kernels/optimizer_step.h): every one of the
+// 2^32 float32 bit patterns through both maps (a NaN y only with a NaN divisor, as the kernel
+// makes it), every block length 0..256 with NaN, -NaN and finite divisors, the decode, and the
+// block absmax; then a timing per element (thread CPU time). Not part of the build; a few minutes
+// per capability:
+//
+//   TI=$(python -c "import torch.utils.cpp_extension as c; print(c.include_paths()[0])")
+//   g++ -O3 -std=c++17 -I$TI -DCPU_CAPABILITY_AVX512 -mavx512f -mavx512bw -mavx512vl \
+//       -mavx512dq -mavx2 -mfma -mf16c scripts/check_dynamic_map_exhaustive.cpp -o /tmp/chk
+//   /tmp/chk all        # (-DCPU_CAPABILITY_AVX2 -mavx2 -mfma -mf16c; -DCPU_CAPABILITY_DEFAULT)
+//
+// Without an argument it only times. Prints "mismatches 0" and exits 0 when all agree.
+#include "../csrc/cpu/dynamic_map_simd.h"
+#include <cstdio>
+#include <chrono>
+#include <vector>
+#include <random>
+using namespace tpamp; using namespace tpamp::cpu;
+#include <time.h>
+static double cpu_now() { timespec ts; clock_gettime(CLOCK_THREAD_CPUTIME_ID, &ts); return ts.tv_sec + ts.tv_nsec * 1e-9; }
+static uint32_t wf[2][2 * kDynamicSlots];
+static const uint32_t* floor_of(int u) { return wf[u]; }
+int main(int argc, char** argv) {
+  for (int i = 0; i < 2 * kDynamicSlots; ++i) { wf[0][i] = kDynamicFloorSigned[i]; wf[1][i] = kDynamicFloorUnsigned[i]; }
+  long bad = 0;
+  if (argc > 1) {
+  for (int u = 0; u < 2; ++u) {
+    const DynamicTables& t = dynamic_tables(u);
+    alignas(64) float in[256]; alignas(64) uint8_t out[256];
+    for (uint64_t base = 0; base < (1ull << 32); base += 256) {
+      for (int k = 0; k < 256; ++k) { uint32_t b = uint32_t(base + k); memcpy(&in[k], &b, 4); }
+      dynamic_encode_block(in, 256, 1.0f, t, out);
+      for (int k = 0; k < 256; ++k) {
+        uint32_t ref = dynamic_encode_bits(in[k] / 1.0f, t.map, floor_of(u));
+        if (in[k] != in[k]) continue;  // a NaN y comes only with a NaN divisor (below)
+        if (ref != out[k]) { if (bad < 10) printf("u=%d bits=%08x ref=%u got=%u\n", u, uint32_t(base+k), ref, out[k]); ++bad; }
+      }
+    }
+    // short blocks (tails)
+    for (int n = 0; n <= 256; ++n) {
+      std::mt19937 g(n);
+      for (int k = 0; k < 256; ++k) { uint32_t b = g(); memcpy(&in[k], &b, 4); }
+      memset(out, 0xaa, 256);
+      for (int k = 0; k < 256; ++k) if (in[k] != in[k]) in[k] = 0.5f;
+      const float dv = (n % 3 == 0) ? std::nanf("") : (n % 3 == 1 ? -std::nanf("") : 3.0f);
+      if (dv != dv && n % 2) { for (int k = 0; k < 256; k += 7) { uint32_t b = 0xffc00001u; memcpy(&in[k], &b, 4); } }
+      dynamic_encode_block(in, n, dv, t, out);
+      for (int k = 0; k < 256; ++k) {
+        uint32_t ref = k < n ? dynamic_encode_bits(in[k] / dv, t.map, floor_of(u)) : 0xaa;
+        if (ref != out[k]) { ++bad; if (bad < 20) printf("tail n=%d k=%d\n", n, k); }
+      }
+      float dec[256]; uint8_t codes[256];
+      for (int k = 0; k < 256; ++k) codes[k] = g();
+      for (int k = 0; k < 256; ++k) dec[k] = -7.0f;
+      dynamic_decode_block(codes, n, 0.37f, t, dec);
+      for (int k = 0; k < 256; ++k) { float r = k < n ? t.map[codes[k]] * 0.37f : -7.0f; if (memcmp(&r, &dec[k], 4)) { ++bad; if (bad < 20) printf("dec n=%d k=%d\n", n, k);} }
+    }
+  }
+  // absmax
+  for (int trial = 0; trial < 200000; ++trial) {
+    std::mt19937 g(trial);
+    int n = 1 + g() % 256;
+    alignas(64) float b[256];
+    for (int k = 0; k < n; ++k) { float v = std::ldexp(float(int(g() % 2001) - 1000), int(g() % 60) - 40); b[k] = v; }
+    int kind = g() % 8;
+    if (kind == 1) b[g() % n] = INFINITY; if (kind == 2) b[g() % n] = -INFINITY;
+    if (kind == 3) { uint32_t nb = 0x7f800000u | (g() & 0x807fffffu) | 1u; memcpy(&b[g() % n], &nb, 4); }
+    if (kind == 4) for (int k = 0; k < n; ++k) b[k] = (k & 1) ? -0.0f : 0.0f;
+    float ref = 0.0f; for (int k = 0; k < n; ++k) ref = max_propagate_nan(ref, fabsf(b[k]));
+    int calls = 0;
+    float got = dynamic_absmax(b, n, [&] { ++calls; return ref; });
+    if (memcmp(&got, &ref, 4) && !(ref != ref && calls == 1)) { ++bad; if (bad < 20) printf("absmax trial %d n %d\n", trial, n); }
+    if ((ref != ref) != (calls == 1)
+#if !defined(CPU_CAPABILITY_AVX2) && !defined(CPU_CAPABILITY_AVX512)
+        && false
+#endif
+       ) { ++bad; if (bad < 20) printf("absmax nan path trial %d\n", trial); }
+  }
+  printf("mismatches %ld\n", bad);
+  }
+  // timing
+  std::mt19937 g(1); std::normal_distribution<float> nd(0, 1);
+  const int NB = 4096; std::vector<float> x(NB * 256); for (auto& v : x) v = nd(g) * 1e-3f;
+  std::vector<uint8_t> c(NB * 256); std::vector<float> y(NB * 256);
+  for (int u = 0; u < 2; ++u) {
+    const DynamicTables& t = dynamic_tables(u);
+    for (int rep = 0; rep < 3; ++rep) {
+      auto t0 = cpu_now();
+      for (int r = 0; r < 10; ++r) for (int b = 0; b < NB; ++b) dynamic_encode_block(&x[b*256], 256, 4e-3f, t, &c[b*256]);
+      auto t1 = cpu_now();
+      for (int r = 0; r < 10; ++r) for (int b = 0; b < NB; ++b) dynamic_decode_block(&c[b*256], 256, 4e-3f, t, &y[b*256]);
+      auto t2 = cpu_now();
+      double ne = 10.0 * NB * 256;
+      auto t3 = cpu_now(); float acc = 0; for (int r = 0; r < 10; ++r) for (int b = 0; b < NB; ++b) acc += dynamic_absmax(&x[b*256], 256, [] { return 0.0f; });
+      auto t4 = cpu_now(); if (acc == 1.2345f) printf("!");
+      printf("absmax %.3f ns/el ", (t4-t3)/ne*1e9);
+      printf("u=%d encode %.3f ns/el decode %.3f ns/el\n", u, (t1-t0)/ne*1e9, (t2-t1)/ne*1e9);
+    }
+  }
+  return bad != 0;
+}
