@@ -651,6 +651,8 @@ def fused_adam_step_(
     p += -lr / (1 - beta1^step) * exp_avg / (sqrt(exp_avg_sq) / sqrt(1 - beta2^step) + eps);
     model_params[i] = cast(p). The bias corrections are float64 of the step count, as
     torch.optim computes them; the state is torch.optim's own (exp_avg, exp_avg_sq, step).
+    A tensor with a uint8 moment is stepped with torchao's AdamW8bit arithmetic instead
+    (float32 bias corrections, both moments by lerp; docs/spec.md section 9).
 
     Args:
         params: float32 main params (plain local tensors), any shapes; empty tensors allowed.

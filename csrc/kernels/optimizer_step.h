@@ -5,7 +5,8 @@
 // FusedAdamKernel.cpp): the same operations in the same order, in float32, with the
 // step-dependent scalars (bias corrections, step size) computed in float64 from the step count
 // and rounded to float32 once, as torch does. Results therefore equal torch.optim's on the fp32
-// main params to float32 rounding.
+// main params to float32 rounding. Except for a tensor with a uint8 moment: torchao's AdamW8bit
+// arithmetic (adam_element_dynamic), so that the uint8 format steps as torchao's does.
 //
 // V is a lane type of csrc/kernels/common.h (float on CUDA, at::vec::Vectorized<float> on CPU);
 // the math uses Lanes<V>::fmadd and Lanes<V>::sqrt.
