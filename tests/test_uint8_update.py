@@ -195,7 +195,7 @@ def test_torchao_compiled_step_bit_for_bit():
     tao = pytest.importorskip("torchao.optim")
     if torch.backends.cpu.get_cpu_capability() != "AVX512":
         # torchao builds its map with torch ops too, whose float32 rounding depends on the
-        # capability; the kernels' tables are the AVX-512 build's (see _X86_DEFAULT below)
+        # capability; the kernels' tables are the AVX-512 build's (see _X86_DEFAULT)
         pytest.skip("torchao's compiled step is compared at the AVX512 capability")
     n = 256 * 40
     gen = torch.Generator().manual_seed(0)
