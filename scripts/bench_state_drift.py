@@ -7,10 +7,13 @@ given to every optimizer. Reported per optimizer state:
 
     drift / movement = mean |param - reference param| / mean |reference param - initial param|
 
-where the reference is torch.optim.AdamW with float32 state (and torch.nn.utils.clip_grad_norm_)
-on the same grads. The rows:
+where the reference is torch.optim.AdamW with float32 state on the same grads. The grads are
+clipped once per step (torch.nn.utils.clip_grad_norm_'s arithmetic) and every optimizer gets the
+same clipped grads, so the rows differ by their state only (``--clip-in-optimizer``: tpamp's
+rows clip inside FP32Optimizer instead, clip_grad=1.0, whose fused norm may differ from torch's
+by a float32 rounding; the trajectories then part after a few code flips). The rows:
 
-    tpamp fp32           tpamp.FP32Optimizer (one-pass fused step, clip_grad=1.0), fp32 state
+    tpamp fp32           tpamp.FP32Optimizer (one-pass fused step), fp32 state
     tpamp bf16           exp_avg / exp_avg_sq bfloat16
     tpamp uint8          exp_avg / exp_avg_sq uint8 (the dynamic map, blocks of 256)
     tpamp e4m3           exp_avg / exp_avg_sq float8_e4m3fn (blocks of 256, root of exp_avg_sq)
@@ -65,6 +68,9 @@ def parse_args(argv=None):
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--rows", default=",".join(list(TPAMP_ROWS) + list(TORCHAO_ROWS)),
                    help="comma-separated row names (see the module doc)")
+    p.add_argument("--clip-in-optimizer", action="store_true",
+                   help="tpamp rows clip inside FP32Optimizer (clip_grad=1.0) instead of taking "
+                        "the grads clipped once for every row")
     p.add_argument("--fallback", action="store_true",
                    help="tpamp rows on the PyTorch reference step (tpamp.ops.force_fallback)")
     p.add_argument("--json", default=None, help="also write the results here")
@@ -75,10 +81,11 @@ def _params(init):
     return [torch.nn.Parameter(t.clone()) for t in init]
 
 
-def _build(name, params):
+def _build(name, params, clip_in_optimizer=False):
     """(step function taking the list of grads) for one row."""
     if name in TPAMP_ROWS:
-        opt = tpamp.FP32Optimizer(torch.optim.AdamW(params, **HYPER), clip_grad=CLIP,
+        opt = tpamp.FP32Optimizer(torch.optim.AdamW(params, **HYPER),
+                                  clip_grad=CLIP if clip_in_optimizer else 0.0,
                                   **TPAMP_ROWS[name])
 
         def step(grads):
@@ -99,7 +106,6 @@ def _build(name, params):
     def step(grads):
         for p, g in zip(params, grads):
             p.grad = g.clone()
-        torch.nn.utils.clip_grad_norm_(params, CLIP)
         opt.step()
     return step
 
@@ -125,14 +131,16 @@ def _run(args):
     init = [torch.randn(s, generator=gen) * 0.02 for s in SHAPES]
     runs = {"reference": _params(init)}
     runs.update({r: _params(init) for r in rows})
-    steps = {r: _build(r, ps) for r, ps in runs.items()}
+    steps = {r: _build(r, ps, args.clip_in_optimizer) for r, ps in runs.items()}
     seconds = {r: 0.0 for r in runs}
     for _ in range(args.steps):
         grads = [(torch.randn(s, generator=gen) * 0.01).to(torch.bfloat16).float()
                  for s in SHAPES]
+        raw = [g.clone() for g in grads]
+        torch.nn.utils.clip_grads_with_norm_(grads, CLIP, torch.nn.utils.get_total_norm(grads))
         for r, step in steps.items():
             t0 = time.perf_counter()
-            step(grads)
+            step(raw if args.clip_in_optimizer and r in TPAMP_ROWS else grads)
             seconds[r] += time.perf_counter() - t0
     ref = torch.cat([p.detach().reshape(-1) for p in runs["reference"]]).double()
     start = torch.cat([t.reshape(-1) for t in init]).double()
@@ -147,6 +155,11 @@ def _run(args):
         drift = (cur - ref).abs().mean().item() / movement
         results[r] = {"drift_over_movement": drift, "seconds_per_step": seconds[r] / args.steps}
         print(f"  {r:<20} {drift:>16.4f} {seconds[r] / args.steps:>9.4f}")
+    if "tpamp uint8" in rows and "torchao AdamW8bit" in rows:
+        same = all(torch.equal(a.detach(), b.detach())
+                   for a, b in zip(runs["tpamp uint8"], runs["torchao AdamW8bit"]))
+        results["tpamp uint8"]["params_equal_torchao_adamw8bit"] = same
+        print(f"  tpamp uint8 params bit for bit torchao AdamW8bit's: {same}")
     for n in notes:
         print(f"  note: {n}")
     if args.json:

@@ -653,6 +653,8 @@ def fused_adam_step_(
     p += -lr / (1 - beta1^step) * exp_avg / (sqrt(exp_avg_sq) / sqrt(1 - beta2^step) + eps);
     model_params[i] = cast(p). The bias corrections are float64 of the step count, as
     torch.optim computes them; the state is torch.optim's own (exp_avg, exp_avg_sq, step).
+    A tensor with a uint8 moment is stepped with torchao's AdamW8bit arithmetic instead
+    (float32 bias corrections, both moments by lerp; docs/spec.md section 9).
 
     Args:
         params: float32 main params (plain local tensors), any shapes; empty tensors allowed.
@@ -859,19 +861,23 @@ def _adam_step_torch(params, grads, exp_avgs, exp_avg_sqs, steps, model_params, 
         g = grads[i].float()
         g = g * mult if mult is not None else (g * sign if maximize else g.clone())
         new_p = p.clone()
-        if weight_decay != 0.0:
-            if decoupled:
-                decay = 1.0 - lr_val * weight_decay
-                new_p.mul_(decay.float() if isinstance(decay, Tensor) else decay)
-            else:
-                g = g + p * weight_decay
-        m = torch.lerp(exp_avg, g, w)
-        v = torch.addcmul(exp_avg_sq * beta2, g, g, value=1.0 - beta2)
-        bias_correction1 = 1.0 - torch.pow(torch.tensor(beta1, dtype=torch.float64, device=device), step)
-        bias_correction2 = 1.0 - torch.pow(torch.tensor(beta2, dtype=torch.float64, device=device), step)
-        neg_step_size = (-(lr_val / bias_correction1)).float()
-        denom = v.sqrt() / bias_correction2.sqrt().float() + eps
-        new_p = new_p + neg_step_size * m / denom
+        if torch.uint8 in (exp_avgs[i].dtype, exp_avg_sqs[i].dtype):
+            new_p, m, v = _adam_update_dynamic(p, g, exp_avg, exp_avg_sq, step, lr_val, beta1,
+                                               beta2, eps, weight_decay, decoupled)
+        else:
+            if weight_decay != 0.0:
+                if decoupled:
+                    decay = 1.0 - lr_val * weight_decay
+                    new_p.mul_(decay.float() if isinstance(decay, Tensor) else decay)
+                else:
+                    g = g + p * weight_decay
+            m = torch.lerp(exp_avg, g, w)
+            v = torch.addcmul(exp_avg_sq * beta2, g, g, value=1.0 - beta2)
+            bias_correction1 = 1.0 - torch.pow(torch.tensor(beta1, dtype=torch.float64, device=device), step)
+            bias_correction2 = 1.0 - torch.pow(torch.tensor(beta2, dtype=torch.float64, device=device), step)
+            neg_step_size = (-(lr_val / bias_correction1)).float()
+            denom = v.sqrt() / bias_correction2.sqrt().float() + eps
+            new_p = new_p + neg_step_size * m / denom
         new_step = step.to(steps[i].dtype).reshape(steps[i].shape)
         new_m, new_ms = encode_moment(m, exp_avgs[i].dtype)
         new_v, new_vs = encode_moment(v, exp_avg_sqs[i].dtype, sqrt=True)
@@ -889,6 +895,45 @@ def _adam_step_torch(params, grads, exp_avgs, exp_avg_sqs, steps, model_params, 
                 outs.append((model_params[i], new_p.to(model_params[i].dtype)))
         for dst, new in outs:
             dst.copy_(new if keep_old is None else torch.where(keep_old, dst, new))
+
+
+def _adam_update_dynamic(p, g, exp_avg, exp_avg_sq, step, lr, beta1, beta2, eps,
+                         weight_decay, decoupled):
+    """(new p, m, v) of a tensor with a uint8 moment: csrc/kernels/optimizer_step.h
+    adam_element_dynamic (torchao's AdamW8bit arithmetic, docs/spec.md section 9) with tensor
+    ops: float32 throughout, every product rounded, true divisions (no multiplication by a
+    reciprocal: full-size divisors), IEEE square roots, bias corrections 1 - pow of the float32
+    beta and step count (a 0-dim float32 pow: the C library's powf on CPU)."""
+    f32 = torch.float32
+
+    def full(x):
+        return torch.full_like(p, 0.0).copy_(x.reshape(()).to(f32).expand(()))
+
+    lr32 = (lr.float() if isinstance(lr, Tensor) else torch.tensor(lr, dtype=f32)).to(p.device)
+    step32 = step.to(f32)
+    wd32 = torch.tensor(weight_decay, dtype=f32, device=p.device)
+    if weight_decay != 0.0:
+        if decoupled:
+            p = p - (lr32 * wd32) * p
+        else:
+            g = g + wd32 * p
+    m = _lerp_decomposed(exp_avg, g, 1.0 - beta1)
+    v = _lerp_decomposed(exp_avg_sq, g * g, 1.0 - beta2)
+    bc1 = 1.0 - torch.pow(torch.tensor(beta1, dtype=f32, device=p.device), step32)
+    bc2 = 1.0 - torch.pow(torch.tensor(beta2, dtype=f32, device=p.device), step32)
+    root = v.double().sqrt().float()  # correctly rounded (torch's vectorized float sqrt is not)
+    sbc2 = bc2.double().sqrt().float()
+    denom = root / full(sbc2) + eps
+    return p - (lr32 * (m / full(bc1))) / denom, m, v
+
+
+def _lerp_decomposed(start, end, weight):
+    """torch's lerp as its decomposition runs compiled (torch._refs.lerp): coeff * (end - start)
+    + base, two roundings (ATen's eager lerp is one fma)."""
+    w = torch.tensor(weight, dtype=torch.float32)
+    if abs(float(w)) < 0.5:
+        return start + w * (end - start)
+    return end + (w - 1.0) * (end - start)
 
 
 def fused_sgd_step_(

@@ -259,6 +259,8 @@ void adam_chunk_narrow(const G* g, float* p, int16_t* rem, const MomentRef& mref
   const AdamScalars s = scalars;
   // 8-bit exp_avg_sq stores sqrt(v): the step hands over the root its denominator takes
   const bool v_root = vref.kind == Kind::kFp8 && vref.sqrt;
+  // a uint8 moment: torchao's arithmetic (adam_element_dynamic)
+  const bool dynamic = mref.kind == Kind::kDynamic || vref.kind == Kind::kDynamic;
   alignas(64) float pbuf[kMomentBlock];
   alignas(64) float mbuf[kMomentBlock];
   alignas(64) float vbuf[kMomentBlock];
@@ -281,8 +283,17 @@ void adam_chunk_narrow(const G* g, float* p, int16_t* rem, const MomentRef& mref
       VecIO<float>::load(pp, p0, p1);
       VecIO<float>::load(mp, m0, m1);
       VecIO<float>::load(vp, v0, v1);
-      adam_element<FVec>(p0, m0, v0, g0, s, v_root ? &r0 : nullptr);
-      adam_element<FVec>(p1, m1, v1, g1, s, v_root ? &r1 : nullptr);
+      if (dynamic) {
+        adam_element_dynamic<FVec>(p0, m0, v0, g0, s, AdamRuntimeFlags(s));
+        adam_element_dynamic<FVec>(p1, m1, v1, g1, s, AdamRuntimeFlags(s));
+        if (v_root) {
+          r0 = Lanes<FVec>::sqrt(v0);
+          r1 = Lanes<FVec>::sqrt(v1);
+        }
+      } else {
+        adam_element<FVec>(p0, m0, v0, g0, s, v_root ? &r0 : nullptr);
+        adam_element<FVec>(p1, m1, v1, g1, s, v_root ? &r1 : nullptr);
+      }
       VecIO<float>::template store<true, false>(pp, p0, p1);
       VecIO<float>::template store<true, false>(mp, m0, m1);
       if (v_root) {

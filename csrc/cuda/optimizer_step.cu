@@ -176,8 +176,13 @@ struct NarrowAdamFunctor {
         float m = load_moment(c.addr[2], i, m_kind, ms_in, false);
         float v = load_moment(c.addr[3], i, v_kind, vs_in, true);
         float v_root;  // 8-bit exp_avg_sq holds sqrt(v): the root the step takes
-        adam_element<float>(p, m, v, static_cast<float>(g[i]), s,
-                            v_kind == kMomentFp8 ? &v_root : nullptr);
+        if (m_kind == kMomentDynamic || v_kind == kMomentDynamic) {  // torchao's arithmetic
+          adam_element_dynamic<float>(p, m, v, static_cast<float>(g[i]), s, AdamRuntimeFlags(s));
+          v_root = sqrtf(v);
+        } else {
+          adam_element<float>(p, m, v, static_cast<float>(g[i]), s,
+                              v_kind == kMomentFp8 ? &v_root : nullptr);
+        }
         if (stochastic) {
           const uint64_t jg = sr_first + static_cast<uint64_t>(i);
           static_cast<uint16_t*>(c.addr[1])[i] = static_cast<uint16_t>(float_to_bf16_sr_bits(

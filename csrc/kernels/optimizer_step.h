@@ -5,7 +5,8 @@
 // FusedAdamKernel.cpp): the same operations in the same order, in float32, with the
 // step-dependent scalars (bias corrections, step size) computed in float64 from the step count
 // and rounded to float32 once, as torch does. Results therefore equal torch.optim's on the fp32
-// main params to float32 rounding.
+// main params to float32 rounding. Except for a tensor with a uint8 moment: torchao's AdamW8bit
+// arithmetic (adam_element_dynamic), so that the uint8 format steps as torchao's does.
 //
 // V is a lane type of csrc/kernels/common.h (float on CUDA, at::vec::Vectorized<float> on CPU);
 // the math uses Lanes<V>::fmadd and Lanes<V>::sqrt.
@@ -15,6 +16,7 @@
 #include "common.h"
 
 #include <cstring>
+#include <type_traits>
 
 namespace tpamp {
 
@@ -42,6 +44,13 @@ struct AdamScalars {
   bool lerp_small;      // |1 - beta1| < 0.5: base = m, coeff = w; else base = g, coeff = w - 1
   bool has_l2;
   bool has_param_decay;
+  // The uint8 format's update (adam_element_dynamic): torchao's AdamW8bit arithmetic, float32
+  float lr_f32;                    // float32(lr)
+  float lr_decay_f32;              // AdamW: p -= lr_decay_f32 * p, float32(lr) * float32(wd)
+  float bias_correction1_f32;      // 1 - powf(float32(beta1), step)
+  float bias_correction2_sqrt_f32; // sqrtf(1 - powf(float32(beta2), step))
+  float lerp2_coeff;               // exp_avg_sq.lerp(g * g, 1 - beta2): coeff and base as lerp_*
+  bool lerp2_small;
 };
 
 // step: the step count after this step's increment (torch.optim increments, then uses it).
@@ -66,6 +75,16 @@ TPAMP_INLINE AdamScalars adam_scalars(const AdamHyper& h, double step, float gra
   s.bias_correction2_sqrt = static_cast<float>(::sqrt(bias_correction2));
   s.neg_step_size = static_cast<float>(-(h.lr / bias_correction1));
   s.eps = static_cast<float>(h.eps);
+  // the uint8 format (adam_element_dynamic): torchao's float32 scalars; the C library's powf
+  // of the float32 step count, as torchao's compiled step (a 0-dim float32 step tensor)
+  s.lr_f32 = static_cast<float>(h.lr);
+  s.lr_decay_f32 = s.lr_f32 * static_cast<float>(h.weight_decay);
+  const float stepf = static_cast<float>(step);
+  s.bias_correction1_f32 = 1.0f - powf(static_cast<float>(h.beta1), stepf);
+  s.bias_correction2_sqrt_f32 = sqrtf(1.0f - powf(static_cast<float>(h.beta2), stepf));
+  const float w2 = s.one_minus_beta2;
+  s.lerp2_small = (w2 < 0.0f ? -w2 : w2) < 0.5f;
+  s.lerp2_coeff = s.lerp2_small ? w2 : w2 - 1.0f;
   return s;
 }
 
@@ -127,6 +146,39 @@ TPAMP_ALWAYS_INLINE void adam_element_flags(V& p, V& m, V& v, V g, const AdamSca
   if (sqrt_v != nullptr) *sqrt_v = root;
   const V denom = root / V(s.bias_correction2_sqrt) + V(s.eps);
   p = p + V(s.neg_step_size) * m / denom;
+}
+
+// a * b rounded to float32 before anything is added to it (never contracted into an fma: nvcc
+// contracts by default, g++ across statements; see RoundedHere).
+template <typename V>
+TPAMP_ALWAYS_INLINE V product_rn(const V& a, const V& b) {
+#if defined(__CUDA_ARCH__)
+  if constexpr (std::is_same_v<V, float>) return __fmul_rn(a, b);
+#endif
+  return RoundedHere<V>::apply(a * b);
+}
+
+// The update of a tensor stored in the uint8 format (docs/spec.md section 9): torchao's
+// AdamW8bit/Adam8bit step (torchao/optim/adam.py single_param_adam as torch.compile runs it:
+// every product rounded, no fma), so that a tensor stepped from the same codes and grad gets
+// the same bits as torchao's:
+//   AdamW: p = p - (float32(lr) * float32(wd)) * p;  Adam: g = g + float32(wd) * p
+//   m = m + w1 * (g - m)           (torch's lerp decomposition: w1 = float32(1 - beta1) < 0.5;
+//   v = v + w2 * (g * g - v)        else g - (1 - w) * (g - m), likewise for v with g * g)
+//   p = p - (float32(lr) * (m / bc1)) / (sqrt(v) / sqrt(bc2) + eps)
+// with bc1, bc2 = 1 - powf(float32(beta), float32(step)) in float32 (torch.optim's step uses
+// float64 bias corrections: the two differ by ~1e-5 of the step size in the first hundred steps).
+template <typename V, typename Flags>
+TPAMP_ALWAYS_INLINE void adam_element_dynamic(V& p, V& m, V& v, V g, const AdamScalars& s,
+                                              const Flags& f) {
+  g = RoundedHere<V>::apply(g * V(s.grad_scale));
+  if (f.l2) g = g + product_rn(V(s.l2_decay), p);
+  if (f.param_decay) p = p - product_rn(V(s.lr_decay_f32), p);
+  m = product_rn(V(s.lerp_coeff), g - m) + (f.lerp_small ? m : g);
+  const V g2 = RoundedHere<V>::apply(g * g);
+  v = product_rn(V(s.lerp2_coeff), g2 - v) + (s.lerp2_small ? v : g2);
+  const V denom = Lanes<V>::sqrt(v) / V(s.bias_correction2_sqrt_f32) + V(s.eps);
+  p = p - product_rn(V(s.lr_f32), m / V(s.bias_correction1_f32)) / denom;
 }
 
 // adam_element_flags with the branches read from s.
