@@ -350,6 +350,8 @@ void adam_chunk_sr(const G* g, uint16_t* param, const MomentRef& mref, const Mom
                    int64_t n, const AdamScalars& scalars, uint64_t stream, uint64_t j0) {
   const AdamScalars s = scalars;
   const bool v_root = vref.kind == Kind::kFp8 && vref.sqrt;
+  // a uint8 moment: torchao's arithmetic (adam_element_dynamic), as adam_chunk_narrow
+  const bool dynamic = mref.kind == Kind::kDynamic || vref.kind == Kind::kDynamic;
   alignas(64) float pbuf[kMomentBlock];
   alignas(64) float mbuf[kMomentBlock];
   alignas(64) float vbuf[kMomentBlock];
@@ -368,8 +370,17 @@ void adam_chunk_sr(const G* g, uint16_t* param, const MomentRef& mref, const Mom
       VecIO<float>::load(pp, p0, p1);
       VecIO<float>::load(mp, m0, m1);
       VecIO<float>::load(vp, v0, v1);
-      adam_element<FVec>(p0, m0, v0, g0, s, v_root ? &r0 : nullptr);
-      adam_element<FVec>(p1, m1, v1, g1, s, v_root ? &r1 : nullptr);
+      if (dynamic) {
+        adam_element_dynamic<FVec>(p0, m0, v0, g0, s, AdamRuntimeFlags(s));
+        adam_element_dynamic<FVec>(p1, m1, v1, g1, s, AdamRuntimeFlags(s));
+        if (v_root) {
+          r0 = Lanes<FVec>::sqrt(v0);
+          r1 = Lanes<FVec>::sqrt(v1);
+        }
+      } else {
+        adam_element<FVec>(p0, m0, v0, g0, s, v_root ? &r0 : nullptr);
+        adam_element<FVec>(p1, m1, v1, g1, s, v_root ? &r1 : nullptr);
+      }
       VecIO<float>::template store<true, false>(pp, p0, p1);
       VecIO<float>::template store<true, false>(mp, m0, m1);
       if (v_root) {
