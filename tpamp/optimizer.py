@@ -969,9 +969,11 @@ class MixedPrecisionOptimizer(OptimizerWrapper):
         m_dtype = getattr(self, "exp_avg_dtype", torch.float32)
         v_dtype = getattr(self, "exp_avg_sq_dtype", torch.float32)
         narrow = m_dtype != torch.float32 or v_dtype != torch.float32
+        f32 = torch.float32
+        state_of, rem_of = inner.state, remainders.get
         for main, _, _, _ in part:
-            state = inner.state[main]
-            rem = remainders.get(id(main))
+            state = state_of[main]
+            rem = rem_of(id(main))
             local = rem if rem is not None else local_tensor(main)  # what the kernel steps
             if len(state) == 0:  # torch.optim.Adam's _init_group, with the step on the device
                 if narrow:
@@ -984,7 +986,15 @@ class MixedPrecisionOptimizer(OptimizerWrapper):
             else:
                 if state["step"].device != local.device:
                     state["step"] = state["step"].to(local.device)  # once, after a CPU load
-                if state_formats.needs_conversion(state, m_dtype, v_dtype):  # loaded otherwise
+                if narrow:
+                    convert = state_formats.needs_conversion(state, m_dtype, v_dtype)
+                else:  # fp32 moments: a quick look first (needs_conversion only if it may)
+                    m_t, v_t = state.get("exp_avg"), state.get("exp_avg_sq")
+                    convert = (
+                        m_t is None or v_t is None or m_t.dtype != f32 or v_t.dtype != f32
+                        or "exp_avg_scale" in state or "exp_avg_sq_scale" in state
+                    ) and state_formats.needs_conversion(state, m_dtype, v_dtype)
+                if convert:  # loaded otherwise
                     new = state_formats.convert_adam_state(
                         {k: local_tensor(v) for k, v in state.items()}, local, m_dtype, v_dtype)
                     state.clear()
@@ -993,13 +1003,15 @@ class MixedPrecisionOptimizer(OptimizerWrapper):
             exp_avgs.append(local_tensor(state["exp_avg"]))
             exp_avg_sqs.append(local_tensor(state["exp_avg_sq"]))
             steps.append(state["step"])
-            m_scales.append(state.get("exp_avg_scale"))
-            v_scales.append(state.get("exp_avg_sq_scale"))
+            if narrow:  # fp32 moments have no scales (converted above where loaded otherwise)
+                m_scales.append(state.get("exp_avg_scale"))
+                v_scales.append(state.get("exp_avg_sq_scale"))
         models = [local_tensor(e[1]) for e in part] if part[0][1] is not None else None
         beta1, beta2 = group["betas"]
         ops.fused_adam_step_(
             mains, [e[2] for e in part], exp_avgs, exp_avg_sqs, steps,
-            exp_avg_scales=m_scales, exp_avg_sq_scales=v_scales,
+            exp_avg_scales=m_scales if narrow else None,
+            exp_avg_sq_scales=v_scales if narrow else None,
             model_params=models, grad_scale=grad_scale, found_inf=found_inf,
             lr=group["lr"], beta1=beta1, beta2=beta2, eps=group["eps"],
             weight_decay=group["weight_decay"],
