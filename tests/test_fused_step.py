@@ -93,6 +93,38 @@ def test_adam_step_equals_torch_optim_to_fp32_rounding(path, case, grad_dtype):
         assert torch.equal(model, main.to(model_dtype))  # the model param is cast(main param)
 
 
+@pytest.mark.parametrize("model_dtype", [torch.float16, torch.bfloat16])
+def test_large_adam_step_writes_every_model_param_as_the_cast_main_param(path, model_dtype):
+    """A step of >= 4M elements writes the model params past the cache (non-temporal stores, on
+    64-byte aligned slices; csrc/cpu/optimizer_step.cpp): every element, aligned or not (a view at
+    an odd offset), is still cast(main param), and the mains follow torch.optim.AdamW."""
+    gen = torch.Generator().manual_seed(3)
+    sizes = [(1 << 22) + 77, 70001, 33]  # > the streaming threshold in all, a chunk tail, a tail
+    flat = torch.zeros(sizes[1] + 1, dtype=model_dtype)
+    mains = [_randn((n,), gen, 0.5) for n in sizes]
+    models = [mains[0].to(model_dtype), flat[1:].copy_(mains[1]), mains[2].to(model_dtype)]
+    ref = [m.clone().requires_grad_() for m in mains]
+    torch_opt = torch.optim.AdamW(ref, lr=1e-3, weight_decay=0.1, foreach=False)
+    exp_avgs = [torch.zeros_like(m) for m in mains]
+    exp_avg_sqs = [torch.zeros_like(m) for m in mains]
+    steps = [torch.tensor(0.0) for _ in mains]
+    for _ in range(2):
+        grads = [_randn((n,), gen, LOSS_SCALE, torch.float16) for n in sizes]
+        grad_scale = torch.tensor([1.0 / LOSS_SCALE])
+        ops.fused_adam_step_(
+            mains, grads, exp_avgs, exp_avg_sqs, steps, model_params=models,
+            grad_scale=grad_scale, lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.1,
+            decoupled_weight_decay=True,
+        )
+        for r, g in zip(ref, grads):
+            r.grad = g.float() * grad_scale
+        torch_opt.step()
+    _assert_close_fp32(mains, [r.detach() for r in ref], "main param")
+    for i, (model, main) in enumerate(zip(models, mains)):
+        assert torch.equal(model, main.to(model_dtype)), f"model_params[{i}]"
+    assert torch.equal(flat[:1], torch.zeros(1, dtype=model_dtype))  # nothing written before
+
+
 SGD_CASES = {
     "momentum": dict(lr=0.01, momentum=0.9),
     "nesterov_weight_decay": dict(lr=0.01, momentum=0.9, nesterov=True, weight_decay=0.1),

@@ -262,7 +262,7 @@ def check_step_grads(sources) -> None:
         # two DTensors: the global shapes (placements may differ: the step redistributes);
         # otherwise the local data (a main_grad buffer holds a DTensor param's local shard)
         both = g is not grad and p is not param
-        if (tuple(grad.shape) != tuple(param.shape)) if both else (tuple(g.shape) != tuple(p.shape)):
+        if (grad.shape != param.shape) if both else (g.shape != p.shape):  # torch.Size: tuples
             raise ValueError(
                 f"the gradient of {name} has shape {tuple(grad.shape)} (local "
                 f"{tuple(g.shape)}); expected the param's shape {tuple(param.shape)} (local "

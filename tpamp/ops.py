@@ -363,19 +363,25 @@ def _grad_stats_ext(
     n = len(grads)
     mask = [True] * n if norm_mask is None else norm_mask
     in_place, copied, rest = [], [], []
-    for i, g in enumerate(grads):
-        o = None if out is None else out[i]
-        if o is None or o is g:
-            (in_place if _kernel_ok(g) else rest).append(i)
-        else:
-            (copied if _kernel_ok(g, o) else rest).append(i)
+    if out is None and all(map(Tensor.is_contiguous, grads)):  # the usual case, checked fast
+        in_place = list(range(n))
+    else:
+        for i, g in enumerate(grads):
+            o = None if out is None else out[i]
+            if o is None or o is g:
+                (in_place if _kernel_ok(g) else rest).append(i)
+            else:
+                (copied if _kernel_ok(g, o) else rest).append(i)
     want_pt = per_tensor and norm_type != math.inf  # the kernels give per-tensor L2 norms
     parts = []  # (indices, found_inf, norm_stat, num_zeros, per_tensor_norms)
     for idx, op in ((in_place, "in_place"), (copied, "copied")):
         if not idx:
             continue
-        sub = [grads[i] for i in idx]
-        sub_mask = [mask[i] for i in idx]
+        if len(idx) == n:
+            sub, sub_mask = grads, mask
+        else:
+            sub = [grads[i] for i in idx]
+            sub_mask = [mask[i] for i in idx]
         if op == "in_place":
             res = kernels.grad_stats_(sub, scale, sub_mask, bool(count_zeros), want_pt)
         else:
@@ -602,9 +608,12 @@ def _check_lengths(op: str, params, **lists) -> None:
             raise ValueError(f"{op}: params has {len(params)} tensors, {name} has {len(lst)}")
 
 
+_FP32_ONLY = {torch.float32}
+
+
 def _kernel_layouts_ok(lists) -> bool:
     """All contiguous (the usual case, checked fast), or each param's tensors dense alike."""
-    if all(t.is_contiguous() for lst in lists for t in lst):
+    if all(all(map(Tensor.is_contiguous, lst)) for lst in lists):
         return True
     return _kernel_layout_ok(*lists)
 
@@ -708,10 +717,17 @@ def fused_adam_step_(
     lr_tensor, lr_float = _lr_args(lr, device)
     hyper = (float(beta1), float(beta2), float(eps), float(weight_decay),
              bool(decoupled_weight_decay), bool(maximize))
-    scale_lists = [_scale_list(exp_avg_scales, exp_avgs, device),
-                   _scale_list(exp_avg_sq_scales, exp_avg_sqs, device)]
-    narrow = _check_narrow_state(op, params, exp_avgs, exp_avg_sqs, model_params, scale_lists)
-    sr_rows = _stochastic_rounding_rows(op, params, model_params, stochastic_rounding)
+    dtypes = {t.dtype for t in exp_avgs}
+    dtypes.update(t.dtype for t in exp_avg_sqs)
+    dtypes.update(p.dtype for p in params)
+    if dtypes == _FP32_ONLY and stochastic_rounding is None:
+        # fp32 mains and moments: no narrow state, no scales, no bf16 param (fast path)
+        scale_lists, narrow, sr_rows = [[], []], False, None
+    else:
+        scale_lists = [_scale_list(exp_avg_scales, exp_avgs, device),
+                       _scale_list(exp_avg_sq_scales, exp_avg_sqs, device)]
+        narrow = _check_narrow_state(op, params, exp_avgs, exp_avg_sqs, model_params, scale_lists)
+        sr_rows = _stochastic_rounding_rows(op, params, model_params, stochastic_rounding)
     lists = [params, grads, exp_avgs, exp_avg_sqs] + ([model_params] if model_params else [])
     kernels = _step_kernels(device, "fused_adam_step_")
     if kernels is not None and _kernel_layouts_ok(lists):

@@ -1030,10 +1030,12 @@ class MixedPrecisionOptimizer(OptimizerWrapper):
         sr_params = getattr(self, "_sr_params", {})
         # (a DistributedOptimizer's part may hold bf16 pieces without master and fp32 pieces:
         # each fp32 entry gets a row the kernel ignores)
-        sr_rows = [] if any(id(e[0]) in sr_params for e in part) else None
+        sr_rows = [] if sr_params and any(id(e[0]) in sr_params for e in part) else None
+        f32 = torch.float32
+        state_of, rem_of = inner.state, remainders.get
         for main, _, _, _ in part:
-            state = inner.state[main]
-            rem = remainders.get(id(main))
+            state = state_of[main]
+            rem = rem_of(id(main))
             local = rem if rem is not None else local_tensor(main)  # what the kernel steps
             if id(main) in sr_params:  # the bf16 param itself (stochastic rounding)
                 local = sr_params[id(main)]
@@ -1050,7 +1052,15 @@ class MixedPrecisionOptimizer(OptimizerWrapper):
             else:
                 if state["step"].device != local.device:
                     state["step"] = state["step"].to(local.device)  # once, after a CPU load
-                if state_formats.needs_conversion(state, m_dtype, v_dtype):  # loaded otherwise
+                if narrow:
+                    convert = state_formats.needs_conversion(state, m_dtype, v_dtype)
+                else:  # fp32 moments: a quick look first (needs_conversion only if it may)
+                    m_t, v_t = state.get("exp_avg"), state.get("exp_avg_sq")
+                    convert = (
+                        m_t is None or v_t is None or m_t.dtype != f32 or v_t.dtype != f32
+                        or "exp_avg_scale" in state or "exp_avg_sq_scale" in state
+                    ) and state_formats.needs_conversion(state, m_dtype, v_dtype)
+                if convert:  # loaded otherwise
                     new = state_formats.convert_adam_state(
                         {k: local_tensor(v) for k, v in state.items()}, local, m_dtype, v_dtype)
                     state.clear()
@@ -1059,15 +1069,17 @@ class MixedPrecisionOptimizer(OptimizerWrapper):
             exp_avgs.append(local_tensor(state["exp_avg"]))
             exp_avg_sqs.append(local_tensor(state["exp_avg_sq"]))
             steps.append(state["step"])
-            m_scales.append(state.get("exp_avg_scale"))
-            v_scales.append(state.get("exp_avg_sq_scale"))
+            if narrow:  # fp32 moments have no scales (converted above where loaded otherwise)
+                m_scales.append(state.get("exp_avg_scale"))
+                v_scales.append(state.get("exp_avg_sq_scale"))
         models = [local_tensor(e[1]) for e in part] if part[0][1] is not None else None
         if sr_rows is not None:
             models = None  # the bf16 params are stepped in place
         beta1, beta2 = group["betas"]
         ops.fused_adam_step_(
             mains, [e[2] for e in part], exp_avgs, exp_avg_sqs, steps,
-            exp_avg_scales=m_scales, exp_avg_sq_scales=v_scales, stochastic_rounding=sr_rows,
+            exp_avg_scales=m_scales if narrow else None,
+            exp_avg_sq_scales=v_scales if narrow else None, stochastic_rounding=sr_rows,
             model_params=models, grad_scale=grad_scale, found_inf=found_inf,
             lr=group["lr"], beta1=beta1, beta2=beta2, eps=group["eps"],
             weight_decay=group["weight_decay"],

@@ -18,6 +18,10 @@
 #include <cstring>
 #include <type_traits>
 
+#if defined(CPU_CAPABILITY_AVX512) || defined(CPU_CAPABILITY_AVX2)
+#include <immintrin.h>
+#endif
+
 namespace tpamp {
 
 // RoundedHere (kernels/optimizer_step.h) for the CPU lanes: an empty asm that takes the register
@@ -61,19 +65,47 @@ struct Tail {
   }
 };
 
+// The model params' writes of the fp32-state loop bypass the cache (non-temporal stores) when
+// a step moves at least this many elements: the step streams far more than any cache holds, so
+// the write-allocate read of every model-param line would be memory traffic for nothing (2 of the
+// ~32 bytes per element). Smaller steps keep ordinary stores (the next forward reads them).
+constexpr int64_t kStreamModelMinElements = int64_t{1} << 22;
+#if defined(CPU_CAPABILITY_AVX512) || defined(CPU_CAPABILITY_AVX2)
+constexpr bool kStreamModel = true;
+#else
+constexpr bool kStreamModel = false;
+#endif
+
+// Stores a, b as 16-bit M at p (aligned to one M vector) with a non-temporal store where the
+// capability has one; the values are those of VecIO<M>::store.
+template <typename M>
+inline __attribute__((always_inline)) void store_model_stream(M* p, FVec& a, FVec& b) {
+#if defined(CPU_CAPABILITY_AVX512)
+  _mm512_stream_si512(reinterpret_cast<__m512i*>(p),
+                      static_cast<__m512i>(at::vec::convert_from_float<M>(a, b)));
+#elif defined(CPU_CAPABILITY_AVX2)
+  _mm256_stream_si256(reinterpret_cast<__m256i*>(p),
+                      static_cast<__m256i>(at::vec::convert_from_float<M>(a, b)));
+#else
+  VecIO<M>::template store<true, false>(p, a, b);
+#endif
+}
+
 // The Adam update of one chunk with fp32 state (the hot loop of the default configuration).
 // Flags: AdamFixedFlags (no branch in the loop) or AdamRuntimeFlags. Kept out of line so that
 // each instance is compiled on its own (inlined into the dtype dispatch, g++ left
 // adam_element out of line and the loop passed every register through the stack).
+// stream: write the model params with store_model_stream (the caller checked the alignment).
 template <typename G, typename M, typename Flags>
 __attribute__((noinline)) void adam_chunk(const G* __restrict g, float* __restrict p,
                                           float* __restrict m, float* __restrict v,
                                           M* __restrict model, int64_t n,
-                                          const AdamScalars& scalars, Flags flags) {
+                                          const AdamScalars& scalars, Flags flags,
+                                          bool stream = false) {
   constexpr bool kModel = !std::is_same_v<M, NoModel>;
   // a local copy: the stores below cannot alias it, so the scalars stay in registers
   const AdamScalars s = scalars;
-  auto step = [&](const G* gp, float* pp, float* mp, float* vp, M* modelp) {
+  auto step = [&](const G* gp, float* pp, float* mp, float* vp, M* modelp, auto stream_tag) {
     FVec g0, g1, p0, p1, m0, m1, v0, v1;
     VecIO<G>::load(gp, g0, g1);
     VecIO<float>::load(pp, p0, p1);
@@ -84,11 +116,25 @@ __attribute__((noinline)) void adam_chunk(const G* __restrict g, float* __restri
     VecIO<float>::template store<true, false>(pp, p0, p1);
     VecIO<float>::template store<true, false>(mp, m0, m1);
     VecIO<float>::template store<true, false>(vp, v0, v1);
-    if constexpr (kModel) VecIO<M>::template store<true, false>(modelp, p0, p1);
+    if constexpr (kModel) {
+      if constexpr (decltype(stream_tag)::value) {
+        store_model_stream(modelp, p0, p1);
+      } else {
+        VecIO<M>::template store<true, false>(modelp, p0, p1);
+      }
+    }
   };
   int64_t i = 0;
+  if (kModel && stream) {
+    for (; i + kVecStep <= n; i += kVecStep) {
+      step(g + i, p + i, m + i, v + i, model + i, std::true_type{});
+    }
+#if defined(CPU_CAPABILITY_AVX512) || defined(CPU_CAPABILITY_AVX2)
+    _mm_sfence();  // the streamed stores are ordered before the chunk counts as done
+#endif
+  }
   for (; i + kVecStep <= n; i += kVecStep) {
-    step(g + i, p + i, m + i, v + i, kModel ? model + i : nullptr);
+    step(g + i, p + i, m + i, v + i, kModel ? model + i : nullptr, std::false_type{});
   }
   if (i < n) {
     const int64_t r = n - i;
@@ -100,10 +146,10 @@ __attribute__((noinline)) void adam_chunk(const G* __restrict g, float* __restri
     tv.in(v + i, r);
     if constexpr (kModel) {
       Tail<M> tmodel;
-      step(tg.buf, tp.buf, tm.buf, tv.buf, tmodel.buf);
+      step(tg.buf, tp.buf, tm.buf, tv.buf, tmodel.buf, std::false_type{});
       tmodel.out(model + i, r);
     } else {
-      step(tg.buf, tp.buf, tm.buf, tv.buf, nullptr);
+      step(tg.buf, tp.buf, tm.buf, tv.buf, nullptr, std::false_type{});
     }
     tp.out(p + i, r);
     tm.out(m + i, r);
@@ -828,6 +874,9 @@ void fused_adam_step_(at::TensorList params, at::TensorList exp_avgs, at::Tensor
   std::vector<AdamScalars> scalars;
   scalars.reserve(params.size());
   for (const auto& st : steps) scalars.push_back(adam_scalars(h, read_step(st) + 1.0, scale, maximize));
+  int64_t total = 0;
+  for (const auto& t : params) total += t.numel();
+  const bool stream_model = total >= kStreamModelMinElements;
   for_each_step_chunk(params, grads, model_params, [&](const auto* g, auto* model, const Chunk& c) {
     const int64_t e = c.entry;
     const Kind mk = kind_of(exp_avgs[e].scalar_type());
@@ -902,10 +951,14 @@ void fused_adam_step_(at::TensorList params, at::TensorList exp_avgs, at::Tensor
                         ref(exp_avg_sqs[e], vk, exp_avg_sq_scales, true), model, c.n, scalars[e]);
       return;
     }
+    // non-temporal model writes: a large step, and the model slice aligned to one 16-bit vector
+    const bool stream = kStreamModel && stream_model &&
+                        reinterpret_cast<uintptr_t>(model) % (kVecStep * 2) == 0;
     with_adam_flags(scalars[e], [&](auto flags) {
       adam_chunk(g, params[e].data_ptr<float>() + c.offset,
                  exp_avgs[e].data_ptr<float>() + c.offset,
-                 exp_avg_sqs[e].data_ptr<float>() + c.offset, model, c.n, scalars[e], flags);
+                 exp_avg_sqs[e].data_ptr<float>() + c.offset, model, c.n, scalars[e], flags,
+                 stream);
     });
   });
   for (const auto& st : steps) increment_step(st);
