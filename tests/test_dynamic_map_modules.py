@@ -161,11 +161,11 @@ def _inputs():
     g_signed = torch.from_numpy(_signed_blocks())
     g_unsigned, _ = _unsigned_blocks()
     special = torch.randn(256 * 6 + 11, generator=torch.Generator().manual_seed(1))
-    special[5] = float("inf")  # block 0: exp_avg NaN (0 * inf in the lerp), exp_avg_sq inf
+    special[5] = float("inf")  # block 0: exp_avg and exp_avg_sq NaN (inf * 0 in the lerps)
     special[256 + 7] = float("nan")  # block 1: NaN
     special[512 + 3] = -float("inf")
     special[768:1024] = -0.0
-    special[1024:1280] = 1e30  # squares overflow: an inf block of exp_avg_sq
+    special[1024:1280] = 1e30  # squares overflow: torch.lerp(0, inf, 1) = NaN in exp_avg_sq
     return {"signed": g_signed, "unsigned": torch.from_numpy(g_unsigned), "special": special}
 
 
@@ -267,9 +267,12 @@ def test_module_encodes_as_the_rule(capability, inputs, tmp_path):
             keep = ~nan_block.repeat_interleave(256)[: ac.numel()]
             assert torch.equal(ac[keep], bc[keep]), (capability, key)
             assert bool(((bc[~keep] == 0) | (bc[~keep] == 255)).all()), (capability, key)
-    # the special cases are there: a NaN block of exp_avg, an inf block of exp_avg_sq
+    # the special cases are there: NaN blocks of exp_avg (0 * inf in the lerp) and of
+    # exp_avg_sq (the uint8 step's lerp is torch.lerp's, and torch.lerp(0, inf, 1) is NaN, as
+    # in torchao's AdamW8bit); the saturation of an inf block (scale FLT_MAX) is checked on the
+    # encode itself in test_dynamic_map.py
     assert torch.isnan(out["special"][1]).any()
-    assert (out["special"][3] == torch.finfo(torch.float32).max).any()
+    assert torch.isnan(out["special"][3]).any()
 
 
 @pytest.mark.skipif(not ops.extension_available("cpu"), reason="CPU kernels not built")
