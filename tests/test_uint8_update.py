@@ -11,7 +11,6 @@ compiled AdamW8bit step from the same state when torchao imports (skipped otherw
 from __future__ import annotations
 
 import math
-import platform
 
 import numpy as np
 import pytest
@@ -121,18 +120,9 @@ def test_reference_step_matches_numpy(hyper, step):
     _check(_run(_fallback, case, step, HYPERS[hyper]), case, step, HYPERS[hyper])
 
 
-# Under ATEN_CPU_CAPABILITY=default on x86-64, tpamp.state_formats.dynamic_map (built with torch
-# ops: linspace and means in float32) rounds some entries differently from the kernels' tables
-# (csrc/kernels/dynamic_map_tables.h, generated at AVX-512), so the reference decodes the same
-# codes to values an ulp apart and the kernels' params differ from it by a few ulps on 3-9% of
-# the elements. Open: the map should not depend on the capability.
-_X86_DEFAULT = (torch.backends.cpu.get_cpu_capability() == "DEFAULT"
-                and platform.machine() in ("x86_64", "AMD64"))
 
 
 @needs_cpu_kernel
-@pytest.mark.xfail(_X86_DEFAULT, reason="dynamic_map depends on the ATen capability, open",
-                   strict=False)
 @pytest.mark.parametrize("hyper", list(HYPERS), ids=list(HYPERS))
 @pytest.mark.parametrize("step", [1, 7, 120])
 def test_cpu_kernel_step_matches_numpy(hyper, step):
@@ -142,8 +132,6 @@ def test_cpu_kernel_step_matches_numpy(hyper, step):
 
 
 @needs_simt
-@pytest.mark.xfail(_X86_DEFAULT, reason="dynamic_map depends on the ATen capability, open",
-                   strict=False)
 @pytest.mark.parametrize("hyper", list(HYPERS), ids=list(HYPERS))
 def test_simt_launcher_step_matches_numpy(order, hyper):
     case = _case(11)
@@ -195,7 +183,7 @@ def test_torchao_compiled_step_bit_for_bit():
     tao = pytest.importorskip("torchao.optim")
     if torch.backends.cpu.get_cpu_capability() != "AVX512":
         # torchao builds its map with torch ops too, whose float32 rounding depends on the
-        # capability; the kernels' tables are the AVX-512 build's (see _X86_DEFAULT)
+        # capability; tpamp's map is the AVX-512 construction (state_formats.dynamic_map)
         pytest.skip("torchao's compiled step is compared at the AVX512 capability")
     n = 256 * 40
     gen = torch.Generator().manual_seed(0)

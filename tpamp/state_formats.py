@@ -57,6 +57,7 @@ from typing import Dict, Optional
 
 import torch
 
+import tpamp._dynamic_map_table as _dynamic_map_table
 from tpamp.common import is_dtensor, local_tensor
 
 __all__ = [
@@ -116,10 +117,18 @@ MOMENT_DTYPES = (torch.float32, torch.bfloat16, torch.float8_e4m3fn, torch.uint8
 BLOCKWISE_DTYPES = (torch.float8_e4m3fn, torch.uint8)
 
 
+def create_dynamic_map(signed: bool) -> Tensor:
+    """bitsandbytes' ``create_dynamic_map(signed, max_exponent_bits=7, total_bits=8)`` built as
+    torchao builds it (torch float32 linspace and means, scaled by a power of ten, sorted) on
+    this machine: a float32 CPU tensor of 256 values. torch's float32 linspace rounds by the
+    ATen CPU capability, so this may differ from :func:`dynamic_map` (the format's fixed map,
+    made at AVX-512) by a float32 ulp in a few entries elsewhere; scripts/gen_dynamic_map.py
+    builds the fixed tables from it."""
+    return torch.tensor(_dynamic_map_values(bool(signed)), dtype=torch.float32)
+
+
 def _dynamic_map_values(signed: bool):
-    """The 256 values of bitsandbytes' ``create_dynamic_map(signed, max_exponent_bits=7,
-    total_bits=8)``, as torchao builds them (float32 linspace and means, scaled by a power of
-    ten in float32, sorted), as Python floats."""
+    """The 256 values of :func:`create_dynamic_map` as Python floats."""
     data = []
     for i in range(7):  # decades 1e-6 .. 1e0, 2^i (signed) or 2^(i+1) (unsigned) steps each
         items = 2 ** i + 1 if signed else 2 ** (i + 1) + 1
@@ -143,11 +152,15 @@ def dynamic_map(signed: bool, device=None) -> Tensor:
     signed=True (exp_avg): 0, 1.0 and +-127 values, 2^i per decade [1e-6, 1e0) (decade i=0..6:
     the midpoints of 2^i equal steps of [0.1, 1] x 10^(i-6)), most negative -0.99297.
     signed=False (exp_avg_sq): 0, 1.0 and 254 positive values, 2^(i+1) per decade.
-    Returns a new tensor on ``device`` (default CPU); csrc/kernels/optimizer_step.h holds the
-    same values (kDynamicMapSigned / kDynamicMapUnsigned)."""
+    Returns a new tensor on ``device`` (default CPU). The values are fixed
+    (tpamp/_dynamic_map_table.py, the same as csrc/kernels/dynamic_map_tables.h): torchao's
+    construction (:func:`create_dynamic_map`) at the AVX-512 capability, whatever this
+    machine's."""
     key = bool(signed)
     if key not in _DYNAMIC_MAPS:
-        _DYNAMIC_MAPS[key] = torch.tensor(_dynamic_map_values(key), dtype=torch.float32)
+        values = _dynamic_map_table.SIGNED if key else _dynamic_map_table.UNSIGNED
+        _DYNAMIC_MAPS[key] = torch.tensor([float.fromhex(h) for h in values],
+                                          dtype=torch.float32)
     return _DYNAMIC_MAPS[key].to(device, copy=True)
 
 
