@@ -292,6 +292,67 @@ inline void write_moment(const MomentRef& r, int64_t b, int64_t n, const float* 
   }
 }
 
+// The vector math of adam_chunk on one block of k <= kMomentBlock float32 values in place (p
+// masters, m and v moments; v receives sqrt(v) when v_root), torchao's arithmetic when dynamic
+// (a uint8 moment), and the model params written from the new masters when model is not null.
+// The block loops below (adam_chunk_narrow, adam_chunk_sr) share it.
+template <typename G, typename M>
+inline void adam_block(const G* g, float* p, float* m, float* v, M* model, int64_t k,
+                       const AdamScalars& s, bool v_root, bool dynamic) {
+  constexpr bool kModel = !std::is_same_v<M, NoModel>;
+  auto step = [&](const G* gp, float* pp, float* mp, float* vp, M* modelp) {
+    FVec g0, g1, p0, p1, m0, m1, v0, v1, r0, r1;
+    VecIO<G>::load(gp, g0, g1);
+    VecIO<float>::load(pp, p0, p1);
+    VecIO<float>::load(mp, m0, m1);
+    VecIO<float>::load(vp, v0, v1);
+    if (dynamic) {
+      adam_element_dynamic<FVec>(p0, m0, v0, g0, s, AdamRuntimeFlags(s));
+      adam_element_dynamic<FVec>(p1, m1, v1, g1, s, AdamRuntimeFlags(s));
+      if (v_root) {
+        r0 = Lanes<FVec>::sqrt(v0);
+        r1 = Lanes<FVec>::sqrt(v1);
+      }
+    } else {
+      adam_element<FVec>(p0, m0, v0, g0, s, v_root ? &r0 : nullptr);
+      adam_element<FVec>(p1, m1, v1, g1, s, v_root ? &r1 : nullptr);
+    }
+    VecIO<float>::template store<true, false>(pp, p0, p1);
+    VecIO<float>::template store<true, false>(mp, m0, m1);
+    if (v_root) {
+      VecIO<float>::template store<true, false>(vp, r0, r1);
+    } else {
+      VecIO<float>::template store<true, false>(vp, v0, v1);
+    }
+    if constexpr (kModel) {
+      if (modelp != nullptr) VecIO<M>::template store<true, false>(modelp, p0, p1);
+    }
+  };
+  int64_t i = 0;
+  for (; i + kVecStep <= k; i += kVecStep) {
+    step(g + i, p + i, m + i, v + i, model != nullptr ? model + i : nullptr);
+  }
+  if (i < k) {  // the last block's tail: through zero-padded copies, as adam_chunk
+    const int64_t r = k - i;
+    Tail<G> tg;
+    Tail<float> tp, tm, tv;
+    Tail<std::conditional_t<kModel, M, float>> tmodel;
+    tg.in(g + i, r);
+    tp.in(p + i, r);
+    tm.in(m + i, r);
+    tv.in(v + i, r);
+    M* tmodel_out = nullptr;
+    if constexpr (kModel) tmodel_out = model != nullptr ? reinterpret_cast<M*>(tmodel.buf) : nullptr;
+    step(tg.buf, tp.buf, tm.buf, tv.buf, tmodel_out);
+    tp.out(p + i, r);
+    tm.out(m + i, r);
+    tv.out(v + i, r);
+    if constexpr (kModel) {
+      if (model != nullptr) tmodel.out(model + i, r);
+    }
+  }
+}
+
 // adam_chunk for any storage: per block of kMomentBlock elements, the vector math of adam_chunk
 // runs on float32 values, read in place (float32 moments and masters) or decoded into L1 buffers
 // first (bf16 and 8-bit moments, masters rebuilt from remainders), and the stored values are
@@ -323,55 +384,8 @@ void adam_chunk_narrow(const G* g, float* p, int16_t* rem, const MomentRef& mref
         for (int64_t i = 0; i < k; ++i) pbuf[i] = join_remainder(mp[i], rp[i]);
       }
     }
-    auto step = [&](const G* gp, float* pp, float* mp, float* vp, M* modelp) {
-      FVec g0, g1, p0, p1, m0, m1, v0, v1, r0, r1;
-      VecIO<G>::load(gp, g0, g1);
-      VecIO<float>::load(pp, p0, p1);
-      VecIO<float>::load(mp, m0, m1);
-      VecIO<float>::load(vp, v0, v1);
-      if (dynamic) {
-        adam_element_dynamic<FVec>(p0, m0, v0, g0, s, AdamRuntimeFlags(s));
-        adam_element_dynamic<FVec>(p1, m1, v1, g1, s, AdamRuntimeFlags(s));
-        if (v_root) {
-          r0 = Lanes<FVec>::sqrt(v0);
-          r1 = Lanes<FVec>::sqrt(v1);
-        }
-      } else {
-        adam_element<FVec>(p0, m0, v0, g0, s, v_root ? &r0 : nullptr);
-        adam_element<FVec>(p1, m1, v1, g1, s, v_root ? &r1 : nullptr);
-      }
-      VecIO<float>::template store<true, false>(pp, p0, p1);
-      VecIO<float>::template store<true, false>(mp, m0, m1);
-      if (v_root) {
-        VecIO<float>::template store<true, false>(vp, r0, r1);
-      } else {
-        VecIO<float>::template store<true, false>(vp, v0, v1);
-      }
-      if constexpr (kModel) {
-        if (rem == nullptr) VecIO<M>::template store<true, false>(modelp, p0, p1);
-      }
-    };
-    int64_t i = 0;
-    for (; i + kVecStep <= k; i += kVecStep) {
-      step(g + o + i, pb + i, mb + i, vb + i, kModel ? model + o + i : nullptr);
-    }
-    if (i < k) {  // the last block's tail: through zero-padded copies, as adam_chunk
-      const int64_t r = k - i;
-      Tail<G> tg;
-      Tail<float> tp, tm, tv;
-      Tail<std::conditional_t<kModel, M, float>> tmodel;
-      tg.in(g + o + i, r);
-      tp.in(pb + i, r);
-      tm.in(mb + i, r);
-      tv.in(vb + i, r);
-      step(tg.buf, tp.buf, tm.buf, tv.buf, kModel ? reinterpret_cast<M*>(tmodel.buf) : nullptr);
-      tp.out(pb + i, r);
-      tm.out(mb + i, r);
-      tv.out(vb + i, r);
-      if constexpr (kModel) {
-        if (rem == nullptr) tmodel.out(model + o + i, r);
-      }
-    }
+    adam_block<G, M>(g + o, pb, mb, vb, kModel && rem == nullptr ? model + o : nullptr, k, s,
+                     v_root, dynamic);
     write_moment(mref, b, k, mb);
     write_moment(vref, b, k, vb);
     if constexpr (kBf16Model) {
@@ -410,46 +424,7 @@ void adam_chunk_sr(const G* g, uint16_t* param, const MomentRef& mref, const Mom
       const uint16_t* __restrict in = param + o;
       for (int64_t i = 0; i < k; ++i) pbuf[i] = bf16_to_float(in[i]);
     }
-    auto step = [&](const G* gp, float* pp, float* mp, float* vp) {
-      FVec g0, g1, p0, p1, m0, m1, v0, v1, r0, r1;
-      VecIO<G>::load(gp, g0, g1);
-      VecIO<float>::load(pp, p0, p1);
-      VecIO<float>::load(mp, m0, m1);
-      VecIO<float>::load(vp, v0, v1);
-      if (dynamic) {
-        adam_element_dynamic<FVec>(p0, m0, v0, g0, s, AdamRuntimeFlags(s));
-        adam_element_dynamic<FVec>(p1, m1, v1, g1, s, AdamRuntimeFlags(s));
-        if (v_root) {
-          r0 = Lanes<FVec>::sqrt(v0);
-          r1 = Lanes<FVec>::sqrt(v1);
-        }
-      } else {
-        adam_element<FVec>(p0, m0, v0, g0, s, v_root ? &r0 : nullptr);
-        adam_element<FVec>(p1, m1, v1, g1, s, v_root ? &r1 : nullptr);
-      }
-      VecIO<float>::template store<true, false>(pp, p0, p1);
-      VecIO<float>::template store<true, false>(mp, m0, m1);
-      if (v_root) {
-        VecIO<float>::template store<true, false>(vp, r0, r1);
-      } else {
-        VecIO<float>::template store<true, false>(vp, v0, v1);
-      }
-    };
-    int64_t i = 0;
-    for (; i + kVecStep <= k; i += kVecStep) step(g + o + i, pbuf + i, mb + i, vb + i);
-    if (i < k) {  // the last block's tail: through zero-padded copies, as adam_chunk
-      const int64_t r = k - i;
-      Tail<G> tg;
-      Tail<float> tp, tm, tv;
-      tg.in(g + o + i, r);
-      tp.in(pbuf + i, r);
-      tm.in(mb + i, r);
-      tv.in(vb + i, r);
-      step(tg.buf, tp.buf, tm.buf, tv.buf);
-      tp.out(pbuf + i, r);
-      tm.out(mb + i, r);
-      tv.out(vb + i, r);
-    }
+    adam_block<G, NoModel>(g + o, pbuf, mb, vb, nullptr, k, s, v_root, dynamic);
     write_moment(mref, b, k, mb);
     write_moment(vref, b, k, vb);
     // the random bits of j = j0 + o + i: the low word wraps at most once in a block
