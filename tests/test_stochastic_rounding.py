@@ -585,3 +585,23 @@ def test_ranks_with_different_seeds_refuse_the_first_step():
     """DP ranks must round alike: the settings check of the first step names the seed."""
     for msg in run_workers(_settings_worker, 2, timeout=30):
         assert msg is not None and "stochastic_rounding_seed" in msg, msg
+
+
+@pytest.mark.parametrize("m_dtype", [torch.float32, BF16])
+def test_opcheck_fused_adam_step_with_stochastic_rounding(m_dtype):
+    """torch.library.opcheck on the op's stochastic-rounding path: the schema marks the bf16
+    params (stepped in place), the moments and the step counts as written, and the fake impl
+    accepts the trailing int64 [n, 2] tensor of (key, first index) rows."""
+    if not KERNEL:
+        pytest.skip("CPU kernels not built")
+    gen = torch.Generator().manual_seed(21)
+    sizes = (5, 300, 0)
+    params = [torch.randn(n, generator=gen).to(BF16) for n in sizes]
+    grads = [(torch.randn(n, generator=gen) * 1e-2).to(BF16) for n in sizes]
+    ms = [(torch.randn(n, generator=gen) * 1e-3).to(m_dtype) for n in sizes]
+    vs = [(torch.rand(n, generator=gen) * 1e-6).to(m_dtype) for n in sizes]
+    rows = torch.tensor([(sf.stochastic_rounding_key(3, f"p{i}"), 17 * i)
+                         for i in range(len(sizes))], dtype=torch.int64)
+    args = (params, ms, vs, [torch.tensor(3.0) for _ in sizes], [], grads, torch.tensor([0.5]),
+            torch.zeros(1), None, 1e-3, 0.9, 0.999, 1e-8, 0.01, True, False, [], [], rows)
+    torch.library.opcheck(torch.ops.tpamp.fused_adam_step_, args)
