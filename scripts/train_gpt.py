@@ -249,6 +249,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     a("--stochastic-rounding", action="store_true",
       help="--bf16 with --no-master-weights: the one-pass step writes the bf16 params with "
            "stochastic rounding, seeded by --seed, the param's name, the step and the element")
+    # which params keep 8-bit moments (bitsandbytes' min_8bit_size; docs/spec.md section 9)
+    a("--min-8bit-size", type=int, default=None,
+      help="with --exp-avg-dtype/--exp-avg-sq-dtype uint8 or fp8: params with fewer elements "
+           "keep float32 moments (default 4096, as bitsandbytes and torchao's AdamW8bit; 0 "
+           "quantizes every param)")
     add_optimizer_arguments(p)  # --optimizer {adam,muon} and the --muon-* flags
     # precision and loss scaling (Megatron's flags)
     prec = p.add_mutually_exclusive_group()
@@ -595,6 +600,12 @@ def validate_args(args) -> None:
                "with --use-torch-fsdp2 the sharded fp32 params are the masters: expected "
                "no --store-param-remainders")
     validate_master_args(args, dtype_flag)
+    if args.min_8bit_size is not None:
+        _check(args, "min_8bit_size", args.min_8bit_size >= 0, "expected an int >= 0")
+        _check(args, "min_8bit_size", "uint8" in (args.exp_avg_dtype, args.exp_avg_sq_dtype)
+               or "fp8" in (args.exp_avg_dtype, args.exp_avg_sq_dtype),
+               "it chooses which params keep 8-bit moments: expected --exp-avg-dtype or "
+               "--exp-avg-sq-dtype uint8 or fp8")
     narrow = (args.exp_avg_dtype != "fp32" or args.exp_avg_sq_dtype != "fp32"
               or args.store_param_remainders or args.stochastic_rounding)
     if narrow:
@@ -1172,6 +1183,7 @@ def build_optimizer(stage, args, st, dtype):
         exp_avg_dtype=_STATE_DTYPES[args.exp_avg_dtype],
         exp_avg_sq_dtype=_STATE_DTYPES[args.exp_avg_sq_dtype],
         store_param_remainders=args.store_param_remainders,
+        min_8bit_size=args.min_8bit_size,
         log_num_zeros_in_grad=args.log_num_zeros_in_grad,
         grad_stats_group=st.model_parallel_group,
         tensor_parallel_group=st.tp_group,
@@ -1195,7 +1207,8 @@ def build_optimizer(stage, args, st, dtype):
         # docs/spec.md section 18); it reduces the grads to their owners in step(), so the
         # tied embedding's sum before step() needs nothing more (and nothing overlaps:
         # validate_args refuses --overlap-grad-reduce with --optimizer muon)
-        for key in ("exp_avg_dtype", "exp_avg_sq_dtype", "store_param_remainders"):
+        for key in ("exp_avg_dtype", "exp_avg_sq_dtype", "store_param_remainders",
+                    "min_8bit_size"):
             del kwargs[key]  # Adam's storage options (refused for other optimizers before)
         kwargs.update(data_parallel_group=st.dp_group, grad_stats_group=dist.group.WORLD,
                       param_names=stage.global_named_parameters(), parallel_state=st)

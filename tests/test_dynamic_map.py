@@ -283,10 +283,14 @@ def test_simt_launcher_matches_cpu_twin(order, remainders):
 CONFIGS = {
     "fp32": dict(),
     "bf16": dict(exp_avg_dtype=torch.bfloat16, exp_avg_sq_dtype=torch.bfloat16),
-    "uint8": dict(exp_avg_dtype=U8, exp_avg_sq_dtype=U8),
-    "uint8+rem": dict(exp_avg_dtype=U8, exp_avg_sq_dtype=U8, store_param_remainders=True),
-    "e4m3": dict(exp_avg_dtype=torch.float8_e4m3fn, exp_avg_sq_dtype=torch.float8_e4m3fn),
+    "uint8": dict(exp_avg_dtype=U8, exp_avg_sq_dtype=U8, min_8bit_size=0),
+    "uint8+rem": dict(exp_avg_dtype=U8, exp_avg_sq_dtype=U8, store_param_remainders=True,
+                      min_8bit_size=0),
+    "e4m3": dict(exp_avg_dtype=torch.float8_e4m3fn, exp_avg_sq_dtype=torch.float8_e4m3fn,
+                 min_8bit_size=0),
 }
+# (min_8bit_size=0: every param 8-bit, the layout these tests check; the default rule, small
+# params in float32, is tests/test_min_8bit_size.py's)
 
 
 def _model(seed):

@@ -606,6 +606,7 @@ def test_wrapper_remainders_bit_identical_to_fp32_masters_and_state_bytes():
     assert a.optimizer_state_bytes() == 8 * n + 4 * len(list(ma.parameters()))
     m8 = _model()
     c = _wrap(m8, exp_avg_dtype=torch.float8_e4m3fn, exp_avg_sq_dtype=torch.float8_e4m3fn,
+              min_8bit_size=0,
               store_param_remainders=True)
     _train(m8, c, 1, 0)
     blocks = sum(ops.moment_blocks(p.numel()) for p in m8.parameters())
@@ -619,8 +620,10 @@ CONFIGS = {
     "bf16+rem": dict(exp_avg_dtype=torch.bfloat16, exp_avg_sq_dtype=torch.bfloat16,
                      store_param_remainders=True),
     "8bit+rem": dict(exp_avg_dtype=torch.float8_e4m3fn, exp_avg_sq_dtype=torch.float8_e4m3fn,
-                     store_param_remainders=True),
+                     store_param_remainders=True, min_8bit_size=0),
 }
+# (min_8bit_size=0 in the 8-bit configurations of this file: every param 8-bit, the layout these
+# tests check; the default rule, small params in float32, is tests/test_min_8bit_size.py's)
 
 
 def _decoded_state(opt):
@@ -695,11 +698,12 @@ def test_resume_with_narrow_state_is_bit_identical():
 
 # -- DistributedOptimizer, DP 2 and 4, bf16 and fp16 models ----------------------------------
 
-CONFIGS["8bit"] = dict(exp_avg_dtype=torch.float8_e4m3fn, exp_avg_sq_dtype=torch.float8_e4m3fn)
+CONFIGS["8bit"] = dict(exp_avg_dtype=torch.float8_e4m3fn, exp_avg_sq_dtype=torch.float8_e4m3fn,
+                       min_8bit_size=0)
 # the uint8 (dynamic map) format
-CONFIGS["u8"] = dict(exp_avg_dtype=torch.uint8, exp_avg_sq_dtype=torch.uint8)
+CONFIGS["u8"] = dict(exp_avg_dtype=torch.uint8, exp_avg_sq_dtype=torch.uint8, min_8bit_size=0)
 CONFIGS["u8+rem"] = dict(exp_avg_dtype=torch.uint8, exp_avg_sq_dtype=torch.uint8,
-                         store_param_remainders=True)
+                         store_param_remainders=True, min_8bit_size=0)
 
 
 def _dist_worker(rank, world_size, cfg_name, dtype):
@@ -1076,8 +1080,9 @@ F8 = torch.float8_e4m3fn
 NARROW_CONFIGS = {
     "fp32": dict(),
     "bf16": dict(exp_avg_dtype=torch.bfloat16, exp_avg_sq_dtype=torch.bfloat16),
-    "8bit": dict(exp_avg_dtype=F8, exp_avg_sq_dtype=F8),
-    "8bit+rem": dict(exp_avg_dtype=F8, exp_avg_sq_dtype=F8, store_param_remainders=True),
+    "8bit": dict(exp_avg_dtype=F8, exp_avg_sq_dtype=F8, min_8bit_size=0),
+    "8bit+rem": dict(exp_avg_dtype=F8, exp_avg_sq_dtype=F8, store_param_remainders=True,
+                     min_8bit_size=0),
 }
 
 

@@ -396,6 +396,7 @@ _SETTING_NAMES = (
     "spike loss_min_rel_std",
     "exp_avg_dtype",
     "exp_avg_sq_dtype",
+    "min_8bit_size",
     "store_param_remainders",
     "master_weights",
     "stochastic_rounding",
@@ -457,6 +458,8 @@ def _settings(wrapper) -> List[float]:
     for key in ("exp_avg_dtype", "exp_avg_sq_dtype"):
         dtype = getattr(wrapper, key, None)
         v[key] = _STATE_DTYPE_CODES.get(dtype, 9.0) if dtype is not None else 0.0
+    # which params keep 8-bit moments (docs/spec.md section 9): ranks must store alike
+    v["min_8bit_size"] = float(getattr(wrapper, "min_8bit_size", 0))
     v["store_param_remainders"] = float(bool(getattr(wrapper, "store_param_remainders", False)))
     # docs/spec.md section 21: ranks that round differently would drift apart
     v["master_weights"] = float(bool(getattr(wrapper, "master_weights", True)))

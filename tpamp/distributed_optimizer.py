@@ -286,10 +286,12 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
         master_weights: bool = True,
         stochastic_rounding: bool = False,
         stochastic_rounding_seed: int = 0,
+        min_8bit_size: Optional[int] = None,
     ):
         options = (exp_avg_dtype, exp_avg_sq_dtype, store_param_remainders)
         state_options = self._check_core_args(optimizer, grad_scaler, clip_grad, fused_step, *options,
                                               flat_pieces=True)
+        min_8bit_size = state_formats.check_min_8bit_size(min_8bit_size, *state_options[:2])
         master_options = self._check_master_args(
             optimizer, grad_scaler, fused_step, master_weights, stochastic_rounding,
             stochastic_rounding_seed, store_param_remainders)
@@ -313,6 +315,7 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
             expert_tensor_parallel_group=expert_tensor_parallel_group,
             master_options=master_options,
         )
+        self.min_8bit_size = min_8bit_size  # decided per whole param (_shard_optimizer)
         self.data_parallel_group = data_parallel_group
         self.grad_reduce_in_fp32 = bool(grad_reduce_in_fp32)
         self.overlap_grad_reduce = bool(overlap_grad_reduce)
@@ -565,6 +568,8 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
                     piece.main = torch.nn.Parameter(b.main_shard[s - lo:t - lo],
                                                     requires_grad=True)
                 piece.main.grad = b.grad_shard[s - lo:t - lo]
+                # min_8bit_size decides on the whole param: every DP rank's pieces alike
+                self._whole_numel[id(piece.main)] = p.numel()
                 b.pieces.append(piece)
                 by_param.setdefault(id(p), []).append(piece)
         # keep the user's order inside each group: params in group order, pieces in range order

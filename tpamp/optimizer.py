@@ -285,10 +285,12 @@ class MixedPrecisionOptimizer(OptimizerWrapper):
         master_weights: bool = True,
         stochastic_rounding: bool = False,
         stochastic_rounding_seed: int = 0,
+        min_8bit_size: Optional[int] = None,
     ):
         state_options = self._check_core_args(
             optimizer, grad_scaler, clip_grad, fused_step, exp_avg_dtype, exp_avg_sq_dtype,
             store_param_remainders)
+        min_8bit_size = state_formats.check_min_8bit_size(min_8bit_size, *state_options[:2])
         master_options = self._check_master_args(
             optimizer, grad_scaler, fused_step, master_weights, stochastic_rounding,
             stochastic_rounding_seed, store_param_remainders)
@@ -309,6 +311,7 @@ class MixedPrecisionOptimizer(OptimizerWrapper):
             expert_tensor_parallel_group=expert_tensor_parallel_group,
             parallel_state=parallel_state, master_options=master_options,
         )
+        self.min_8bit_size = min_8bit_size
 
         # (model param, main param) for each fp16/bf16 param, per group; fp32 params per group
         self._half_pairs: List[List[tuple]] = []
@@ -416,6 +419,10 @@ class MixedPrecisionOptimizer(OptimizerWrapper):
                 "_step_supports_amp_scaling"
             )
         self.exp_avg_dtype, self.exp_avg_sq_dtype, self.store_param_remainders = state_options
+        # min_8bit_size (docs/spec.md section 9): set by the wrapper after this; a
+        # DistributedOptimizer's pieces map id(piece main) -> its whole param's numel
+        self.min_8bit_size = 0
+        self._whole_numel: Dict[int, int] = {}
         self._tp_rank = _validation.tp_rank(tensor_parallel_group)
         self.spike_detector = _validation.check_spike_detector(spike_detector, self.sync_free)
         self.param_norm_tracker = None  # set by track_param_grad_norms
@@ -1019,6 +1026,22 @@ class MixedPrecisionOptimizer(OptimizerWrapper):
         if hasattr(inner.step, "_wrapped_by_lr_sched"):
             inner._opt_called = True  # what an lr scheduler's step() checks for
 
+    def moment_dtypes(self, main: Tensor) -> tuple:
+        """(exp_avg dtype, exp_avg_sq dtype) this optimizer stores for the inner optimizer's
+        param ``main`` (a main param, its placeholder or a DistributedOptimizer's piece):
+        the configured ``exp_avg_dtype`` / ``exp_avg_sq_dtype``, an 8-bit one replaced by
+        torch.float32 when the whole param has fewer than ``min_8bit_size`` elements
+        (:func:`tpamp.state_formats.param_moment_dtypes`; a DTensor's global numel, a ZeRO-1
+        piece's whole param's numel, so every DP rank decides alike)."""
+        m_dtype = getattr(self, "exp_avg_dtype", torch.float32)
+        v_dtype = getattr(self, "exp_avg_sq_dtype", torch.float32)
+        limit = getattr(self, "min_8bit_size", 0)
+        if not limit:
+            return m_dtype, v_dtype
+        numel = getattr(self, "_whole_numel", {}).get(id(main))
+        return state_formats.param_moment_dtypes(
+            main.numel() if numel is None else numel, m_dtype, v_dtype, limit)
+
     def _fused_adam(self, group, part, grad_scale, found_inf):
         inner = self.optimizer
         mains, exp_avgs, exp_avg_sqs, steps = [], [], [], []
@@ -1027,6 +1050,7 @@ class MixedPrecisionOptimizer(OptimizerWrapper):
         m_dtype = getattr(self, "exp_avg_dtype", torch.float32)
         v_dtype = getattr(self, "exp_avg_sq_dtype", torch.float32)
         narrow = m_dtype != torch.float32 or v_dtype != torch.float32
+        per_param = narrow and getattr(self, "min_8bit_size", 0) > 0
         sr_params = getattr(self, "_sr_params", {})
         # (a DistributedOptimizer's part may hold bf16 pieces without master and fp32 pieces:
         # each fp32 entry gets a row the kernel ignores)
@@ -1041,6 +1065,8 @@ class MixedPrecisionOptimizer(OptimizerWrapper):
                 local = sr_params[id(main)]
             if sr_rows is not None:
                 sr_rows.append(self._sr_rows.get(id(main), (0, 0)))
+            if per_param:  # min_8bit_size: small params keep float32 moments
+                m_dtype, v_dtype = self.moment_dtypes(main)
             if len(state) == 0:  # torch.optim.Adam's _init_group, with the step on the device
                 if narrow:
                     state.update(state_formats.moments_like(state_formats.new_adam_state(
@@ -1255,10 +1281,10 @@ class MixedPrecisionOptimizer(OptimizerWrapper):
         come from another configuration; torch.optim's load casts state to the param dtype)."""
         if self._fused_kind != "adam":
             return
-        m_dtype, v_dtype = self.exp_avg_dtype, self.exp_avg_sq_dtype
         for group in self.optimizer.param_groups:
             for main in group["params"]:
                 state = self.optimizer.state.get(main)
+                m_dtype, v_dtype = self.moment_dtypes(main)
                 if not state or not state_formats.needs_conversion(state, m_dtype, v_dtype):
                     continue
                 rem = self._remainders.get(id(main), self._sr_params.get(id(main)))

@@ -78,6 +78,9 @@ __all__ = [
     "stochastic_rounding_key",
     # options
     "check_state_options",
+    "MIN_8BIT_SIZE",
+    "check_min_8bit_size",
+    "param_moment_dtypes",
     "check_master_options",
     "refuse_generic_step",
     "new_adam_state",
@@ -530,6 +533,48 @@ def check_state_options(
                         f"{type(optimizer).__name__}, or keep float32 state)"
                     )
     return exp_avg_dtype, exp_avg_sq_dtype, store_param_remainders
+
+
+#: The default ``min_8bit_size``: a param with fewer elements keeps float32 moments where its
+#: configured moment dtype is 8-bit (bitsandbytes' ``min_8bit_size`` default; torchao's AdamW8bit
+#: and AdamWFp8 quantize only tensors of >= 4096 elements too).
+MIN_8BIT_SIZE = 4096
+
+
+def check_min_8bit_size(min_8bit_size, exp_avg_dtype, exp_avg_sq_dtype) -> int:
+    """Validate ``min_8bit_size`` (docs/spec.md section 9) before a wrapper changes anything;
+    returns the rule's threshold as an int (elements).
+
+    ``None`` (default): :data:`MIN_8BIT_SIZE` (4096) when a moment dtype is 8-bit
+    (:data:`BLOCKWISE_DTYPES`), else 0 (nothing to decide). An int >= 0: a param with fewer
+    elements (the whole param's ``numel()``: a DTensor's global one, never a ZeRO-1 shard's)
+    keeps its 8-bit moments in float32 (0: quantize every param, the layout before the rule).
+    Raises TypeError for a non-int (bool included), ValueError for a negative int or an int
+    given when neither moment dtype is 8-bit (the option would do nothing)."""
+    eight_bit = exp_avg_dtype in BLOCKWISE_DTYPES or exp_avg_sq_dtype in BLOCKWISE_DTYPES
+    if min_8bit_size is None:
+        return MIN_8BIT_SIZE if eight_bit else 0
+    if not isinstance(min_8bit_size, int) or isinstance(min_8bit_size, bool):
+        raise TypeError(f"min_8bit_size must be an int or None, got "
+                        f"{type(min_8bit_size).__name__}")
+    if min_8bit_size < 0:
+        raise ValueError(f"min_8bit_size must be >= 0 (elements), got {min_8bit_size}")
+    if not eight_bit:
+        raise ValueError(
+            f"min_8bit_size={min_8bit_size} chooses which params keep 8-bit moments, but "
+            f"exp_avg_dtype={exp_avg_dtype} and exp_avg_sq_dtype={exp_avg_sq_dtype} are not "
+            f"8-bit ({', '.join(str(d) for d in BLOCKWISE_DTYPES)}): leave it None")
+    return min_8bit_size
+
+
+def param_moment_dtypes(numel: int, exp_avg_dtype, exp_avg_sq_dtype, min_8bit_size: int):
+    """(exp_avg dtype, exp_avg_sq dtype) stored for a param of ``numel`` elements (the whole
+    param's) under the wrapper's configured dtypes: an 8-bit dtype becomes torch.float32 when
+    ``numel < min_8bit_size``; float32 and bfloat16 stay as configured."""
+    if numel >= min_8bit_size:
+        return exp_avg_dtype, exp_avg_sq_dtype
+    return tuple(torch.float32 if d in BLOCKWISE_DTYPES else d
+                 for d in (exp_avg_dtype, exp_avg_sq_dtype))
 
 
 def check_saved_scales(state, where: str = "state_dict['optimizer']['state']") -> None:
