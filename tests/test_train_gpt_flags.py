@@ -277,6 +277,11 @@ IN_PROCESS = [
     ("tp-not-dividing-the-vocabulary", ["--tensor-model-parallel-size", "3",
                                         "--num-attention-heads", "3", "--hidden-size", "33"],
      ["--tensor-model-parallel-size", "3", "256"]),
+    # which params keep 8-bit moments (docs/spec.md section 9)
+    ("min-8bit-size-negative", ["--exp-avg-dtype", "uint8", "--min-8bit-size", "-1"],
+     ["--min-8bit-size", "-1", ">= 0"]),
+    ("min-8bit-size-without-8bit-moments", ["--exp-avg-dtype", "bf16", "--min-8bit-size", "0"],
+     ["--min-8bit-size", "0", "uint8 or fp8"]),
     # torch.distributed.pipelining's schedules (PP 2 x TP 1 on the 2 ranks)
     ("schedule-unknown", ["--pipeline-schedule", "ZBVZeroBubble"],
      ["--pipeline-schedule", "ZBVZeroBubble", "1F1B", "Interleaved1F1B"]),
@@ -352,5 +357,8 @@ def test_the_flags_of_a_run_that_can_start_are_accepted(monkeypatch, capsys, tmp
     args = train_gpt.parse_args([*BASE, "--bf16", "--store-param-remainders", "--exp-avg-dtype",
                                  "fp8", "--load", str(tmp_path), "--log-dir", str(tmp_path / "l")])
     assert args.store_param_remainders and args.exp_avg_dtype == "fp8"
+    assert args.min_8bit_size is None  # the library's default rule
+    assert train_gpt.parse_args([*BASE, "--exp-avg-sq-dtype", "uint8", "--min-8bit-size", "0",
+                                 "--load", str(tmp_path)]).min_8bit_size == 0
     assert capsys.readouterr() == ("", "")
     assert not (tmp_path / "l").exists()

@@ -225,6 +225,9 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
             bf16 all-gather input shard then holds the masters' high halves between steps).
             They need the fused path; a step that would take the generic one raises
             RuntimeError before anything changes. :meth:`optimizer_state_bytes` counts them.
+        min_8bit_size: as for MixedPrecisionOptimizer (docs/spec.md section 9), decided on the
+            whole param's element count, never on a shard piece's, so every DP rank stores a
+            param's moments in the same dtype.
         master_weights, stochastic_rounding, stochastic_rounding_seed: as for
             MixedPrecisionOptimizer (docs/spec.md section 21): ``master_weights=False,
             stochastic_rounding=True`` keeps no main shard for bf16 buckets; the bf16

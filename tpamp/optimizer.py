@@ -190,6 +190,12 @@ class MixedPrecisionOptimizer(OptimizerWrapper):
             naming the option otherwise, and a step that would still take the generic path
             (step hooks, an option set after construction) raises RuntimeError instead;
             ``step(param_grad_norms=True)`` works with them. :meth:`optimizer_state_bytes` counts what they save.
+        min_8bit_size: with an 8-bit ``exp_avg_dtype`` / ``exp_avg_sq_dtype``, a param with
+            fewer elements keeps that moment in float32 (bitsandbytes' option; None: 4096, the
+            rule of bitsandbytes and torchao's AdamW8bit; 0: every param 8-bit). The count is
+            the whole param's (a DTensor's global numel). :meth:`moment_dtypes` gives a param's
+            stored dtypes. TypeError for a non-int, ValueError for a negative one or one given
+            without an 8-bit moment dtype (docs/spec.md section 9).
         master_weights, stochastic_rounding, stochastic_rounding_seed: ``master_weights=False,
             stochastic_rounding=True`` keeps no fp32 master and no remainder for bf16 params
             (Megatron-core's precision-aware optimizer names; torchao's

@@ -20,6 +20,11 @@ the names of Megatron-core's precision-aware optimizer and Transformer Engine's 
   uint8, kept for checkpoints that hold it). The state keeps torch.optim's keys (``exp_avg``,
   ``exp_avg_sq``, ``step``) in these dtypes, plus ``exp_avg_scale`` / ``exp_avg_sq_scale``
   (float32, one per block) for 8-bit.
+* ``min_8bit_size`` (bitsandbytes' name; default 4096 with an 8-bit moment dtype): a param with
+  fewer elements (the whole param's, a DTensor's global count) keeps float32 moments where the
+  configured dtype is 8-bit, as bitsandbytes and torchao's AdamW8bit / AdamWFp8 keep small
+  tensors (biases, norms) in 32-bit state: :func:`check_min_8bit_size`,
+  :func:`param_moment_dtypes`. 0 quantizes every param.
 * ``store_param_remainders=True`` (bf16 model params only): no float32 master copy; the master
   is the bf16 param's bits plus an int16 remainder (:func:`join_remainders`), rebuilt exactly
   inside the kernel, so the fp32 master values are bit-identical to the fp32-master step's. The
