@@ -331,3 +331,55 @@ def test_fsdp2_decides_on_the_global_param():
             want = "torch.uint8" if numel >= 4096 else "torch.float32"
             assert dtype == want and scaled == (want == "torch.uint8"), (numel, local, dtype)
         assert any(n >= 4096 and loc < 4096 for n, loc, _, _ in rows)  # a shard under 4096
+
+
+def _zero1_dcp_worker(rank, world_size, path, src, dst):
+    import torch.distributed as dist
+
+    from tpamp.checkpoint import load_checkpoint, save_checkpoint
+
+    dp = dist.new_group(list(range(world_size)))
+
+    def build(seed, limit):
+        torch.manual_seed(seed)
+        m = torch.nn.Sequential(torch.nn.Linear(40, 150), torch.nn.Linear(150, 7)).to(
+            torch.bfloat16)
+        inner = torch.optim.AdamW(m.parameters(), lr=1e-2, betas=(0.9, 0.95), weight_decay=0.1)
+        return m, tpamp.DistributedOptimizer(
+            inner, data_parallel_group=dp, bucket_size=4000, param_names=m.named_parameters(),
+            exp_avg_dtype=U8, exp_avg_sq_dtype=U8, min_8bit_size=limit)
+
+    ma, a = build(0, src)
+    gen = torch.Generator().manual_seed(3)
+    for _ in range(3):
+        for p in ma.parameters():
+            p.main_grad.copy_((torch.randn(p.shape, generator=gen) * 1e-2).to(torch.bfloat16))
+        assert a.step().update_successful
+    save_checkpoint(path, dict(ma.named_parameters()), a)
+    mb, b = build(1, dst)
+    load_checkpoint(path, dict(mb.named_parameters()), b)
+    rows = []
+    sa, sb = a.optimizer.state, b.optimizer.state
+    for pa, pb in zip(a.optimizer.param_groups[0]["params"], b.optimizer.param_groups[0]["params"]):
+        x = sf.decode_moment(sa[pa]["exp_avg"], sa[pa].get("exp_avg_scale"))
+        y = sf.decode_moment(sb[pb]["exp_avg"], sb[pb].get("exp_avg_scale"))
+        same = bool(torch.equal(x, y))
+        close = bool(torch.allclose(x, y, rtol=0.07, atol=float(x.abs().max()) * 2 ** -8))
+        rows.append((pb.numel(), str(sb[pb]["exp_avg"].dtype), str(b.moment_dtypes(pb)[0]),
+                     same, close))
+    return rows
+
+
+@needs_kernel
+@pytest.mark.parametrize("src,dst", [(0, 4096), (4096, 0)])
+def test_zero1_dcp_converts_between_layouts(tmp_path, src, dst):
+    out = run_workers(_zero1_dcp_worker, 2, str(tmp_path), src, dst, timeout=90.0)
+    total = {}
+    for rows in out:
+        for numel, dtype, decided, same, close in rows:
+            assert dtype == decided and close
+            if dtype == "torch.float32":
+                assert same  # the saved values exactly
+            total[dtype] = total.get(dtype, 0) + numel
+    want = {"torch.uint8": 6000, "torch.float32": 1207} if dst else {"torch.uint8": 7207}
+    assert total == want
