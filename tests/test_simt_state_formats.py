@@ -142,3 +142,47 @@ def test_narrow_adam_8bit_block_saturates_when_a_grad_square_overflows(order):
     torch.testing.assert_close(vsa, vsb, rtol=1e-6, atol=0)
     torch.testing.assert_close(pa, pb, rtol=1e-6, atol=1e-9)
     torch.testing.assert_close(msa, msb, rtol=1e-6, atol=0)
+
+
+@pytest.mark.parametrize("dtype", [U8, F8])
+def test_mixed_8bit_and_float32_moments_in_one_launch(order, dtype):
+    """The layout min_8bit_size makes (docs/spec.md section 9): in one list, params under 4096
+    elements with float32 moments (empty scales) beside 8-bit ones. Each tensor keeps its own
+    format and arithmetic: the emulated launcher agrees with the CPU twin, and the float32
+    entries equal the CPU twin's launch of those entries alone (float32 state throughout)."""
+    g = torch.Generator().manual_seed(21)
+    sizes = (300, 4096, 7, 65536 + 256, 4095)
+    params, ms, vs, steps, models, grads, msc, vsc = [], [], [], [], [], [], [], []
+    for n in sizes:
+        master = torch.randn(n, generator=g)
+        params.append(master), models.append(master.to(torch.bfloat16))
+        d = dtype if n >= 4096 else torch.float32
+        m, a = ops.encode_moment(torch.randn(n, generator=g) * 1e-3, d)
+        v, b = ops.encode_moment(torch.rand(n, generator=g) * 1e-6, d, sqrt=True)
+        ms.append(m), vs.append(v)
+        msc.append(a if a is not None else torch.empty(0))
+        vsc.append(b if b is not None else torch.empty(0))
+        steps.append(torch.tensor([3.0]))
+        grads.append(torch.randn(n, generator=g).to(torch.bfloat16))
+    case = [params, ms, vs, steps, models, grads]
+    a, b = _clone(case), _clone(case)
+    am, av, bm, bv = _clone([msc, vsc]) + _clone([msc, vsc])
+    hyper = (1e-3, 0.9, 0.95, 1e-8, 0.1, True, False)
+    scale = torch.tensor([0.5])
+    SIMT.fused_adam_step_(*a, scale, torch.tensor([0.0]), None, *hyper, am, av)
+    CPU.fused_adam_step_(*b, scale, torch.tensor([0.0]), None, *hyper, bm, bv)
+    small = [i for i, n in enumerate(sizes) if n < 4096]
+    c = _clone([[lst[i] for i in small] for lst in case])
+    CPU.fused_adam_step_(*c, scale, torch.tensor([0.0]), None, *hyper, [], [])
+    for i, n in enumerate(sizes):
+        torch.testing.assert_close(a[0][i], b[0][i], rtol=1e-6, atol=1e-9)
+        for k, sc_a, sc_b, sq in ((1, am, bm, False), (2, av, bv, True)):
+            assert a[k][i].dtype == b[k][i].dtype == (dtype if n >= 4096 else torch.float32)
+            da = ops.decode_moment(a[k][i], sc_a[i] if n >= 4096 else None, sqrt=sq)
+            db = ops.decode_moment(b[k][i], sc_b[i] if n >= 4096 else None, sqrt=sq)
+            torch.testing.assert_close(da, db, rtol=0.15, atol=float(db.abs().max()) * 2 ** -8)
+    for j, i in enumerate(small):  # float32 state: the fp32-only launch, to the last bit
+        for k in (0, 1, 2, 4):
+            assert torch.equal(b[k][i], c[k][j]), (sizes[i], k)
+        for k in (0, 1, 2):
+            torch.testing.assert_close(a[k][i], c[k][j], rtol=1e-6, atol=1e-12)
