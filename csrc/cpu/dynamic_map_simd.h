@@ -163,42 +163,93 @@ inline float dynamic_absmax(const float* __restrict in, int64_t n, const F& nan_
 #endif
 }
 
+#if defined(CPU_CAPABILITY_AVX512)
+// The AVX-512 decode of 32 codes into registers: map[c] from two 16-bit planes of the map's
+// float32 bits (low and high halves, 256 words each: 8 registers a plane), each picked with 4
+// two-register word permutes (64 entries) and 3 selects by the code's bits 6 and 7, then the
+// halves joined by unpacks (the codes permuted first so that the joined lanes are in order).
+// Half the permutes and selects per element of a 32-bit pick (8 permutes and 7 selects per 16
+// codes). The values are map[c] * scale, those of dynamic_decode_block.
+struct DynamicPlanes {
+  alignas(64) uint16_t lo[256];
+  alignas(64) uint16_t hi[256];
+};
+
+inline const DynamicPlanes& dynamic_planes(const DynamicTables& t) {
+  static const DynamicPlanes* planes = [] {
+    static DynamicPlanes pl[2];
+    for (int u = 0; u < 2; ++u) {
+      const float* map = u ? kDynamicMapUnsigned : kDynamicMapSigned;
+      for (int c = 0; c < 256; ++c) {
+        const uint32_t bits = float_to_bits(map[c]);
+        pl[u].lo[c] = static_cast<uint16_t>(bits & 0xffffu);
+        pl[u].hi[c] = static_cast<uint16_t>(bits >> 16);
+      }
+    }
+    return pl;
+  }();
+  return planes[t.map == kDynamicMapUnsigned ? 1 : 0];
+}
+
+struct DynamicDecoder {
+  __m512i lo[8], hi[8];
+  __m512i order;  // word k of the permuted codes: code 4l + j (k = 8l + j), 16 + 4l + j (8l + 4 + j)
+  explicit DynamicDecoder(const DynamicTables& t) {
+    const DynamicPlanes& pl = dynamic_planes(t);
+    for (int k = 0; k < 8; ++k) {
+      lo[k] = _mm512_load_si512(pl.lo + 32 * k);
+      hi[k] = _mm512_load_si512(pl.hi + 32 * k);
+    }
+    alignas(64) uint16_t ord[32];
+    for (int l = 0; l < 4; ++l) {
+      for (int j = 0; j < 4; ++j) {
+        ord[8 * l + j] = static_cast<uint16_t>(4 * l + j);
+        ord[8 * l + 4 + j] = static_cast<uint16_t>(16 + 4 * l + j);
+      }
+    }
+    order = _mm512_load_si512(ord);
+  }
+  // the 32 codes c (zero-extended 16-bit lanes, in memory order) -> map[c] * scale: codes 0-15
+  // in a, 16-31 in b
+  inline __attribute__((always_inline)) void decode32(__m512i c, __m512 scale, __m512& a,
+                                                      __m512& b) const {
+    c = _mm512_permutexvar_epi16(order, c);
+    const __mmask32 k6 = _mm512_test_epi16_mask(c, _mm512_set1_epi16(64));
+    const __mmask32 k7 = _mm512_test_epi16_mask(c, _mm512_set1_epi16(128));
+    auto plane = [&](const __m512i* t) {
+      const __m512i p0 = _mm512_mask_blend_epi16(k6, _mm512_permutex2var_epi16(t[0], c, t[1]),
+                                                 _mm512_permutex2var_epi16(t[2], c, t[3]));
+      const __m512i p1 = _mm512_mask_blend_epi16(k6, _mm512_permutex2var_epi16(t[4], c, t[5]),
+                                                 _mm512_permutex2var_epi16(t[6], c, t[7]));
+      return _mm512_mask_blend_epi16(k7, p0, p1);
+    };
+    const __m512i l = plane(lo), h = plane(hi);
+    a = _mm512_mul_ps(_mm512_castsi512_ps(_mm512_unpacklo_epi16(l, h)), scale);
+    b = _mm512_mul_ps(_mm512_castsi512_ps(_mm512_unpackhi_epi16(l, h)), scale);
+  }
+  inline __attribute__((always_inline)) void decode32(const uint8_t* p, __m512 scale, __m512& a,
+                                                      __m512& b) const {
+    decode32(_mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))),
+             scale, a, b);
+  }
+};
+#endif
+
 // out[i] = map[in[i]] * scale for i < n (n <= kMomentBlock).
 inline void dynamic_decode_block(const uint8_t* __restrict in, int64_t n, float scale,
                                  const DynamicTables& t, float* __restrict out) {
   int64_t i = 0;
 #if defined(CPU_CAPABILITY_AVX512)
-  // map[c] from 8 two-register permutes (32 entries each, c's low 5 bits), then selects by c's
-  // bits 5, 6 and 7: no gather (this CPU's gathers cost ~3 ns per element)
-  __m512 m[16];
-  for (int k = 0; k < 16; ++k) m[k] = _mm512_loadu_ps(t.map + 16 * k);
+  // DynamicDecoder: 32 codes a round (a zero-padded tail reads no byte past n)
+  const DynamicDecoder dec(t);
   const __m512 s = _mm512_set1_ps(scale);
-  const __m512i b5 = _mm512_set1_epi32(32), b6 = _mm512_set1_epi32(64),
-                b7 = _mm512_set1_epi32(128);
-  auto decode16 = [&](__m512i c) {
-    const __mmask16 k5 = _mm512_test_epi32_mask(c, b5), k6 = _mm512_test_epi32_mask(c, b6),
-                    k7 = _mm512_test_epi32_mask(c, b7);
-    __m512 a[4];
-    for (int h = 0; h < 4; ++h) {
-      a[h] = _mm512_mask_blend_ps(k5, _mm512_permutex2var_ps(m[4 * h], c, m[4 * h + 1]),
-                                  _mm512_permutex2var_ps(m[4 * h + 2], c, m[4 * h + 3]));
-    }
-    return _mm512_mul_ps(_mm512_mask_blend_ps(k7, _mm512_mask_blend_ps(k6, a[0], a[1]),
-                                              _mm512_mask_blend_ps(k6, a[2], a[3])),
-                         s);
-  };
-  for (; i + 64 <= n; i += 64) {
-    const __m512i bytes = _mm512_loadu_si512(in + i);
-    __m512 v[4];
-    for (int k = 0; k < 4; ++k) {
-      v[k] = decode16(_mm512_cvtepu8_epi32(_mm512_extracti32x4_epi32(bytes, k)));
-    }
-    for (int k = 0; k < 4; ++k) _mm512_storeu_ps(out + i + 16 * k, v[k]);
-  }
-  for (; i < n; i += 16) {
-    const __mmask16 live = n - i >= 16 ? __mmask16(0xffff) : __mmask16((1u << (n - i)) - 1u);
-    const __m512i c = _mm512_cvtepu8_epi32(_mm_maskz_loadu_epi8(live, in + i));
-    _mm512_mask_storeu_ps(out + i, live, decode16(c));
+  for (; i < n; i += 32) {
+    const int64_t r = n - i;
+    const __mmask32 live = r >= 32 ? __mmask32(0xffffffffu) : __mmask32((1u << r) - 1u);
+    __m512 a, b;
+    dec.decode32(_mm512_cvtepu8_epi16(_mm256_maskz_loadu_epi8(live, in + i)), s, a, b);
+    _mm512_mask_storeu_ps(out + i, static_cast<__mmask16>(live), a);
+    _mm512_mask_storeu_ps(out + i + 16, static_cast<__mmask16>(live >> 16), b);
   }
 #endif
   // AVX2 and default: scalar loads (0.2 ns per element here; AVX2 gathers 0.45)
