@@ -15,8 +15,8 @@
 // * AVX2 and scalar: one read of a keyed table (kDynamicKeyed*, see dynamic_encode_scalar).
 // A NaN divisor (a block holding NaN; no y is NaN otherwise) takes the scalar loop, whose
 // segments put NaN where dynamic_encode_bits does (255 with a clear sign bit, else 0).
-// Decode: AVX-512 picks the 16-bit halves of map[c] by word permutes (DynamicDecoder); AVX2 and scalar read
-// the table (scalar loads beat AVX2 gathers here: 0.2 against 0.45 ns per element).
+// Decode: AVX-512 picks the 16-bit halves of map[c] by word permutes (DynamicDecoder); AVX2 and
+// scalar read the table (scalar loads beat AVX2 gathers here: 0.2 against 0.45 ns per element).
 // scripts/gen_dynamic_map.py generates and checks the tables; tests/test_dynamic_map_modules.py
 // checks every float32 threshold of both maps and its neighbours in every CPU module against
 // the numpy rule and the emulated CUDA launcher.
@@ -71,9 +71,10 @@ inline const DynamicTables& dynamic_tables(bool is_unsigned) {
 // monotone 32-bit keys (the float32 bits, the magnitude bits complemented when negative: the
 // keys order as the values, and no threshold is +-0), split in 16-bit halves. Every threshold
 // has its own high half (at most one threshold per sign, exponent and 7 top mantissa bits, as
-// the keyed tables; the high halves strictly increase: scripts/gen_dynamic_map.py checks it), so #{c : T[c] <= y} is
-// the count n of high halves below y's, plus one when T[n]'s high half is y's and its low half
-// is not above y's. hi[255] = 0x7fff: no y's high half equals it (y is not NaN).
+// the keyed tables; the high halves strictly increase: scripts/gen_dynamic_map.py checks it),
+// so #{c : T[c] <= y} is the count n of high halves below y's, plus one when T[n]'s high half
+// is y's and its low half is not above y's. hi[255] = 0x7fff: no y's high half equals it (y is
+// not NaN).
 struct DynamicKeyTables {
   alignas(64) int16_t l6_2[5][32];  // levels 6..2 of the search (2..32 entries used)
   alignas(64) int16_t l1[64];
@@ -214,7 +215,8 @@ inline const DynamicPlanes& dynamic_planes(const DynamicTables& t) {
 
 struct DynamicDecoder {
   __m512i lo[8], hi[8];
-  __m512i order;  // word k of the permuted codes: code 4l + j (k = 8l + j), 16 + 4l + j (8l + 4 + j)
+  // word k of the permuted codes: code 4l + j (k = 8l + j), 16 + 4l + j (k = 8l + 4 + j)
+  __m512i order;
   explicit DynamicDecoder(const DynamicTables& t) {
     const DynamicPlanes& pl = dynamic_planes(t);
     for (int k = 0; k < 8; ++k) {
@@ -363,7 +365,8 @@ inline void dynamic_encode_block(const float* __restrict in, int64_t n, float di
       for (int u = 0; u < 2 * kU; ++u) x[u] = _mm512_loadu_ps(in + i + 16 * u);
       search(std::integral_constant<int, kU>{}, x, q);
       for (int u = 0; u < kU; ++u) {
-        _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + i + 32 * u), _mm512_cvtepi16_epi8(q[u]));
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + i + 32 * u),
+                            _mm512_cvtepi16_epi8(q[u]));
       }
     }
     for (; i < n; i += 32) {
