@@ -159,6 +159,11 @@ def thresholds(q):
         assert code_rule(q, t) > c and code_rule(q, from_ordered(hi - 1)) <= c, c
         out.append(t)
     assert all(a < b for a, b in zip(out, out[1:]))
+    # the AVX-512 encode (csrc/cpu/dynamic_map_simd.h, DynamicKeyTables) searches the high 16
+    # bits of the ordered keys: every threshold has its own, and none is +-0
+    highs = [ordered(t) >> 16 for t in out]
+    assert all(a < b for a, b in zip(highs, highs[1:])), "two thresholds share a high key half"
+    assert all(t != 0.0 for t in out)
     return out + [float(np.finfo(np.float32).max)]
 
 

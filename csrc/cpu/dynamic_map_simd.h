@@ -8,13 +8,15 @@
 //
 // Encode: y = x / div (a float32 division, as torchao), then the code:
 // * AVX-512: code(y) = #{c <= 254 : T[c] <= y} (kDynamicThreshold*: T[c] is the smallest float32
-//   whose code is above c; the rule is monotone in y), by an 8-level branch-free binary search
-//   whose thresholds come from registers (permutes), 8 registers interleaved per round.
+//   whose code is above c; the rule is monotone in y) on 32-bit keys of y and T split in 16-bit
+//   halves (DynamicKeyTables): an 8-level branch-free binary search on the high halves in
+//   16-bit lanes (32 values a register; thresholds from registers by word permutes), then one
+//   compare of the low halves.
 // * AVX2 and scalar: one read of a keyed table (kDynamicKeyed*, see dynamic_encode_scalar).
 // A NaN divisor (a block holding NaN; no y is NaN otherwise) takes the scalar loop, whose
 // segments put NaN where dynamic_encode_bits does (255 with a clear sign bit, else 0).
-// Decode: AVX-512 picks map[c] with 8 two-register permutes and 7 selects; AVX2 and scalar read
-// the table (scalar loads beat AVX2 gathers here: 0.2 against 0.45 ns per element).
+// Decode: AVX-512 picks the 16-bit halves of map[c] by word permutes (DynamicDecoder); AVX2 and
+// scalar read the table (scalar loads beat AVX2 gathers here: 0.2 against 0.45 ns per element).
 // scripts/gen_dynamic_map.py generates and checks the tables; tests/test_dynamic_map_modules.py
 // checks every float32 threshold of both maps and its neighbours in every CPU module against
 // the numpy rule and the emulated CUDA launcher.
@@ -26,8 +28,8 @@
 #include <cstdint>
 #include <type_traits>
 
-// Registers per round of the AVX-512 encode (8: 0.30 ns per element on the CPU measured; 1: 0.57,
-// the levels' dependency chain unhidden).
+// Groups of 32 values per round of the AVX-512 encode, their searches interleaved (8, a whole
+// block: 9.5 TSC cycles per 16 values on the CPU measured; 4: 12.9; 2: 17.8).
 #ifndef TPAMP_DYNAMIC_UNROLL
 #define TPAMP_DYNAMIC_UNROLL 8
 #endif
@@ -64,34 +66,54 @@ inline const DynamicTables& dynamic_tables(bool is_unsigned) {
   return t[is_unsigned ? 1 : 0];
 }
 
-// The thresholds of each level of the AVX-512 binary search (see dynamic_encode_block): level j
-// (the code's bit j) holds T[(2q + 1) 2^j - 1] for every prefix q < 2^(7 - j).
-struct DynamicLevels {
-  float l7;
-  float l6[2];
-  alignas(64) float l5[16];  // 4 used (a 16-entry permute)
-  alignas(64) float l4[16];  // 8 used
-  alignas(64) float l3[16];
-  alignas(64) float l2[32];
-  alignas(64) float l1[64];
-  alignas(64) float l0[128];
+#if defined(CPU_CAPABILITY_AVX512)
+// The AVX-512 encode's tables (see dynamic_encode_block): the thresholds T[c] (c <= 254) as
+// monotone 32-bit keys (the float32 bits, the magnitude bits complemented when negative: the
+// keys order as the values, and no threshold is +-0), split in 16-bit halves. Every threshold
+// has its own high half (at most one threshold per sign, exponent and 7 top mantissa bits, as
+// the keyed tables; the high halves strictly increase: scripts/gen_dynamic_map.py checks it),
+// so #{c : T[c] <= y} is the count n of high halves below y's, plus one when T[n]'s high half
+// is y's and its low half is not above y's. hi[255] = 0x7fff: no y's high half equals it (y is
+// not NaN).
+struct DynamicKeyTables {
+  alignas(64) int16_t l6_2[5][32];  // levels 6..2 of the search (2..32 entries used)
+  alignas(64) int16_t l1[64];
+  alignas(64) int16_t l0[128];
+  alignas(64) int16_t hi[256];
+  alignas(64) int16_t lo[256];
+  int16_t l7;
 };
 
-inline const DynamicLevels& dynamic_levels(const DynamicTables& t) {
-  static const DynamicLevels* levels = [] {
-    static DynamicLevels lv[2];  // zero-initialized: the unused entries of l5 and l4 stay 0
+inline uint32_t dynamic_key_bits(float x) {
+  const uint32_t u = float_to_bits(x);
+  return (u >> 31) != 0u ? u ^ 0x7fffffffu : u;
+}
+
+inline const DynamicKeyTables& dynamic_key_tables(const DynamicTables& t) {
+  static const DynamicKeyTables* tables = [] {
+    static DynamicKeyTables kt[2];
     for (int u = 0; u < 2; ++u) {
       const float* th = u ? kDynamicThresholdUnsigned : kDynamicThresholdSigned;
-      float* dst[8] = {lv[u].l0, lv[u].l1, lv[u].l2, lv[u].l3,
-                       lv[u].l4, lv[u].l5, lv[u].l6, &lv[u].l7};
-      for (int j = 0; j < 8; ++j) {
-        for (int q = 0; q < (1 << (7 - j)); ++q) dst[j][q] = th[((2 * q + 1) << j) - 1];
+      DynamicKeyTables& d = kt[u];
+      for (int c = 0; c < 256; ++c) {
+        const uint32_t k = c < 255 ? dynamic_key_bits(th[c]) : 0x7fffffffu;
+        d.hi[c] = static_cast<int16_t>(static_cast<uint16_t>(k >> 16));
+        d.lo[c] = static_cast<int16_t>(static_cast<uint16_t>(k & 0xffffu));
       }
+      // level j (the code's bit j): the high half of T[(2q + 1) 2^j - 1] for prefix q
+      auto at = [&](int j, int q) { return d.hi[((2 * q + 1) << j) - 1]; };
+      d.l7 = at(7, 0);
+      for (int j = 6; j >= 2; --j) {
+        for (int q = 0; q < 32; ++q) d.l6_2[6 - j][q] = q < (1 << (7 - j)) ? at(j, q) : 0;
+      }
+      for (int q = 0; q < 64; ++q) d.l1[q] = at(1, q);
+      for (int q = 0; q < 128; ++q) d.l0[q] = at(0, q);
     }
-    return lv;
+    return kt;
   }();
-  return levels[t.map == kDynamicMapUnsigned ? 1 : 0];
+  return tables[t.map == kDynamicMapUnsigned ? 1 : 0];
 }
+#endif
 
 // dynamic_encode_bits(y, ...) with one table read: the entry of y's segment (sign, exponent
 // clamped to [-24, 0], 7 mantissa bits) holds the code of the segment's lowest value and the key
@@ -163,42 +185,94 @@ inline float dynamic_absmax(const float* __restrict in, int64_t n, const F& nan_
 #endif
 }
 
+#if defined(CPU_CAPABILITY_AVX512)
+// The AVX-512 decode of 32 codes into registers: map[c] from two 16-bit planes of the map's
+// float32 bits (low and high halves, 256 words each: 8 registers a plane), each picked with 4
+// two-register word permutes (64 entries) and 3 selects by the code's bits 6 and 7, then the
+// halves joined by unpacks (the codes permuted first so that the joined lanes are in order).
+// Half the permutes and selects per element of a 32-bit pick (8 permutes and 7 selects per 16
+// codes). The values are map[c] * scale, those of dynamic_decode_block.
+struct DynamicPlanes {
+  alignas(64) uint16_t lo[256];
+  alignas(64) uint16_t hi[256];
+};
+
+inline const DynamicPlanes& dynamic_planes(const DynamicTables& t) {
+  static const DynamicPlanes* planes = [] {
+    static DynamicPlanes pl[2];
+    for (int u = 0; u < 2; ++u) {
+      const float* map = u ? kDynamicMapUnsigned : kDynamicMapSigned;
+      for (int c = 0; c < 256; ++c) {
+        const uint32_t bits = float_to_bits(map[c]);
+        pl[u].lo[c] = static_cast<uint16_t>(bits & 0xffffu);
+        pl[u].hi[c] = static_cast<uint16_t>(bits >> 16);
+      }
+    }
+    return pl;
+  }();
+  return planes[t.map == kDynamicMapUnsigned ? 1 : 0];
+}
+
+struct DynamicDecoder {
+  __m512i lo[8], hi[8];
+  // word k of the permuted codes: code 4l + j (k = 8l + j), 16 + 4l + j (k = 8l + 4 + j)
+  __m512i order;
+  explicit DynamicDecoder(const DynamicTables& t) {
+    const DynamicPlanes& pl = dynamic_planes(t);
+    for (int k = 0; k < 8; ++k) {
+      lo[k] = _mm512_load_si512(pl.lo + 32 * k);
+      hi[k] = _mm512_load_si512(pl.hi + 32 * k);
+    }
+    alignas(64) uint16_t ord[32];
+    for (int l = 0; l < 4; ++l) {
+      for (int j = 0; j < 4; ++j) {
+        ord[8 * l + j] = static_cast<uint16_t>(4 * l + j);
+        ord[8 * l + 4 + j] = static_cast<uint16_t>(16 + 4 * l + j);
+      }
+    }
+    order = _mm512_load_si512(ord);
+  }
+  // the 32 codes c (zero-extended 16-bit lanes, in memory order) -> map[c] * scale: codes 0-15
+  // in a, 16-31 in b
+  inline __attribute__((always_inline)) void decode32(__m512i c, __m512 scale, __m512& a,
+                                                      __m512& b) const {
+    c = _mm512_permutexvar_epi16(order, c);
+    const __mmask32 k6 = _mm512_test_epi16_mask(c, _mm512_set1_epi16(64));
+    const __mmask32 k7 = _mm512_test_epi16_mask(c, _mm512_set1_epi16(128));
+    auto plane = [&](const __m512i* t) {
+      const __m512i p0 = _mm512_mask_blend_epi16(k6, _mm512_permutex2var_epi16(t[0], c, t[1]),
+                                                 _mm512_permutex2var_epi16(t[2], c, t[3]));
+      const __m512i p1 = _mm512_mask_blend_epi16(k6, _mm512_permutex2var_epi16(t[4], c, t[5]),
+                                                 _mm512_permutex2var_epi16(t[6], c, t[7]));
+      return _mm512_mask_blend_epi16(k7, p0, p1);
+    };
+    const __m512i l = plane(lo), h = plane(hi);
+    a = _mm512_mul_ps(_mm512_castsi512_ps(_mm512_unpacklo_epi16(l, h)), scale);
+    b = _mm512_mul_ps(_mm512_castsi512_ps(_mm512_unpackhi_epi16(l, h)), scale);
+  }
+  inline __attribute__((always_inline)) void decode32(const uint8_t* p, __m512 scale, __m512& a,
+                                                      __m512& b) const {
+    decode32(_mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))),
+             scale, a, b);
+  }
+};
+#endif
+
 // out[i] = map[in[i]] * scale for i < n (n <= kMomentBlock).
 inline void dynamic_decode_block(const uint8_t* __restrict in, int64_t n, float scale,
                                  const DynamicTables& t, float* __restrict out) {
   int64_t i = 0;
 #if defined(CPU_CAPABILITY_AVX512)
-  // map[c] from 8 two-register permutes (32 entries each, c's low 5 bits), then selects by c's
-  // bits 5, 6 and 7: no gather (this CPU's gathers cost ~3 ns per element)
-  __m512 m[16];
-  for (int k = 0; k < 16; ++k) m[k] = _mm512_loadu_ps(t.map + 16 * k);
+  // DynamicDecoder: 32 codes a round (a zero-padded tail reads no byte past n)
+  const DynamicDecoder dec(t);
   const __m512 s = _mm512_set1_ps(scale);
-  const __m512i b5 = _mm512_set1_epi32(32), b6 = _mm512_set1_epi32(64),
-                b7 = _mm512_set1_epi32(128);
-  auto decode16 = [&](__m512i c) {
-    const __mmask16 k5 = _mm512_test_epi32_mask(c, b5), k6 = _mm512_test_epi32_mask(c, b6),
-                    k7 = _mm512_test_epi32_mask(c, b7);
-    __m512 a[4];
-    for (int h = 0; h < 4; ++h) {
-      a[h] = _mm512_mask_blend_ps(k5, _mm512_permutex2var_ps(m[4 * h], c, m[4 * h + 1]),
-                                  _mm512_permutex2var_ps(m[4 * h + 2], c, m[4 * h + 3]));
-    }
-    return _mm512_mul_ps(_mm512_mask_blend_ps(k7, _mm512_mask_blend_ps(k6, a[0], a[1]),
-                                              _mm512_mask_blend_ps(k6, a[2], a[3])),
-                         s);
-  };
-  for (; i + 64 <= n; i += 64) {
-    const __m512i bytes = _mm512_loadu_si512(in + i);
-    __m512 v[4];
-    for (int k = 0; k < 4; ++k) {
-      v[k] = decode16(_mm512_cvtepu8_epi32(_mm512_extracti32x4_epi32(bytes, k)));
-    }
-    for (int k = 0; k < 4; ++k) _mm512_storeu_ps(out + i + 16 * k, v[k]);
-  }
-  for (; i < n; i += 16) {
-    const __mmask16 live = n - i >= 16 ? __mmask16(0xffff) : __mmask16((1u << (n - i)) - 1u);
-    const __m512i c = _mm512_cvtepu8_epi32(_mm_maskz_loadu_epi8(live, in + i));
-    _mm512_mask_storeu_ps(out + i, live, decode16(c));
+  for (; i < n; i += 32) {
+    const int64_t r = n - i;
+    const __mmask32 live = r >= 32 ? __mmask32(0xffffffffu) : __mmask32((1u << r) - 1u);
+    __m512 a, b;
+    dec.decode32(_mm512_cvtepu8_epi16(_mm256_maskz_loadu_epi8(live, in + i)), s, a, b);
+    _mm512_mask_storeu_ps(out + i, static_cast<__mmask16>(live), a);
+    _mm512_mask_storeu_ps(out + i + 16, static_cast<__mmask16>(live >> 16), b);
   }
 #endif
   // AVX2 and default: scalar loads (0.2 ns per element here; AVX2 gathers 0.45)
@@ -210,72 +284,100 @@ inline void dynamic_encode_block(const float* __restrict in, int64_t n, float di
                                  const DynamicTables& t, uint8_t* __restrict out) {
   int64_t i = 0;
 #if defined(CPU_CAPABILITY_AVX512)
-  // code(y) = #{c <= 254 : T[c] <= y} by binary search, 8 levels, the code's bits from the top:
-  // at the level of bit j the prefix q (the code's bits above j) picks T[(2q + 1) 2^j - 1]
-  // from a table of the level's thresholds held in registers (one compare per level; no
-  // gather). A NaN divisor (a block holding NaN; else no y is NaN) takes the scalar loop.
-  const DynamicLevels& lv = dynamic_levels(t);
-  const __m512 t7 = _mm512_set1_ps(lv.l7), t6a = _mm512_set1_ps(lv.l6[0]),
-               t6b = _mm512_set1_ps(lv.l6[1]);
-  const __m512 l5 = _mm512_load_ps(lv.l5), l4 = _mm512_load_ps(lv.l4),
-               l3 = _mm512_load_ps(lv.l3);
-  const __m512 l2a = _mm512_load_ps(lv.l2), l2b = _mm512_load_ps(lv.l2 + 16);
-  __m512 l1[4], l0[8];
-  for (int k = 0; k < 4; ++k) l1[k] = _mm512_load_ps(lv.l1 + 16 * k);
-  for (int k = 0; k < 8; ++k) l0[k] = _mm512_load_ps(lv.l0 + 16 * k);
-  const __m512 d = _mm512_set1_ps(div);
-  const __m512i one = _mm512_set1_epi32(1), b5 = _mm512_set1_epi32(32),
-                b6 = _mm512_set1_epi32(64);
-  // the codes of kU registers of y, the levels interleaved (independent dependency chains)
-  auto search = [&](auto u_tag, const __m512* y, __m512i* q) {
-    constexpr int kU = decltype(u_tag)::value;
-    // q = 2q + (th <= y)
-    auto next = [&](int u, __m512 th) {
-      const __m512i q2 = _mm512_add_epi32(q[u], q[u]);
-      q[u] = _mm512_mask_add_epi32(q2, _mm512_cmp_ps_mask(th, y[u], _CMP_LE_OQ), q2, one);
-    };
-    __mmask16 k7[kU];
-    for (int u = 0; u < kU; ++u) {
-      k7[u] = _mm512_cmp_ps_mask(t7, y[u], _CMP_LE_OQ);
-      q[u] = _mm512_maskz_mov_epi32(k7[u], one);
-    }
-    for (int u = 0; u < kU; ++u) next(u, _mm512_mask_blend_ps(k7[u], t6a, t6b));
-    for (int u = 0; u < kU; ++u) next(u, _mm512_permutexvar_ps(q[u], l5));
-    for (int u = 0; u < kU; ++u) next(u, _mm512_permutexvar_ps(q[u], l4));
-    for (int u = 0; u < kU; ++u) next(u, _mm512_permutexvar_ps(q[u], l3));
-    for (int u = 0; u < kU; ++u) next(u, _mm512_permutex2var_ps(l2a, q[u], l2b));
-    for (int u = 0; u < kU; ++u) {
-      const __mmask16 q5 = _mm512_test_epi32_mask(q[u], b5);
-      next(u, _mm512_mask_blend_ps(q5, _mm512_permutex2var_ps(l1[0], q[u], l1[1]),
-                                   _mm512_permutex2var_ps(l1[2], q[u], l1[3])));
-    }
-    for (int u = 0; u < kU; ++u) {
-      const __mmask16 r5 = _mm512_test_epi32_mask(q[u], b5);
-      const __mmask16 r6 = _mm512_test_epi32_mask(q[u], b6);
-      const __m512 lo = _mm512_mask_blend_ps(r5, _mm512_permutex2var_ps(l0[0], q[u], l0[1]),
-                                             _mm512_permutex2var_ps(l0[2], q[u], l0[3]));
-      const __m512 hi = _mm512_mask_blend_ps(r5, _mm512_permutex2var_ps(l0[4], q[u], l0[5]),
-                                             _mm512_permutex2var_ps(l0[6], q[u], l0[7]));
-      next(u, _mm512_mask_blend_ps(r6, lo, hi));
-    }
-  };
+  // code(y) = #{c <= 254 : T[c] <= y} on the keys of DynamicKeyTables, 32 values a round in
+  // 16-bit lanes: an 8-level branch-free binary search for the count q of high halves below
+  // y's (the code's bits from the top: at the level of bit j the prefix q picks the high half
+  // of T[(2q + 1) 2^j - 1] by a word permute of the level's table; one compare per level), then
+  // the halves of T[q] (4 two-register word permutes and 3 selects each) and one step up when
+  // the high halves agree and y's low half is not below T[q]'s. Half the lanes' work of a
+  // search on float32 lanes. A NaN divisor (a block holding NaN; else no y is NaN) takes the
+  // scalar loop.
   if (div == div) {  // else NaN: every y is NaN, the scalar loop below
-    constexpr int kU = TPAMP_DYNAMIC_UNROLL;
-    for (; i + 16 * kU <= n; i += 16 * kU) {
-      __m512 y[kU];
-      __m512i q[kU];
-      for (int u = 0; u < kU; ++u) y[u] = _mm512_div_ps(_mm512_loadu_ps(in + i + 16 * u), d);
-      search(std::integral_constant<int, kU>{}, y, q);
+    const DynamicKeyTables& kt = dynamic_key_tables(t);
+    const __m512i l7 = _mm512_set1_epi16(kt.l7);
+    __m512i l62[5], l1[2], l0[4], hi[8], lo[8];
+    for (int k = 0; k < 5; ++k) l62[k] = _mm512_load_si512(kt.l6_2[k]);
+    for (int k = 0; k < 2; ++k) l1[k] = _mm512_load_si512(kt.l1 + 32 * k);
+    for (int k = 0; k < 4; ++k) l0[k] = _mm512_load_si512(kt.l0 + 32 * k);
+    for (int k = 0; k < 8; ++k) {
+      hi[k] = _mm512_load_si512(kt.hi + 32 * k);
+      lo[k] = _mm512_load_si512(kt.lo + 32 * k);
+    }
+    const __m512 d = _mm512_set1_ps(div);
+    const __m512i one = _mm512_set1_epi16(1), b6 = _mm512_set1_epi16(64),
+                  b7 = _mm512_set1_epi16(128);
+    const __m512i magnitude = _mm512_set1_epi32(0x7fffffff);
+    // the high halves (odd words) and the low halves (even words) of two key registers, in order
+    const __m512i pick_lo = _mm512_set_epi16(62, 60, 58, 56, 54, 52, 50, 48, 46, 44, 42, 40, 38,
+                                             36, 34, 32, 30, 28, 26, 24, 22, 20, 18, 16, 14, 12,
+                                             10, 8, 6, 4, 2, 0);
+    const __m512i pick_hi = _mm512_add_epi16(pick_lo, one);
+    auto key = [&](__m512 y) {
+      const __m512i u = _mm512_castps_si512(y);
+      return _mm512_xor_si512(u, _mm512_and_si512(_mm512_srai_epi32(u, 31), magnitude));
+    };
+    // the codes of kU groups of 32 values at p (x[2u]: values 0-15 of group u, x[2u + 1]: 16-31)
+    // in 16-bit lanes, in order; the groups' levels interleaved (independent dependency chains)
+    auto search = [&](auto u_tag, const __m512* x, __m512i* q) {
+      constexpr int kU = decltype(u_tag)::value;
+      __m512i yh[kU], yl[kU];
       for (int u = 0; u < kU; ++u) {
-        _mm_storeu_si128(reinterpret_cast<__m128i*>(out + i + 16 * u), _mm512_cvtepi32_epi8(q[u]));
+        const __m512i k0 = key(_mm512_div_ps(x[2 * u], d));
+        const __m512i k1 = key(_mm512_div_ps(x[2 * u + 1], d));
+        yh[u] = _mm512_permutex2var_epi16(k0, pick_hi, k1);
+        yl[u] = _mm512_permutex2var_epi16(k0, pick_lo, k1);
+        q[u] = _mm512_maskz_mov_epi16(_mm512_cmplt_epi16_mask(l7, yh[u]), one);
+      }
+      auto next = [&](int u, __m512i th) {  // q = 2q + (th < yh)
+        const __m512i q2 = _mm512_add_epi16(q[u], q[u]);
+        q[u] = _mm512_mask_add_epi16(q2, _mm512_cmplt_epi16_mask(th, yh[u]), q2, one);
+      };
+      for (int k = 0; k < 5; ++k) {
+        for (int u = 0; u < kU; ++u) next(u, _mm512_permutexvar_epi16(q[u], l62[k]));
+      }
+      for (int u = 0; u < kU; ++u) next(u, _mm512_permutex2var_epi16(l1[0], q[u], l1[1]));
+      for (int u = 0; u < kU; ++u) {
+        next(u, _mm512_mask_blend_epi16(_mm512_test_epi16_mask(q[u], b6),
+                                        _mm512_permutex2var_epi16(l0[0], q[u], l0[1]),
+                                        _mm512_permutex2var_epi16(l0[2], q[u], l0[3])));
+      }
+      for (int u = 0; u < kU; ++u) {
+        const __mmask32 q6 = _mm512_test_epi16_mask(q[u], b6);
+        const __mmask32 q7 = _mm512_test_epi16_mask(q[u], b7);
+        auto pick = [&](const __m512i* tab) {
+          const __m512i a =
+              _mm512_mask_blend_epi16(q6, _mm512_permutex2var_epi16(tab[0], q[u], tab[1]),
+                                      _mm512_permutex2var_epi16(tab[2], q[u], tab[3]));
+          const __m512i b =
+              _mm512_mask_blend_epi16(q6, _mm512_permutex2var_epi16(tab[4], q[u], tab[5]),
+                                      _mm512_permutex2var_epi16(tab[6], q[u], tab[7]));
+          return _mm512_mask_blend_epi16(q7, a, b);
+        };
+        const __mmask32 up = _mm512_cmpeq_epi16_mask(pick(hi), yh[u]) &
+                             _mm512_cmpge_epu16_mask(yl[u], pick(lo));
+        q[u] = _mm512_mask_add_epi16(q[u], up, q[u], one);
+      }
+    };
+    constexpr int kU = TPAMP_DYNAMIC_UNROLL;
+    for (; i + 32 * kU <= n; i += 32 * kU) {
+      __m512 x[2 * kU];
+      __m512i q[kU];
+      for (int u = 0; u < 2 * kU; ++u) x[u] = _mm512_loadu_ps(in + i + 16 * u);
+      search(std::integral_constant<int, kU>{}, x, q);
+      for (int u = 0; u < kU; ++u) {
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + i + 32 * u),
+                            _mm512_cvtepi16_epi8(q[u]));
       }
     }
-    for (; i < n; i += 16) {
-      const __mmask16 live = n - i >= 16 ? __mmask16(0xffff) : __mmask16((1u << (n - i)) - 1u);
-      __m512 y[1] = {_mm512_div_ps(_mm512_maskz_loadu_ps(live, in + i), d)};
+    for (; i < n; i += 32) {
+      const int64_t r = n - i;
+      const __mmask32 live =
+          r >= 32 ? ~__mmask32(0) : static_cast<__mmask32>((uint64_t{1} << r) - 1u);
+      __m512 x[2] = {_mm512_maskz_loadu_ps(static_cast<__mmask16>(live), in + i),
+                     _mm512_maskz_loadu_ps(static_cast<__mmask16>(live >> 16), in + i + 16)};
       __m512i q[1];
-      search(std::integral_constant<int, 1>{}, y, q);
-      _mm_mask_storeu_epi8(out + i, live, _mm512_cvtepi32_epi8(q[0]));
+      search(std::integral_constant<int, 1>{}, x, q);
+      _mm256_mask_storeu_epi8(out + i, live, _mm512_cvtepi16_epi8(q[0]));
     }
   }
 #elif defined(CPU_CAPABILITY_AVX2)

@@ -611,6 +611,154 @@ void adam_chunk_bf16(const G* g, float* p, int16_t* rem, uint16_t* m, uint16_t* 
                      int64_t n, const AdamScalars& scalars, Flags flags);
 #endif
 
+// -- uint8 moments (+ remainders) in one loop per block (AVX-512) ------------------------------
+//
+// adam_chunk_narrow with both moments in the uint8 format, fused: per block of kMomentBlock
+// elements, one loop over 32 elements at a time decodes both moments into registers
+// (DynamicDecoder), runs adam_element_dynamic, writes the params (fp32 masters and model params,
+// or bf16 params + remainders split in registers as adam_chunk_bf16) and the new moments into
+// L1 buffers, and keeps the running max of |m| and |v| bits (dynamic_absmax's order); then each
+// moment's scale and its encode (dynamic_encode_block) from the buffer. A block whose moment
+// holds NaN takes write_moment (its scale keeps the NaN bits dynamic_absmax's nan_path gives).
+// The bits of adam_chunk_narrow: the same functions per element, only fewer passes over L1.
+#if defined(CPU_CAPABILITY_AVX512)
+constexpr bool kDynamicPass = true;
+
+template <typename G, typename M, typename Flags, bool kRem>
+__attribute__((noinline)) void adam_chunk_dynamic(const G* __restrict g, float* __restrict p,
+                                                  int16_t* __restrict rem, const MomentRef& mref,
+                                                  const MomentRef& vref, M* __restrict model,
+                                                  int64_t n, const AdamScalars& scalars,
+                                                  Flags flags) {
+  using L = Lanes32;
+  constexpr bool kModel = !std::is_same_v<M, NoModel>;
+  static_assert(!kRem || std::is_same_v<M, at::BFloat16>, "remainders go with bf16 params");
+  static_assert(kVecStep == 32, "32 elements a step (two registers of 16)");
+  const AdamScalars s = scalars;  // in registers (see adam_chunk)
+  const DynamicTables& mt = dynamic_tables(false);
+  const DynamicTables& vt = dynamic_tables(true);
+  const DynamicDecoder mdec(mt), vdec(vt);
+  uint8_t* const mcodes = static_cast<uint8_t*>(mref.data);
+  uint8_t* const vcodes = static_cast<uint8_t*>(vref.data);
+  const __m512i abs_mask = _mm512_set1_epi32(0x7fffffff);
+  alignas(64) float mbuf[kMomentBlock];
+  alignas(64) float vbuf[kMomentBlock];
+  for (int64_t b = 0; b * kMomentBlock < n; ++b) {
+    const int64_t o = b * kMomentBlock;
+    const int64_t k = std::min<int64_t>(kMomentBlock, n - o);
+    const __m512 mscale = _mm512_set1_ps(mref.scales[b]);
+    const __m512 vscale = _mm512_set1_ps(vref.scales[b]);
+    __m512i mmax = _mm512_setzero_si512(), vmax = _mm512_setzero_si512();
+    // one step of 32 elements; live: the lanes of the block (the tail's padding lanes are
+    // computed but neither stored nor counted in the maxima)
+    auto step = [&](const G* gp, float* pp, int16_t* rp, M* modelp, __m512i mc, __m512i vc,
+                    float* mo, float* vo, __mmask32 live) {
+      FVec g0, g1, p0, p1;
+      __m512 m0, m1, v0, v1;
+      VecIO<G>::load(gp, g0, g1);
+      if constexpr (kRem) {
+        L::I a, c, ra, rb;
+        L::load_u16(reinterpret_cast<const uint16_t*>(modelp), a, c);
+        L::load_s16(rp, ra, rb);
+        p0 = L::from_bits(L::add(L::shl16(a), ra));
+        p1 = L::from_bits(L::add(L::shl16(c), rb));
+      } else {
+        VecIO<float>::load(pp, p0, p1);
+      }
+      mdec.decode32(mc, mscale, m0, m1);
+      vdec.decode32(vc, vscale, v0, v1);
+      // rounded where they stand: the decode's products are not contracted into the update
+      FVec fm0 = RoundedHere<FVec>::apply(FVec(m0)), fm1 = RoundedHere<FVec>::apply(FVec(m1));
+      FVec fv0 = RoundedHere<FVec>::apply(FVec(v0)), fv1 = RoundedHere<FVec>::apply(FVec(v1));
+      adam_element_dynamic<FVec>(p0, fm0, fv0, g0, s, flags);
+      adam_element_dynamic<FVec>(p1, fm1, fv1, g1, s, flags);
+      m0 = fm0;
+      m1 = fm1;
+      v0 = fv0;
+      v1 = fv1;
+      _mm512_store_ps(mo, m0);
+      _mm512_store_ps(mo + 16, m1);
+      _mm512_store_ps(vo, v0);
+      _mm512_store_ps(vo + 16, v1);
+      const __mmask16 live0 = static_cast<__mmask16>(live);
+      const __mmask16 live1 = static_cast<__mmask16>(live >> 16);
+      mmax = _mm512_mask_max_epi32(mmax, live0, mmax,
+                                   _mm512_and_si512(_mm512_castps_si512(m0), abs_mask));
+      mmax = _mm512_mask_max_epi32(mmax, live1, mmax,
+                                   _mm512_and_si512(_mm512_castps_si512(m1), abs_mask));
+      vmax = _mm512_mask_max_epi32(vmax, live0, vmax,
+                                   _mm512_and_si512(_mm512_castps_si512(v0), abs_mask));
+      vmax = _mm512_mask_max_epi32(vmax, live1, vmax,
+                                   _mm512_and_si512(_mm512_castps_si512(v1), abs_mask));
+      if constexpr (kRem) {
+        const L::I u0 = L::bits(p0), u1 = L::bits(p1);
+        const L::I half = L::set1(0x8000u);
+        L::store16(rp, u0, u1);
+        L::store16(modelp, L::shr16(L::add(u0, half)), L::shr16(L::add(u1, half)));
+      } else {
+        VecIO<float>::template store<true, false>(pp, p0, p1);
+        if constexpr (kModel) VecIO<M>::template store<true, false>(modelp, p0, p1);
+      }
+    };
+    auto codes = [](const uint8_t* c, __mmask32 live) {
+      return _mm512_cvtepu8_epi16(_mm256_maskz_loadu_epi8(live, c));
+    };
+    int64_t i = 0;
+    for (; i + kVecStep <= k; i += kVecStep) {
+      const int64_t j = o + i;
+      step(g + j, kRem ? nullptr : p + j, kRem ? rem + j : nullptr,
+           kModel ? model + j : nullptr, codes(mcodes + j, ~__mmask32(0)),
+           codes(vcodes + j, ~__mmask32(0)), mbuf + i, vbuf + i, ~__mmask32(0));
+    }
+    if (i < k) {  // the last block's tail: through zero-padded copies, as adam_chunk
+      const int64_t r = k - i;
+      const int64_t j = o + i;
+      const __mmask32 live = static_cast<__mmask32>((1u << r) - 1u);
+      Tail<G> tg;
+      Tail<float> tp;
+      Tail<int16_t> trem;
+      Tail<std::conditional_t<kModel, M, float>> tmodel;
+      tg.in(g + j, r);
+      if constexpr (kRem) {
+        trem.in(rem + j, r);
+        tmodel.in(model + j, r);
+      } else {
+        tp.in(p + j, r);
+      }
+      step(tg.buf, tp.buf, trem.buf, kModel ? reinterpret_cast<M*>(tmodel.buf) : nullptr,
+           codes(mcodes + j, live), codes(vcodes + j, live), mbuf + i, vbuf + i, live);
+      if constexpr (kRem) {
+        trem.out(rem + j, r);
+      } else {
+        tp.out(p + j, r);
+      }
+      if constexpr (kModel) tmodel.out(model + j, r);
+    }
+    // the scales and codes (write_moment's, with the maxima found above)
+    auto finish = [&](const MomentRef& ref, __m512i vm, const DynamicTables& t, const float* buf,
+                      uint8_t* out) {
+      const uint32_t mx = static_cast<uint32_t>(_mm512_reduce_max_epi32(vm));
+      if (mx > 0x7f800000u) {  // NaN: write_moment's NaN path
+        write_moment(ref, b, k, buf);
+        return;
+      }
+      const DynamicScale sc = dynamic_scale(bits_to_float(mx));
+      ref.scales[b] = sc.scale;
+      dynamic_encode_block(buf, k, sc.div, t, out + o);
+    };
+    finish(mref, mmax, mt, mbuf, mcodes);
+    finish(vref, vmax, vt, vbuf, vcodes);
+  }
+}
+#else
+constexpr bool kDynamicPass = false;
+// declared for the call in fused_adam_step_, which discards it here (if constexpr)
+template <typename G, typename M, typename Flags, bool kRem>
+void adam_chunk_dynamic(const G* g, float* p, int16_t* rem, const MomentRef& mref,
+                        const MomentRef& vref, M* model, int64_t n, const AdamScalars& scalars,
+                        Flags flags);
+#endif
+
 // -- bf16 moments + bf16 params with stochastic rounding in one loop (docs/spec.md section 21) ---
 //
 // As adam_chunk_bf16 with remainders, but the param is the master (widened exactly) and is
@@ -903,6 +1051,31 @@ void fused_adam_step_(at::TensorList params, at::TensorList exp_avgs, at::Tensor
           } else if constexpr (std::is_same_v<M, at::BFloat16>) {
             adam_chunk_bf16<G, M, decltype(flags), true>(
                 g, nullptr, params[e].data_ptr<int16_t>() + c.offset, m, v, model, c.n,
+                scalars[e], flags);
+          } else {
+            TORCH_CHECK(false, "tpamp: remainders without bf16 params");  // validated before
+          }
+        }
+      });
+      return;
+    }
+    if (kDynamicPass && mk == Kind::kDynamic && vk == Kind::kDynamic) {
+      using G = std::remove_const_t<std::remove_pointer_t<decltype(g)>>;
+      using M = std::remove_pointer_t<decltype(model)>;
+      const int64_t first_block = c.offset / kMomentBlock;  // c.offset: a multiple of kChunkSize
+      const MomentRef mref{mk, static_cast<uint8_t*>(exp_avgs[e].data_ptr()) + c.offset,
+                           exp_avg_scales[e].data_ptr<float>() + first_block, false};
+      const MomentRef vref{vk, static_cast<uint8_t*>(exp_avg_sqs[e].data_ptr()) + c.offset,
+                           exp_avg_sq_scales[e].data_ptr<float>() + first_block, true};
+      with_adam_flags(scalars[e], [&](auto flags) {
+        if constexpr (kDynamicPass) {
+          if (!remainders) {
+            adam_chunk_dynamic<G, M, decltype(flags), false>(
+                g, params[e].data_ptr<float>() + c.offset, nullptr, mref, vref, model, c.n,
+                scalars[e], flags);
+          } else if constexpr (std::is_same_v<M, at::BFloat16>) {
+            adam_chunk_dynamic<G, M, decltype(flags), true>(
+                g, nullptr, params[e].data_ptr<int16_t>() + c.offset, mref, vref, model, c.n,
                 scalars[e], flags);
           } else {
             TORCH_CHECK(false, "tpamp: remainders without bf16 params");  // validated before
