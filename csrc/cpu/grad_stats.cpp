@@ -17,9 +17,31 @@
 #include <cmath>
 #include <vector>
 
+#if defined(CPU_CAPABILITY_AVX512)
+#include <immintrin.h>
+#endif
+
 namespace tpamp {
 namespace cpu {
 namespace {
+
+// stats_add (csrc/kernels/grad_stats.h) on a vector, with the zero count as one compare into a
+// mask and one masked add on AVX-512 (at::vec's eq returns 1.0f / 0.0f lanes: compare, mask to
+// vector, and, add). The same counts: r == 0 (ordered compare: -0.0 counts, NaN does not).
+template <bool kZeros>
+TPAMP_INLINE void stats_add_vec(StatsLanes<FVec>& a, const FVec& r) {
+#if defined(CPU_CAPABILITY_AVX512)
+  using L = Lanes<FVec>;
+  a.sq = L::fmadd(r, r, a.sq);
+  a.amax = L::max_plain(a.amax, L::abs(r));
+  if (kZeros) {
+    const __mmask16 z = _mm512_cmp_ps_mask(r, _mm512_setzero_ps(), _CMP_EQ_OQ);
+    a.zeros = FVec(_mm512_mask_add_ps(a.zeros, z, a.zeros, _mm512_set1_ps(1.0f)));
+  }
+#else
+  stats_add<kZeros>(a, r);
+#endif
+}
 
 // Statistics of one chunk: in[0 .. n) -> out[0 .. n).
 //   kMul: multiply by s;  kStore: write out (false: in place without a multiply, nothing to write)
@@ -57,10 +79,10 @@ ChunkStats grad_stats_chunk(const in_t* in, out_t* out, int64_t n, float s) {
       }
       VecIO<out_t>::template store<kStore, kRound>(out + i, a, b);
       VecIO<out_t>::template store<kStore, kRound>(out + i + kVecStep, c, d);
-      stats_add<kZeros>(acc[0], a);
-      stats_add<kZeros>(acc[1], b);
-      stats_add<kZeros>(acc[2], c);
-      stats_add<kZeros>(acc[3], d);
+      stats_add_vec<kZeros>(acc[0], a);
+      stats_add_vec<kZeros>(acc[1], b);
+      stats_add_vec<kZeros>(acc[2], c);
+      stats_add_vec<kZeros>(acc[3], d);
     }
     for (; kUseVec && i + kVecStep <= end; i += kVecStep) {
       FVec a, b;
@@ -70,8 +92,8 @@ ChunkStats grad_stats_chunk(const in_t* in, out_t* out, int64_t n, float s) {
         b = scale_value(b, sv);
       }
       VecIO<out_t>::template store<kStore, kRound>(out + i, a, b);
-      stats_add<kZeros>(acc[0], a);
-      stats_add<kZeros>(acc[1], b);
+      stats_add_vec<kZeros>(acc[0], a);
+      stats_add_vec<kZeros>(acc[1], b);
     }
     StatsLanes<float> tail = stats_init<float>();
     for (; i < end; ++i) {
