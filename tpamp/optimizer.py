@@ -584,7 +584,8 @@ class MixedPrecisionOptimizer(OptimizerWrapper):
         """(name, model param, grad) for every gradient the next step() reads: a model param's
         ``main_grad`` when it has one, else its ``.grad``; an fp32 param's ``main_grad`` or
         ``.grad``. The step guard (tpamp._validation.guard_step) checks their shape, dtype and
-        device before the step changes anything, and that one changed since the last step."""
+        device before the step changes anything, and that one changed since the last step. The
+        name is a str-like object formatted when used (error messages only)."""
         out = []
         for gi, (pairs, fp32s) in enumerate(zip(self._half_pairs, self._fp32_params)):
             for i, (model, _) in enumerate(pairs):
@@ -1462,8 +1463,9 @@ def check_fp16_scaler(has_fp16: bool, grad_scaler) -> None:
 class _SourceName:
     """The name of a gradient in :meth:`MixedPrecisionOptimizer.grad_sources` ("torch.float16
     param 3 of param group 0", "fp32 param 0 of param group 1"), formatted only when an error
-    message uses it (``str``, f-strings): the step guard reads the sources every step, and
-    formatting 200 names with their dtypes took about a tenth of the step's host work."""
+    message uses it (``str``, f-strings; it compares and hashes as that string): the step guard
+    reads the sources every step, and formatting 196 names with their dtypes took ~25 us of the
+    step's ~1 ms of host work."""
 
     __slots__ = ("model", "index", "group")
 

@@ -55,7 +55,7 @@ ChunkStats grad_stats_chunk(const in_t* in, out_t* out, int64_t n, float s) {
   const FVec sv(s);
   for (int64_t b0 = 0; b0 < n; b0 += kSumBlock) {
     const int64_t end = std::min(n, b0 + kSumBlock);
-    // Four independent accumulators (kSumLanes), so that the fma, max and add chains do not
+    // Four independent accumulators, so that the fma, max and add chains do not
     // wait on each other: with one accumulator the loop was latency-bound (one fp32 fma chain
     // per lane, ~10 G elements/s on one Zen 5 core, below the memory bandwidth). Element
     // i + k * FVec::size() of each 4 * FVec::size() group goes to acc[k]; the tail of the
