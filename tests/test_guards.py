@@ -461,6 +461,8 @@ def test_a_bad_gradient_is_named_by_its_dtype_index_and_group():
     with pytest.raises(TypeError, match="the gradient of fp32 param 0 of param group 1 has dtype "
                                         "torch.float16"):
         opt.step()
-    names = [str(name) for name, _, _ in opt.grad_sources()]
+    names = [name for name, _, _ in opt.grad_sources()]
     assert names == ["torch.float16 param 0 of param group 0",
                      "torch.float16 param 0 of param group 1", "fp32 param 0 of param group 1"]
+    assert names[2].startswith("fp32 ") and "x " + names[2] == "x fp32 param 0 of param group 1"
+    assert f"{names[0]:>40}" == f"{'torch.float16 param 0 of param group 0':>40}"

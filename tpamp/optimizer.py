@@ -1485,6 +1485,17 @@ class _SourceName:
     def __hash__(self) -> int:
         return hash(str(self))
 
+    def __add__(self, other):
+        return str(self) + other
+
+    def __radd__(self, other):
+        return other + str(self)
+
+    def __getattr__(self, attr):  # str's methods (startswith, split, ...) on the formatted name
+        if attr in _SourceName.__slots__:  # not set yet (e.g. while unpickling)
+            raise AttributeError(attr)
+        return getattr(str(self), attr)
+
     __repr__ = __str__
 
 
