@@ -439,3 +439,28 @@ def test_both_step_paths_count_zeros_on_the_raw_grads(dtype):
         p.main_grad = raw.clone()
         counts.append(opt.step().num_zeros_in_grad)
     assert counts == [expected, expected]
+
+
+def test_a_bad_gradient_is_named_by_its_dtype_index_and_group():
+    """The step guard's message names the gradient as "<dtype> param <i> of param group <g>"
+    (fp16/bf16 params) or "fp32 param <i> of param group <g>", a plain str."""
+    half = [torch.nn.Parameter(torch.ones(4).half()) for _ in range(2)]
+    full = torch.nn.Parameter(torch.ones(3))
+    opt = tpamp.MixedPrecisionOptimizer(
+        torch.optim.AdamW([{"params": [half[0]]}, {"params": [half[1], full]}], lr=1e-3),
+        grad_scaler=tpamp.DynamicGradScaler(initial_scale=8.0))
+    half[0].main_grad = torch.ones(4)
+    half[1].main_grad = torch.ones(5)  # torch refuses a .grad of the wrong shape
+    full.main_grad = torch.ones(3)
+    with pytest.raises(ValueError, match=r"the gradient of torch\.float16 param 0 of param group 1 "
+                                         r"has shape \(5,\)"):
+        opt.step()
+    half[1].main_grad = torch.ones(4)
+    full.main_grad = torch.ones(3).half()
+    with pytest.raises(TypeError, match="the gradient of fp32 param 0 of param group 1 has dtype "
+                                        "torch.float16"):
+        opt.step()
+    names = [name for name, _, _ in opt.grad_sources()]
+    assert names == ["torch.float16 param 0 of param group 0",
+                     "torch.float16 param 0 of param group 1", "fp32 param 0 of param group 1"]
+    assert all(type(name) is str for name in names)

@@ -106,6 +106,33 @@ def test_grad_stats_odd_sizes_around_vector_width_and_chunks(dtype, variant):
     _check_stats(res, values, mask)
 
 
+@pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "fp16", "bf16"])
+def test_grad_stats_every_accumulator_slot_counts_zeros_and_sees_inf_and_nan(dtype):
+    """The vector loop keeps four accumulators (four vector steps of up to 16 lanes each, then a
+    tail by whole vector steps, then scalars): a zero, a -0.0, an inf and a NaN placed at each
+    position of a 64-element group and of the block tail are counted / found exactly as the
+    float64 reference of the same values."""
+    gen = torch.Generator().manual_seed(11)
+    n = 4096 + 64 + 40  # one full sum block, one full group, a tail of vector steps and scalars
+    for pos in list(range(0, 64, 5)) + [4096 + 1, 4096 + 63, 4096 + 64 + 17, n - 1]:
+        base = _rand(n, dtype, gen)
+        zeros = base.clone()
+        zeros[pos] = 0.0
+        zeros[(pos * 7 + 3) % n] = -0.0
+        res = TP.grad_stats_([zeros], None, [True], True, False)
+        _check_stats(res, _expected_values([zeros], None), [True], per_tensor=False)
+        assert int(res[3]) == int((zeros.double() == 0).sum()), pos
+        for bad in (math.inf, -math.inf, math.nan):
+            g = base.clone()
+            g[pos] = bad
+            found, sumsq, amax, _, _ = TP.grad_stats_([g], None, [True], True, False)
+            assert float(found) == 1.0, (pos, bad)
+            if math.isnan(bad):
+                assert math.isnan(float(amax)) and math.isnan(float(sumsq)), pos
+            else:
+                assert float(amax) == math.inf, (pos, bad)
+
+
 def test_grad_stats_without_scale_in_place_writes_nothing_and_counts():
     gen = torch.Generator().manual_seed(2)
     grads = [_rand(n, torch.float16, gen) for n in (100, 70000)]
