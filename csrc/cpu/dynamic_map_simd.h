@@ -25,6 +25,7 @@
 #include "dynamic_map_pieces.h"
 
 #include <cstdint>
+#include <cstring>
 #include <type_traits>
 
 // Registers per round of the AVX-512 encode (8: 0.30 ns per element on the CPU measured; 1: 0.57,
@@ -201,8 +202,22 @@ inline void dynamic_decode_block(const uint8_t* __restrict in, int64_t n, float 
     const __m512i c = _mm512_cvtepu8_epi32(_mm_maskz_loadu_epi8(live, in + i));
     _mm512_mask_storeu_ps(out + i, live, decode16(c));
   }
+#elif defined(CPU_CAPABILITY_AVX2)
+  // scalar loads, 8 codes from one 64-bit read, one vector multiply (1.3 ns per 8 elements on
+  // the Zen 5 measured, g++'s loop of byte loads 1.4, an 8-lane gather 3.7)
+  const __m256 s = _mm256_set1_ps(scale);
+  const float* __restrict map = t.map;
+  for (; i + 8 <= n; i += 8) {
+    uint64_t w;
+    std::memcpy(&w, in + i, 8);
+    const __m128 lo = _mm_setr_ps(map[w & 0xff], map[(w >> 8) & 0xff], map[(w >> 16) & 0xff],
+                                  map[(w >> 24) & 0xff]);
+    const __m128 hi = _mm_setr_ps(map[(w >> 32) & 0xff], map[(w >> 40) & 0xff],
+                                  map[(w >> 48) & 0xff], map[w >> 56]);
+    _mm256_storeu_ps(out + i, _mm256_mul_ps(_mm256_set_m128(hi, lo), s));
+  }
 #endif
-  // AVX2 and default: scalar loads (0.2 ns per element here; AVX2 gathers 0.45)
+  // default (and the tails): scalar loads
   for (; i < n; ++i) out[i] = t.map[in[i]] * scale;
 }
 
