@@ -5,7 +5,8 @@ Usage: PYTHONPATH=. python scripts/gen_dynamic_map.py > csrc/kernels/dynamic_map
 PYTHONPATH=. python scripts/gen_dynamic_map.py --python > tpamp/_dynamic_map_table.py (the maps
 of tpamp.state_formats.dynamic_map, from tpamp.state_formats.create_dynamic_map: run it at the
 AVX-512 capability, where the committed tables were made; torch's float32 linspace rounds
-differently at others).
+differently at others), and PYTHONPATH=. python scripts/gen_dynamic_map.py --pieces >
+csrc/cpu/dynamic_map_pieces.h (the AVX2 encode's decade pieces, see piece_tables).
 
 Tables (docs/spec.md section 9):
 * kDynamicMapSigned / kDynamicMapUnsigned: the 256 values of tpamp.state_formats.dynamic_map
