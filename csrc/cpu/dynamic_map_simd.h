@@ -20,7 +20,7 @@
 // A NaN divisor (a block holding NaN; no y is NaN otherwise) takes the scalar loop, whose
 // segments put NaN where dynamic_encode_bits does (255 with a clear sign bit, else 0).
 // Decode: AVX-512 picks map[c] with 8 two-register permutes and 7 selects; AVX2 and scalar read
-// the table (scalar loads beat AVX2 gathers here: 0.17 against 0.45 ns per element).
+// the table (scalar loads beat AVX2 gathers here: 0.18 against 0.45 ns per element).
 // scripts/gen_dynamic_map.py generates and checks the tables; tests/test_dynamic_map_modules.py
 // checks every float32 threshold of both maps and its neighbours in every CPU module against
 // the numpy rule and the emulated CUDA launcher.
@@ -31,7 +31,6 @@
 #include "dynamic_map_pieces.h"
 
 #include <cstdint>
-#include <cstring>
 #include <type_traits>
 
 // Registers per round of the AVX-512 encode (8: 0.30 ns per element on the CPU measured; 1: 0.57,
@@ -208,22 +207,9 @@ inline void dynamic_decode_block(const uint8_t* __restrict in, int64_t n, float 
     const __m512i c = _mm512_cvtepu8_epi32(_mm_maskz_loadu_epi8(live, in + i));
     _mm512_mask_storeu_ps(out + i, live, decode16(c));
   }
-#elif defined(CPU_CAPABILITY_AVX2)
-  // scalar loads, 8 codes from one 64-bit read, one vector multiply (1.3 ns per 8 elements on
-  // the Zen 5 measured, g++'s loop of byte loads 1.4, an 8-lane gather 3.7)
-  const __m256 s = _mm256_set1_ps(scale);
-  const float* __restrict map = t.map;
-  for (; i + 8 <= n; i += 8) {
-    uint64_t w;
-    std::memcpy(&w, in + i, 8);
-    const __m128 lo = _mm_setr_ps(map[w & 0xff], map[(w >> 8) & 0xff], map[(w >> 16) & 0xff],
-                                  map[(w >> 24) & 0xff]);
-    const __m128 hi = _mm_setr_ps(map[(w >> 32) & 0xff], map[(w >> 40) & 0xff],
-                                  map[(w >> 48) & 0xff], map[w >> 56]);
-    _mm256_storeu_ps(out + i, _mm256_mul_ps(_mm256_set_m128(hi, lo), s));
-  }
 #endif
-  // default (and the tails): scalar loads
+  // AVX2 and default: scalar loads (g++ vectorizes the multiply: 0.18 ns per element on the
+  // Zen 5 measured; an 8-lane gather 0.45, 8 codes per 64-bit read and inserts 0.19)
   for (; i < n; ++i) out[i] = t.map[in[i]] * scale;
 }
 
