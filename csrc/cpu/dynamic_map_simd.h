@@ -297,8 +297,8 @@ inline void dynamic_encode_block(const float* __restrict in, int64_t n, float di
   // negative decade start lies 0-2 ulps from the positive one; where the key misplaces a lane,
   // its t lies on an integer and the lane is flagged). t = a A[p] + B[p] crosses the integer j
   // within 2^-15 of the threshold of k >= j inside the piece; a lane whose t lies within 2^-12
-  // of an integer (about 1 in 2000 of uniform t) sends its group of 32 through
-  // dynamic_encode_scalar. The code depends on y only and y = x / div is IEEE division, so
+  // of an integer (about 1 in 2000 of uniform t) is redone by dynamic_encode_scalar. The code
+  // depends on y only and y = x / div is IEEE division, so
   // scripts/check_dynamic_map_exhaustive.cpp (every float32 y) checks every divisor.
   const bool is_unsigned = t.map == kDynamicMapUnsigned;
   const __m256 scale_tab = _mm256_load_ps(is_unsigned ? kDynamicPieceScaleUnsigned
@@ -322,8 +322,8 @@ inline void dynamic_encode_block(const float* __restrict in, int64_t n, float di
   // The codes of 8 values (32-bit lanes), the piece's t in fixed point: ti = trunc(2^bits t
   // + 1) (A and B scaled by 2^bits exactly, B plus 1: kDynamicPieceFracBits). ti & (2^bits -
   // 2) is 0 iff t lies within 2^-bits of an integer (the lane is flagged; otherwise ti >> bits
-  // = floor(t)); the minimum over a group says whether any lane is.
-  auto codes8 = [&](auto unsigned_tag, const float* p, __m256i& near) {
+  // = floor(t)); the minimum over a group of 32 says whether any lane is.
+  auto codes8 = [&](auto unsigned_tag, const float* p, __m256i& near) {  // near: per lane
     constexpr bool kUnsigned = decltype(unsigned_tag)::value;
     const __m256 y = _mm256_div_ps(_mm256_loadu_ps(p), d);
     const __m256 a = _mm256_min_ps(_mm256_and_ps(y, abs_mask), one);  // inf -> 1; not NaN
@@ -340,7 +340,7 @@ inline void dynamic_encode_block(const float* __restrict in, int64_t n, float di
     const __m256i ti = _mm256_cvttps_epi32(
         _mm256_fmadd_ps(a, _mm256_permutevar8x32_ps(scale_tab, piece),
                         _mm256_permutevar8x32_ps(offset_tab, piece)));
-    near = _mm256_min_epu32(near, _mm256_and_si256(ti, frac_mask));
+    near = _mm256_and_si256(ti, frac_mask);
     const __m256i k = _mm256_min_epi32(_mm256_srai_epi32(ti, kDynamicPieceFracBits),
                                        _mm256_permutevar8x32_epi32(top_tab, piece));
     if constexpr (kUnsigned) {
@@ -351,19 +351,26 @@ inline void dynamic_encode_block(const float* __restrict in, int64_t n, float di
   };
   auto run = [&](auto unsigned_tag) {
     for (; i + 32 <= n; i += 32) {
-      __m256i near = _mm256_set1_epi32(-1);
-      const __m256i c0 = codes8(unsigned_tag, in + i, near),
-                    c1 = codes8(unsigned_tag, in + i + 8, near),
-                    c2 = codes8(unsigned_tag, in + i + 16, near),
-                    c3 = codes8(unsigned_tag, in + i + 24, near);
+      __m256i near[4];
+      const __m256i c0 = codes8(unsigned_tag, in + i, near[0]),
+                    c1 = codes8(unsigned_tag, in + i + 8, near[1]),
+                    c2 = codes8(unsigned_tag, in + i + 16, near[2]),
+                    c3 = codes8(unsigned_tag, in + i + 24, near[3]);
+      const __m256i any = _mm256_cmpeq_epi32(
+          _mm256_min_epu32(_mm256_min_epu32(near[0], near[1]), _mm256_min_epu32(near[2], near[3])),
+          zero);
       // 32 -> 16 -> 8 bits (codes <= 255), lanes back in order
       const __m256i bytes = _mm256_permutevar8x32_epi32(
           _mm256_packus_epi16(_mm256_packus_epi32(c0, c1), _mm256_packus_epi32(c2, c3)), order);
       _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + i), bytes);
-      if (__builtin_expect(!_mm256_testz_si256(_mm256_cmpeq_epi32(near, zero),
-                                               _mm256_cmpeq_epi32(near, zero)), 0)) {
-        for (int64_t j = i; j < i + 32; ++j) {
-          out[j] = static_cast<uint8_t>(dynamic_encode_scalar(in[j] / div, t));
+      if (__builtin_expect(!_mm256_testz_si256(any, any), 0)) {  // the flagged lanes only
+        for (int v = 0; v < 4; ++v) {
+          unsigned lanes = static_cast<unsigned>(
+              _mm256_movemask_ps(_mm256_castsi256_ps(_mm256_cmpeq_epi32(near[v], zero))));
+          for (; lanes != 0u; lanes &= lanes - 1u) {
+            const int64_t j = i + 8 * v + __builtin_ctz(lanes);
+            out[j] = static_cast<uint8_t>(dynamic_encode_scalar(in[j] / div, t));
+          }
         }
       }
     }
