@@ -326,7 +326,9 @@ inline void dynamic_encode_block(const float* __restrict in, int64_t n, float di
   auto codes8 = [&](auto unsigned_tag, const float* p, __m256i& near) {  // near: per lane
     constexpr bool kUnsigned = decltype(unsigned_tag)::value;
     const __m256 y = _mm256_div_ps(_mm256_loadu_ps(p), d);
-    const __m256 a = _mm256_min_ps(_mm256_and_ps(y, abs_mask), one);  // inf -> 1; not NaN
+    // inf -> 1 (y is not NaN); unsigned: y <= 0 (-0.0, -inf included) -> +0.0, code 0
+    const __m256 a = kUnsigned ? _mm256_max_ps(_mm256_min_ps(y, one), _mm256_setzero_ps())
+                               : _mm256_min_ps(_mm256_and_ps(y, abs_mask), one);
     const __m256i ab = _mm256_castps_si256(a);
     const __m256i u = _mm256_castps_si256(y);
     // the key: a's bits, less 2 for negative y (|y| < 2; else a = 1, the last piece either way)
@@ -344,7 +346,7 @@ inline void dynamic_encode_block(const float* __restrict in, int64_t n, float di
     const __m256i k = _mm256_min_epi32(_mm256_srai_epi32(ti, kDynamicPieceFracBits),
                                        _mm256_permutevar8x32_epi32(top_tab, piece));
     if constexpr (kUnsigned) {
-      return _mm256_andnot_si256(_mm256_srai_epi32(u, 31), k);
+      return k;
     } else {  // 127 - 128 = -1 (y <= -1) saturates to code 0 in the pack
       return _mm256_add_epi32(c127, _mm256_sign_epi32(k, u));
     }
