@@ -12,9 +12,9 @@
 //   whose thresholds come from registers (permutes), 8 registers interleaved per round.
 // * AVX2: no table read per element: the map is linear within each decade, so the code is
 //   floor(a A[p] + B[p]) on the decade piece p of a = |y| (kDynamicPiece*, from
-//   scripts/gen_dynamic_map.py --pieces; see dynamic_encode_block); a group of 32 with a lane
-//   within 2^-12 of a threshold (in code units) takes the scalar path. 0.33 ns per element on
-//   the Zen 5 measured (one thread, block in L1), the keyed gather before it 0.40.
+//   scripts/gen_dynamic_map.py --pieces; see dynamic_encode_block); a value within 2^-12 of a
+//   threshold (in code units) takes the scalar path. 0.30-0.34 ns per element
+//   on the Zen 5 measured (scripts/bench_dynamic_map_block.cpp), the keyed gather before it 0.41.
 // * scalar (and the AVX2 fallback): one read of a keyed table (kDynamicKeyed*, see
 //   dynamic_encode_scalar).
 // A NaN divisor (a block holding NaN; no y is NaN otherwise) takes the scalar loop, whose
