@@ -1,5 +1,5 @@
 """The uint8 moment format (docs/spec.md section 9) in every CPU capability module: the AVX-512
-binary search over in-register thresholds, the AVX2 keyed-table gather, the scalar path of the
+binary search over in-register thresholds, the AVX2 decade-piece arithmetic, the scalar path of the
 default module (csrc/cpu/dynamic_map_simd.h) give the codes of the rule written again in numpy
 (tests/test_dynamic_map.py: nearest map entry by exhaustive search) at every float32 threshold
 of both maps and at its neighbours, on random blocks, short blocks, all-zero blocks, -0.0,

@@ -12,11 +12,17 @@
 //   halves (DynamicKeyTables): an 8-level branch-free binary search on the high halves in
 //   16-bit lanes (32 values a register; thresholds from registers by word permutes), then one
 //   compare of the low halves.
-// * AVX2 and scalar: one read of a keyed table (kDynamicKeyed*, see dynamic_encode_scalar).
+// * AVX2: no table read per element: the map is linear within each decade, so the code is
+//   floor(a A[p] + B[p]) on the decade piece p of a = |y| (kDynamicPiece*, from
+//   scripts/gen_dynamic_map.py --pieces; see dynamic_encode_block); a lane within 2^-12 of a
+//   threshold (in code units) takes the scalar path. 0.33 ns per element on the Zen 5
+//   measured (one thread, block in L1), the keyed gather before it 0.40.
+// * scalar (and the AVX2 fallback): one read of a keyed table (kDynamicKeyed*, see
+//   dynamic_encode_scalar).
 // A NaN divisor (a block holding NaN; no y is NaN otherwise) takes the scalar loop, whose
 // segments put NaN where dynamic_encode_bits does (255 with a clear sign bit, else 0).
 // Decode: AVX-512 picks the 16-bit halves of map[c] by word permutes (DynamicDecoder); AVX2 and
-// scalar read the table (scalar loads beat AVX2 gathers here: 0.2 against 0.45 ns per element).
+// scalar read the table (scalar loads beat AVX2 gathers here: 0.18 against 0.45 ns per element).
 // scripts/gen_dynamic_map.py generates and checks the tables; tests/test_dynamic_map_modules.py
 // checks every float32 threshold of both maps and its neighbours in every CPU module against
 // the numpy rule and the emulated CUDA launcher.
@@ -24,6 +30,7 @@
 #pragma once
 
 #include "../kernels/optimizer_step.h"
+#include "dynamic_map_pieces.h"
 
 #include <cstdint>
 #include <type_traits>
@@ -275,7 +282,8 @@ inline void dynamic_decode_block(const uint8_t* __restrict in, int64_t n, float 
     _mm512_mask_storeu_ps(out + i + 16, static_cast<__mmask16>(live >> 16), b);
   }
 #endif
-  // AVX2 and default: scalar loads (0.2 ns per element here; AVX2 gathers 0.45)
+  // AVX2 and default: scalar loads (g++ vectorizes the multiply: 0.18 ns per element on the
+  // Zen 5 measured; an 8-lane gather 0.45, 8 codes per 64-bit read and inserts 0.19)
   for (; i < n; ++i) out[i] = t.map[in[i]] * scale;
 }
 
@@ -381,39 +389,102 @@ inline void dynamic_encode_block(const float* __restrict in, int64_t n, float di
     }
   }
 #elif defined(CPU_CAPABILITY_AVX2)
-  // dynamic_encode_scalar on 8 lanes: one gather (0.4 ns per element here, against 0.8 for a
-  // two-gather search and 2.0 for the scalar loop; an 8-lane binary search would need 16
-  // permutes and 15 blends for its last level alone)
+  // No gather (this CPU's 8-lane gather cost more than the rest of the encode): the map is
+  // linear within each decade, so on a = min(|y|, 1) the magnitude code k (signed: code =
+  // 127 +- k, saturated to [0, 255] by the pack; unsigned: code = k, 0 for y < 0) is
+  // min(floor(a A[p] + B[p]), hi[p]) on the piece p of a (kDynamicPiece*,
+  // scripts/gen_dynamic_map.py --pieces, which checks the fit). The pieces start at the first
+  // code of each decade, found exactly on the bits of a: a byte table by binade pair (vpshufb),
+  // then one compare with the next piece's start; the key is a's bits less 2 for negative y (a
+  // negative decade start lies 0-2 ulps from the positive one; where the key misplaces a lane,
+  // its t lies on an integer and the lane is flagged). t = a A[p] + B[p] crosses the integer j
+  // within 2^-15 of the threshold of k >= j inside the piece; a lane whose t lies within 2^-12
+  // of an integer (about 1 in 2000 of uniform t) is redone by dynamic_encode_scalar. The code
+  // depends on y only and y = x / div is IEEE division, so
+  // scripts/check_dynamic_map_exhaustive.cpp (every float32 y) checks every divisor.
+  const bool is_unsigned = t.map == kDynamicMapUnsigned;
+  const __m256 scale_tab = _mm256_load_ps(is_unsigned ? kDynamicPieceScaleUnsigned
+                                                      : kDynamicPieceScaleSigned);
+  const __m256 offset_tab = _mm256_load_ps(is_unsigned ? kDynamicPieceOffsetUnsigned
+                                                       : kDynamicPieceOffsetSigned);
+  const __m256i top_tab = _mm256_load_si256(reinterpret_cast<const __m256i*>(
+      is_unsigned ? kDynamicPieceTopUnsigned : kDynamicPieceTopSigned));
+  const __m256i start_tab = _mm256_load_si256(reinterpret_cast<const __m256i*>(
+      is_unsigned ? kDynamicPieceStartUnsigned : kDynamicPieceStartSigned));
+  const __m256i binade_tab = _mm256_load_si256(reinterpret_cast<const __m256i*>(
+      is_unsigned ? kDynamicPieceBinadeUnsigned : kDynamicPieceBinadeSigned));
   const __m256 d = _mm256_set1_ps(div);
-  const __m256i abs_mask = _mm256_set1_epi32(0x7fffffff);
-  const __m256i bias = _mm256_set1_epi32(kDynamicKeyBias);
-  const __m256i top = _mm256_set1_epi32(kDynamicKeySlots - 2);
-  const __m256i slots = _mm256_set1_epi32(kDynamicKeySlots);
+  const __m256 abs_mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
+  const __m256 one = _mm256_set1_ps(1.0f);
+  const __m256i bias = _mm256_set1_epi32((kDynamicPieceBias / 2) << 24);
   const __m256i zero = _mm256_setzero_si256();
-  const __m256i low_byte = _mm256_set1_epi32(0xff);
-  const __m256i low16 = _mm256_set1_epi32(0xffff);
-  const int* keyed = reinterpret_cast<const int*>(t.keyed);
-  auto codes8 = [&](const float* p) {
-    const __m256i u = _mm256_castps_si256(_mm256_div_ps(_mm256_loadu_ps(p), d));
-    const __m256i neg = _mm256_srai_epi32(u, 31);
-    __m256i slot =
-        _mm256_sub_epi32(_mm256_srli_epi32(_mm256_and_si256(u, abs_mask), 16), bias);
-    slot = _mm256_min_epi32(_mm256_max_epi32(slot, zero), top);
-    slot = _mm256_add_epi32(slot, _mm256_and_si256(neg, slots));
-    const __m256i e = _mm256_i32gather_epi32(keyed, slot, 4);
-    const __m256i key = _mm256_xor_si256(_mm256_and_si256(u, low16), _mm256_and_si256(neg, low16));
-    // key >= e >> 8 (both < 2^17): key + 1 > e >> 8; the code minus the all-ones mask
-    const __m256i up = _mm256_cmpgt_epi32(_mm256_sub_epi32(key, _mm256_set1_epi32(-1)),
-                                          _mm256_srli_epi32(e, 8));
-    return _mm256_sub_epi32(_mm256_and_si256(e, low_byte), up);
+  const __m256i c127 = _mm256_set1_epi32(127);
+  const __m256i frac_mask = _mm256_set1_epi32((1 << kDynamicPieceFracBits) - 2);
+  const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+  // The codes of 8 values (32-bit lanes), the piece's t in fixed point: ti = trunc(2^bits t
+  // + 1) (A and B scaled by 2^bits exactly, B plus 1: kDynamicPieceFracBits). ti & (2^bits -
+  // 2) is 0 iff t lies within 2^-bits of an integer (the lane is flagged; otherwise ti >> bits
+  // = floor(t)); the minimum over a group of 32 says whether any lane is.
+  auto codes8 = [&](auto unsigned_tag, const float* p, __m256i& near) {  // near: per lane
+    constexpr bool kUnsigned = decltype(unsigned_tag)::value;
+    const __m256 y = _mm256_div_ps(_mm256_loadu_ps(p), d);
+    // inf -> 1 (y is not NaN); unsigned: y <= 0 (-0.0, -inf included) -> +0.0, code 0
+    const __m256 a = kUnsigned ? _mm256_max_ps(_mm256_min_ps(y, one), _mm256_setzero_ps())
+                               : _mm256_min_ps(_mm256_and_ps(y, abs_mask), one);
+    const __m256i ab = _mm256_castps_si256(a);
+    const __m256i u = _mm256_castps_si256(y);
+    // the key: a's bits, less 2 for negative y (|y| < 2; else a = 1, the last piece either way)
+    const __m256i key = kUnsigned ? ab : _mm256_add_epi32(ab, _mm256_srai_epi32(u, 30));
+    // the binade pair max(E - bias, 0) / 2 from a's top byte (E / 2, E <= 127): < 16; the
+    // upper bytes are 0 and read table[0] = 0
+    const __m256i pair = _mm256_srli_epi32(_mm256_subs_epu8(ab, bias), 24);
+    const __m256i plo = _mm256_shuffle_epi8(binade_tab, pair);
+    const __m256i piece = _mm256_sub_epi32(
+        plo, _mm256_cmpgt_epi32(key, _mm256_permutevar8x32_epi32(start_tab, plo)));
+    const __m256i ti = _mm256_cvttps_epi32(
+        _mm256_fmadd_ps(a, _mm256_permutevar8x32_ps(scale_tab, piece),
+                        _mm256_permutevar8x32_ps(offset_tab, piece)));
+    near = _mm256_and_si256(ti, frac_mask);
+    const __m256i k = _mm256_min_epi32(_mm256_srai_epi32(ti, kDynamicPieceFracBits),
+                                       _mm256_permutevar8x32_epi32(top_tab, piece));
+    if constexpr (kUnsigned) {
+      return k;
+    } else {  // 127 - 128 = -1 (y <= -1) saturates to code 0 in the pack
+      return _mm256_add_epi32(c127, _mm256_sign_epi32(k, u));
+    }
   };
-  for (; i + 16 <= n; i += 16) {
-    const __m256i a = codes8(in + i), b = codes8(in + i + 8);
-    // 32 -> 16 -> 8 bits (codes <= 255)
-    const __m256i w = _mm256_permute4x64_epi64(_mm256_packus_epi32(a, b), 0xd8);
-    const __m128i bytes =
-        _mm_packus_epi16(_mm256_castsi256_si128(w), _mm256_extracti128_si256(w, 1));
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(out + i), bytes);
+  auto run = [&](auto unsigned_tag) {
+    for (; i + 32 <= n; i += 32) {
+      __m256i near[4];
+      const __m256i c0 = codes8(unsigned_tag, in + i, near[0]),
+                    c1 = codes8(unsigned_tag, in + i + 8, near[1]),
+                    c2 = codes8(unsigned_tag, in + i + 16, near[2]),
+                    c3 = codes8(unsigned_tag, in + i + 24, near[3]);
+      const __m256i any = _mm256_cmpeq_epi32(
+          _mm256_min_epu32(_mm256_min_epu32(near[0], near[1]), _mm256_min_epu32(near[2], near[3])),
+          zero);
+      // 32 -> 16 -> 8 bits (codes <= 255), lanes back in order
+      const __m256i bytes = _mm256_permutevar8x32_epi32(
+          _mm256_packus_epi16(_mm256_packus_epi32(c0, c1), _mm256_packus_epi32(c2, c3)), order);
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + i), bytes);
+      if (__builtin_expect(!_mm256_testz_si256(any, any), 0)) {  // the flagged lanes only
+        for (int v = 0; v < 4; ++v) {
+          unsigned lanes = static_cast<unsigned>(
+              _mm256_movemask_ps(_mm256_castsi256_ps(_mm256_cmpeq_epi32(near[v], zero))));
+          for (; lanes != 0u; lanes &= lanes - 1u) {
+            const int64_t j = i + 8 * v + __builtin_ctz(lanes);
+            out[j] = static_cast<uint8_t>(dynamic_encode_scalar(in[j] / div, t));
+          }
+        }
+      }
+    }
+  };
+  if (div == div) {  // else NaN: every y is NaN, the scalar loop below
+    if (is_unsigned) {
+      run(std::true_type{});
+    } else {
+      run(std::false_type{});
+    }
   }
 #endif
   for (; i < n; ++i) out[i] = static_cast<uint8_t>(dynamic_encode_scalar(in[i] / div, t));
