@@ -757,7 +757,8 @@ constexpr bool kDynamicPass = true;
 // map[c] * scale of 16 codes at c: codes 0-7 in a, 8-15 in b (scalar table loads into the
 // lanes; the products are dynamic_decode_block's). Measured against decoding each block into
 // the L1 buffers first (dynamic_decode_block) and loading them in the loop: 4M-element kernel
-// 5.35 against 5.95 ms (u8), 6.05 against 5.90 ms (u8+rem), thread time on the Zen 5.
+// 5.35 against 5.95 ms (u8), thread time on the Zen 5 (u8+rem 6.05 against 5.90 ms, but that
+// with the step below still out of line).
 inline __attribute__((always_inline)) void dynamic_decode16(const uint8_t* c, const float* map,
                                                             __m256 scale, __m256& a,
                                                             __m256& b) {
@@ -800,8 +801,10 @@ __attribute__((noinline)) void adam_chunk_dynamic(const G* __restrict g, float* 
     __m256i mmax = _mm256_setzero_si256(), vmax = _mm256_setzero_si256();
     // one step of 16 elements; live0, live1: abs_mask on the lanes of the block, 0 on the
     // tail's padding lanes (computed but neither stored nor counted in the maxima)
+    // (inlined: g++ kept the remainder instances' step out of line, a call per 16 elements)
     auto step = [&](const G* gp, float* pp, int16_t* rp, M* modelp, const uint8_t* mc,
-                    const uint8_t* vc, float* mo, float* vo, __m256i live0, __m256i live1) {
+                    const uint8_t* vc, float* mo, float* vo, __m256i live0,
+                    __m256i live1) __attribute__((always_inline)) {
       FVec g0, g1, p0, p1;
       __m256 m0, m1, v0, v1;
       VecIO<G>::load(gp, g0, g1);
