@@ -968,34 +968,48 @@ inline __attribute__((always_inline)) Lanes32::I bf16_sr_bits(const FVec& x, Lan
   return sr;
 }
 
-template <typename G, typename Flags>
+// S: the moments' storage, uint16_t (bf16 bits, rounded to nearest even) or float (float32
+// moments, read and written in place: the adam_chunk_sr loop for float32 moments in one pass).
+template <typename G, typename Flags, typename S = uint16_t>
 __attribute__((noinline)) void adam_chunk_bf16_sr(const G* __restrict g,
                                                   uint16_t* __restrict param,
-                                                  uint16_t* __restrict m, uint16_t* __restrict v,
+                                                  S* __restrict m, S* __restrict v,
                                                   int64_t n, const AdamScalars& scalars,
                                                   Flags flags, uint32_t lo0, uint32_t salt) {
   using L = Lanes32;
+  static_assert(std::is_same_v<S, uint16_t> || std::is_same_v<S, float>, "bf16 or fp32 moments");
+  constexpr bool kBf16Moments = std::is_same_v<S, uint16_t>;
   const AdamScalars s = scalars;  // in registers (see adam_chunk)
   const L::I vsalt = L::set1(salt);
   const L::I iota = SrLanes::iota();
   const L::I second = L::set1(static_cast<uint32_t>(SrLanes::kLanes));
-  auto step = [&](const G* gp, uint16_t* pp, uint16_t* mp, uint16_t* vp, uint32_t lo) {
+  auto step = [&](const G* gp, uint16_t* pp, S* mp, S* vp, uint32_t lo) {
     FVec g0, g1, p0, p1, m0, m1, v0, v1;
     L::I a, b;
     VecIO<G>::load(gp, g0, g1);
     L::load_u16(pp, a, b);
     p0 = L::from_bits(L::shl16(a));
     p1 = L::from_bits(L::shl16(b));
-    L::load_u16(mp, a, b);
-    m0 = L::from_bits(L::shl16(a));
-    m1 = L::from_bits(L::shl16(b));
-    L::load_u16(vp, a, b);
-    v0 = L::from_bits(L::shl16(a));
-    v1 = L::from_bits(L::shl16(b));
+    if constexpr (kBf16Moments) {
+      L::load_u16(mp, a, b);
+      m0 = L::from_bits(L::shl16(a));
+      m1 = L::from_bits(L::shl16(b));
+      L::load_u16(vp, a, b);
+      v0 = L::from_bits(L::shl16(a));
+      v1 = L::from_bits(L::shl16(b));
+    } else {
+      VecIO<float>::load(mp, m0, m1);
+      VecIO<float>::load(vp, v0, v1);
+    }
     adam_element_flags<FVec>(p0, m0, v0, g0, s, flags);
     adam_element_flags<FVec>(p1, m1, v1, g1, s, flags);
-    L::store16(mp, bf16_rne_bits(m0), bf16_rne_bits(m1));
-    L::store16(vp, bf16_rne_bits(v0), bf16_rne_bits(v1));
+    if constexpr (kBf16Moments) {
+      L::store16(mp, bf16_rne_bits(m0), bf16_rne_bits(m1));
+      L::store16(vp, bf16_rne_bits(v0), bf16_rne_bits(v1));
+    } else {
+      VecIO<float>::template store<true, false>(mp, m0, m1);
+      VecIO<float>::template store<true, false>(vp, v0, v1);
+    }
     const L::I l0 = L::add(L::set1(lo), iota);
     L::store16(pp, bf16_sr_bits(p0, sr_bits_lanes(l0, vsalt)),
                bf16_sr_bits(p1, sr_bits_lanes(L::add(l0, second), vsalt)));
@@ -1007,7 +1021,8 @@ __attribute__((noinline)) void adam_chunk_bf16_sr(const G* __restrict g,
   if (i < n) {  // through zero-padded copies, as adam_chunk
     const int64_t r = n - i;
     Tail<G> tg;
-    Tail<uint16_t> tp, tm, tv;
+    Tail<uint16_t> tp;
+    Tail<S> tm, tv;
     tg.in(g + i, r);
     tp.in(param + i, r);
     tm.in(m + i, r);
@@ -1020,8 +1035,8 @@ __attribute__((noinline)) void adam_chunk_bf16_sr(const G* __restrict g,
 }
 #else
 // declared for the call in fused_adam_step_, which discards it here (if constexpr)
-template <typename G, typename Flags>
-void adam_chunk_bf16_sr(const G* g, uint16_t* param, uint16_t* m, uint16_t* v, int64_t n,
+template <typename G, typename Flags, typename S = uint16_t>
+void adam_chunk_bf16_sr(const G* g, uint16_t* param, S* m, S* v, int64_t n,
                         const AdamScalars& scalars, Flags flags, uint32_t lo0, uint32_t salt);
 #endif
 
@@ -1172,9 +1187,9 @@ void fused_adam_step_(at::TensorList params, at::TensorList exp_avgs, at::Tensor
       const uint64_t stream = sr_stream(static_cast<uint64_t>(row[0]), read_step(steps[e]) + 1.0);
       const uint64_t j0 = static_cast<uint64_t>(row[1]) + static_cast<uint64_t>(c.offset);
       uint16_t* param = static_cast<uint16_t*>(params[e].data_ptr()) + c.offset;
-      // bf16 moments, one high index word in the chunk: the one-loop pass
-      if (kBf16Pass && mk == Kind::kBFloat16 && vk == Kind::kBFloat16 &&
-          (j0 & 0xffffffffull) + static_cast<uint64_t>(c.n) <= (1ull << 32)) {
+      // bf16 or float32 moments, one high index word in the chunk: the one-loop pass
+      const bool one_word = (j0 & 0xffffffffull) + static_cast<uint64_t>(c.n) <= (1ull << 32);
+      if (kBf16Pass && mk == Kind::kBFloat16 && vk == Kind::kBFloat16 && one_word) {
         using G = std::remove_const_t<std::remove_pointer_t<decltype(g)>>;
         with_adam_flags(scalars[e], [&](auto flags) {
           if constexpr (kBf16Pass) {
@@ -1182,6 +1197,18 @@ void fused_adam_step_(at::TensorList params, at::TensorList exp_avgs, at::Tensor
                 g, param, static_cast<uint16_t*>(exp_avgs[e].data_ptr()) + c.offset,
                 static_cast<uint16_t*>(exp_avg_sqs[e].data_ptr()) + c.offset, c.n, scalars[e],
                 flags, static_cast<uint32_t>(j0), sr_salt(stream, j0 >> 32));
+          }
+        });
+        return;
+      }
+      if (kBf16Pass && mk == Kind::kFloat && vk == Kind::kFloat && one_word) {
+        using G = std::remove_const_t<std::remove_pointer_t<decltype(g)>>;
+        with_adam_flags(scalars[e], [&](auto flags) {
+          if constexpr (kBf16Pass) {
+            adam_chunk_bf16_sr<G, decltype(flags), float>(
+                g, param, exp_avgs[e].data_ptr<float>() + c.offset,
+                exp_avg_sqs[e].data_ptr<float>() + c.offset, c.n, scalars[e], flags,
+                static_cast<uint32_t>(j0), sr_salt(stream, j0 >> 32));
           }
         });
         return;
