@@ -525,6 +525,75 @@ inline __attribute__((always_inline)) Lanes32::I bf16_rne_bits(const FVec& x) {
   return L::select_gt(L::and_(u, L::set1(0x7fffffffu)), L::set1(0x7f800000u), nan, rounded);
 }
 
+// The bf16 stores of the loops below. AVX-512: store16 of bf16_rne_bits (and of at::vec's
+// conversion for bf16 model params). AVX2: without a NaN lane (tested once for all the registers
+// stored: never a NaN in practice), the rounding is u + 0x7fff + lsb (the result in the high
+// half of the lane, as float_to_bf16_bits and at::vec's conversion round a non-NaN x) and the
+// store packs the high halves (no select, no masking of the low halves); with one, the
+// functions above (the same bits either way).
+#if defined(CPU_CAPABILITY_AVX2)
+// the high 16 bits of every lane of a, then b, at p (in order)
+inline __attribute__((always_inline)) void store_high16(void* p, __m256i a, __m256i b) {
+  const __m256i packed = _mm256_packus_epi32(_mm256_srli_epi32(a, 16), _mm256_srli_epi32(b, 16));
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm256_permute4x64_epi64(packed, 0xd8));
+}
+// float_to_bf16_bits(x) in the high half of every lane of x that is not NaN
+inline __attribute__((always_inline)) __m256i bf16_rne_high(const FVec& x) {
+  const __m256i u = _mm256_castps_si256(x);
+  return _mm256_add_epi32(_mm256_add_epi32(u, _mm256_set1_epi32(0x7fff)),
+                          _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1)));
+}
+// all lanes of a mask of _mm256_cmp_ps false
+inline __attribute__((always_inline)) bool none_of(__m256 mask) {
+  return _mm256_movemask_ps(mask) == 0;
+}
+#endif
+
+// float_to_bf16_bits of m0, m1 at mp and of v0, v1 at vp (two bf16 moments)
+inline __attribute__((always_inline)) void store_moments_bf16(uint16_t* mp, const FVec& m0,
+                                                              const FVec& m1, uint16_t* vp,
+                                                              const FVec& v0, const FVec& v1) {
+#if defined(CPU_CAPABILITY_AVX2)
+  if (__builtin_expect(none_of(_mm256_or_ps(_mm256_cmp_ps(m0, m1, _CMP_UNORD_Q),
+                                            _mm256_cmp_ps(v0, v1, _CMP_UNORD_Q))),
+                       1)) {
+    store_high16(mp, bf16_rne_high(m0), bf16_rne_high(m1));
+    store_high16(vp, bf16_rne_high(v0), bf16_rne_high(v1));
+    return;
+  }
+#endif
+  Lanes32::store16(mp, bf16_rne_bits(m0), bf16_rne_bits(m1));
+  Lanes32::store16(vp, bf16_rne_bits(v0), bf16_rne_bits(v1));
+}
+
+// VecIO<M>::store of p0, p1 to model params
+template <typename M>
+inline __attribute__((always_inline)) void store_model(M* modelp, FVec& p0, FVec& p1) {
+#if defined(CPU_CAPABILITY_AVX2)
+  if constexpr (std::is_same_v<M, at::BFloat16>) {
+    if (__builtin_expect(none_of(_mm256_cmp_ps(p0, p1, _CMP_UNORD_Q)), 1)) {
+      store_high16(modelp, bf16_rne_high(p0), bf16_rne_high(p1));
+      return;
+    }
+  }
+#endif
+  VecIO<M>::template store<true, false>(modelp, p0, p1);
+}
+
+// the remainders (low halves) of u0, u1 at rp and the bf16 params (u + 0x8000) >> 16 at modelp
+// (split_remainder of every lane)
+inline __attribute__((always_inline)) void store_split(int16_t* rp, void* modelp, Lanes32::I u0,
+                                                       Lanes32::I u1) {
+  using L = Lanes32;
+  const L::I half = L::set1(0x8000u);
+  L::store16(rp, u0, u1);
+#if defined(CPU_CAPABILITY_AVX2)
+  store_high16(modelp, L::add(u0, half), L::add(u1, half));
+#else
+  L::store16(modelp, L::shr16(L::add(u0, half)), L::shr16(L::add(u1, half)));
+#endif
+}
+
 // The update of one chunk with bf16 moments m, v (bits) and either fp32 masters p (kRem false)
 // or bf16 model params with int16 remainders rem (kRem true, M = at::BFloat16).
 template <typename G, typename M, typename Flags, bool kRem>
@@ -558,16 +627,12 @@ __attribute__((noinline)) void adam_chunk_bf16(const G* __restrict g, float* __r
     v1 = L::from_bits(L::shl16(b));
     adam_element_flags<FVec>(p0, m0, v0, g0, s, flags);
     adam_element_flags<FVec>(p1, m1, v1, g1, s, flags);
-    L::store16(mp, bf16_rne_bits(m0), bf16_rne_bits(m1));
-    L::store16(vp, bf16_rne_bits(v0), bf16_rne_bits(v1));
+    store_moments_bf16(mp, m0, m1, vp, v0, v1);
     if constexpr (kRem) {
-      const L::I u0 = L::bits(p0), u1 = L::bits(p1);
-      const L::I half = L::set1(0x8000u);
-      L::store16(rp, u0, u1);
-      L::store16(modelp, L::shr16(L::add(u0, half)), L::shr16(L::add(u1, half)));
+      store_split(rp, modelp, L::bits(p0), L::bits(p1));
     } else {
       VecIO<float>::template store<true, false>(pp, p0, p1);
-      if constexpr (kModel) VecIO<M>::template store<true, false>(modelp, p0, p1);
+      if constexpr (kModel) store_model(modelp, p0, p1);
     }
   };
   int64_t i = 0;
@@ -947,8 +1012,13 @@ inline __attribute__((always_inline)) Lanes32::I sr_bits_lanes(Lanes32::I lo, La
   x = S::mul(x, L::set1(0x7feb352du));
   x = S::xor_(x, S::shr15(x));
   x = S::mul(x, L::set1(0x846ca68bu));
+#if defined(CPU_CAPABILITY_AVX2)
+  // (x ^ (x >> 16)) >> 16 = x >> 16: the last xor only changes the low half
+  return L::shr16(x);
+#else
   x = S::xor_(x, L::shr16(x));
   return L::shr16(x);
+#endif
 }
 
 // float_to_bf16_sr_bits of every lane of x with the random bits r (the round-to-nearest lanes,
@@ -968,6 +1038,26 @@ inline __attribute__((always_inline)) Lanes32::I bf16_sr_bits(const FVec& x, Lan
   return sr;
 }
 
+// float_to_bf16_sr_bits of x0, x1 with the random bits r0, r1 stored at p. AVX2: one test for
+// both registers, then (u + r) >> 16 by store_high16 (the bits of bf16_sr_bits).
+inline __attribute__((always_inline)) void store_bf16_sr(uint16_t* p, const FVec& x0,
+                                                         const FVec& x1, Lanes32::I r0,
+                                                         Lanes32::I r1) {
+  using L = Lanes32;
+#if defined(CPU_CAPABILITY_AVX2)
+  const L::I u0 = L::bits(x0), u1 = L::bits(x1);
+  const L::I magnitude = L::set1(0x7fffffffu);
+  const L::I a = _mm256_max_epi32(L::and_(u0, magnitude), L::and_(u1, magnitude));
+  if (__builtin_expect(_mm256_movemask_ps(_mm256_castsi256_ps(
+                           _mm256_cmpgt_epi32(a, L::set1(0x7f7effffu)))) == 0,
+                       1)) {
+    store_high16(p, L::add(u0, r0), L::add(u1, r1));
+    return;
+  }
+#endif
+  L::store16(p, bf16_sr_bits(x0, r0), bf16_sr_bits(x1, r1));
+}
+
 // S: the moments' storage, uint16_t (bf16 bits, rounded to nearest even) or float (float32
 // moments, read and written in place: the adam_chunk_sr loop for float32 moments in one pass).
 template <typename G, typename Flags, typename S = uint16_t>
@@ -983,7 +1073,8 @@ __attribute__((noinline)) void adam_chunk_bf16_sr(const G* __restrict g,
   const L::I vsalt = L::set1(salt);
   const L::I iota = SrLanes::iota();
   const L::I second = L::set1(static_cast<uint32_t>(SrLanes::kLanes));
-  auto step = [&](const G* gp, uint16_t* pp, S* mp, S* vp, uint32_t lo) {
+  // l0: the low index words of the step's first register's lanes
+  auto step = [&](const G* gp, uint16_t* pp, S* mp, S* vp, L::I l0) {
     FVec g0, g1, p0, p1, m0, m1, v0, v1;
     L::I a, b;
     VecIO<G>::load(gp, g0, g1);
@@ -1004,19 +1095,20 @@ __attribute__((noinline)) void adam_chunk_bf16_sr(const G* __restrict g,
     adam_element_flags<FVec>(p0, m0, v0, g0, s, flags);
     adam_element_flags<FVec>(p1, m1, v1, g1, s, flags);
     if constexpr (kBf16Moments) {
-      L::store16(mp, bf16_rne_bits(m0), bf16_rne_bits(m1));
-      L::store16(vp, bf16_rne_bits(v0), bf16_rne_bits(v1));
+      store_moments_bf16(mp, m0, m1, vp, v0, v1);
     } else {
       VecIO<float>::template store<true, false>(mp, m0, m1);
       VecIO<float>::template store<true, false>(vp, v0, v1);
     }
-    const L::I l0 = L::add(L::set1(lo), iota);
-    L::store16(pp, bf16_sr_bits(p0, sr_bits_lanes(l0, vsalt)),
-               bf16_sr_bits(p1, sr_bits_lanes(L::add(l0, second), vsalt)));
+    store_bf16_sr(pp, p0, p1, sr_bits_lanes(l0, vsalt),
+                  sr_bits_lanes(L::add(l0, second), vsalt));
   };
   int64_t i = 0;
+  L::I lanes = L::add(L::set1(lo0), iota);  // lo0 + i + lane, wrapping as uint32_t
+  const L::I advance = L::set1(static_cast<uint32_t>(kVecStep));
   for (; i + kVecStep <= n; i += kVecStep) {
-    step(g + i, param + i, m + i, v + i, lo0 + static_cast<uint32_t>(i));
+    step(g + i, param + i, m + i, v + i, lanes);
+    lanes = L::add(lanes, advance);
   }
   if (i < n) {  // through zero-padded copies, as adam_chunk
     const int64_t r = n - i;
@@ -1027,7 +1119,7 @@ __attribute__((noinline)) void adam_chunk_bf16_sr(const G* __restrict g,
     tp.in(param + i, r);
     tm.in(m + i, r);
     tv.in(v + i, r);
-    step(tg.buf, tp.buf, tm.buf, tv.buf, lo0 + static_cast<uint32_t>(i));
+    step(tg.buf, tp.buf, tm.buf, tv.buf, lanes);
     tp.out(param + i, r);
     tm.out(m + i, r);
     tv.out(v + i, r);
