@@ -1132,6 +1132,194 @@ void adam_chunk_bf16_sr(const G* g, uint16_t* param, S* m, S* v, int64_t n,
                         const AdamScalars& scalars, Flags flags, uint32_t lo0, uint32_t salt);
 #endif
 
+// -- AVX2: the all-16-bit loops in the unpacked lane order --------------------------------------
+//
+// adam_chunk_bf16 with remainders and adam_chunk_bf16_sr with bf16 moments, for bf16 or float32
+// grads, on AVX2: every 16-bit array of a 16-element step (bf16 moments, param, remainders) is
+// widened from one 256-bit load by vpunpck{l,h}wd and narrowed by one vpackusdw, so the lanes
+// of the step's two float registers hold elements 0-3, 8-11 (register 0) and 4-7, 12-15
+// (register 1); the float32 grads are loaded in that order (two 128-bit halves a register). No
+// lane-crossing permute and no shift to widen: fewer instructions per element than the
+// in-order loops, whose vpmovzxwd loads and vpermq stores this loop spends on. The arithmetic
+// per element is theirs (the same functions lane for lane), so are the bits; the stochastic
+// rounding's random bits take each lane's own index.
+#if defined(CPU_CAPABILITY_AVX2)
+constexpr bool kUnpackedPass = true;
+
+struct Unpacked {
+  using I = __m256i;
+  static inline __attribute__((always_inline)) I load(const void* p) {
+    return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  }
+  // float32 of 16 bf16 values (bits) at p
+  static inline __attribute__((always_inline)) void load_bf16(const void* p, FVec& a, FVec& b) {
+    const I x = load(p), z = _mm256_setzero_si256();
+    a = FVec(_mm256_castsi256_ps(_mm256_unpacklo_epi16(z, x)));
+    b = FVec(_mm256_castsi256_ps(_mm256_unpackhi_epi16(z, x)));
+  }
+  // the grads (bf16 or float32)
+  template <typename G>
+  static inline __attribute__((always_inline)) void load_grad(const G* p, FVec& a, FVec& b) {
+    if constexpr (std::is_same_v<G, float>) {
+      a = FVec(_mm256_loadu2_m128(p + 8, p));
+      b = FVec(_mm256_loadu2_m128(p + 12, p + 4));
+    } else {
+      static_assert(std::is_same_v<G, at::BFloat16>, "bf16 or float32 grads");
+      load_bf16(p, a, b);
+    }
+  }
+  // join_remainder of the bf16 params at model and the remainders at rem:
+  // (model << 16) + int32(rem) = ((model - (rem < 0)) << 16) | uint16(rem)
+  static inline __attribute__((always_inline)) void load_join(const void* model, const void* rem,
+                                                              FVec& a, FVec& b) {
+    const I r = load(rem);
+    const I hi = _mm256_add_epi16(load(model), _mm256_srai_epi16(r, 15));
+    a = FVec(_mm256_castsi256_ps(_mm256_unpacklo_epi16(r, hi)));
+    b = FVec(_mm256_castsi256_ps(_mm256_unpackhi_epi16(r, hi)));
+  }
+  static inline __attribute__((always_inline)) void store(void* p, I x) {
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), x);
+  }
+  // the high / low 16 bits of every lane of a, b at p
+  static inline __attribute__((always_inline)) void store_high16(void* p, I a, I b) {
+    store(p, _mm256_packus_epi32(_mm256_srli_epi32(a, 16), _mm256_srli_epi32(b, 16)));
+  }
+  static inline __attribute__((always_inline)) void store_low16(void* p, I a, I b) {
+    const I low = _mm256_set1_epi32(0xffff);
+    store(p, _mm256_packus_epi32(_mm256_and_si256(a, low), _mm256_and_si256(b, low)));
+  }
+  // store_moments_bf16's bits
+  static inline __attribute__((always_inline)) void store_moments(void* mp, const FVec& m0,
+                                                                  const FVec& m1, void* vp,
+                                                                  const FVec& v0, const FVec& v1) {
+    if (__builtin_expect(none_of(_mm256_or_ps(_mm256_cmp_ps(m0, m1, _CMP_UNORD_Q),
+                                              _mm256_cmp_ps(v0, v1, _CMP_UNORD_Q))),
+                         1)) {
+      store_high16(mp, bf16_rne_high(m0), bf16_rne_high(m1));
+      store_high16(vp, bf16_rne_high(v0), bf16_rne_high(v1));
+      return;
+    }
+    store_low16(mp, bf16_rne_bits(m0), bf16_rne_bits(m1));
+    store_low16(vp, bf16_rne_bits(v0), bf16_rne_bits(v1));
+  }
+};
+
+// adam_chunk_bf16<G, at::BFloat16, Flags, true> in the unpacked order
+template <typename G, typename Flags>
+__attribute__((noinline)) void adam_chunk_bf16_rem_unpacked(
+    const G* __restrict g, int16_t* __restrict rem, uint16_t* __restrict m,
+    uint16_t* __restrict v, at::BFloat16* __restrict model, int64_t n,
+    const AdamScalars& scalars, Flags flags) {
+  using U = Unpacked;
+  const AdamScalars s = scalars;  // in registers (see adam_chunk)
+  auto step = [&](const G* gp, int16_t* rp, uint16_t* mp, uint16_t* vp, at::BFloat16* modelp)
+                  __attribute__((always_inline)) {
+    FVec g0, g1, p0, p1, m0, m1, v0, v1;
+    U::load_grad(gp, g0, g1);
+    U::load_join(modelp, rp, p0, p1);
+    U::load_bf16(mp, m0, m1);
+    U::load_bf16(vp, v0, v1);
+    adam_element_flags<FVec>(p0, m0, v0, g0, s, flags);
+    adam_element_flags<FVec>(p1, m1, v1, g1, s, flags);
+    U::store_moments(mp, m0, m1, vp, v0, v1);
+    // split_remainder: the low halves, and (u + 0x8000) >> 16
+    const U::I u0 = _mm256_castps_si256(p0), u1 = _mm256_castps_si256(p1);
+    const U::I half = _mm256_set1_epi32(0x8000);
+    U::store_low16(rp, u0, u1);
+    U::store_high16(modelp, _mm256_add_epi32(u0, half), _mm256_add_epi32(u1, half));
+  };
+  int64_t i = 0;
+  for (; i + kVecStep <= n; i += kVecStep) step(g + i, rem + i, m + i, v + i, model + i);
+  if (i < n) {  // through zero-padded copies, as adam_chunk
+    const int64_t r = n - i;
+    Tail<G> tg;
+    Tail<int16_t> trem;
+    Tail<uint16_t> tm, tv;
+    Tail<at::BFloat16> tmodel;
+    tg.in(g + i, r);
+    trem.in(rem + i, r);
+    tm.in(m + i, r);
+    tv.in(v + i, r);
+    tmodel.in(model + i, r);
+    step(tg.buf, trem.buf, tm.buf, tv.buf, tmodel.buf);
+    trem.out(rem + i, r);
+    tm.out(m + i, r);
+    tv.out(v + i, r);
+    tmodel.out(model + i, r);
+  }
+}
+
+// adam_chunk_bf16_sr<G, Flags, uint16_t> in the unpacked order
+template <typename G, typename Flags>
+__attribute__((noinline)) void adam_chunk_bf16_sr_unpacked(
+    const G* __restrict g, uint16_t* __restrict param, uint16_t* __restrict m,
+    uint16_t* __restrict v, int64_t n, const AdamScalars& scalars, Flags flags, uint32_t lo0,
+    uint32_t salt) {
+  using U = Unpacked;
+  const AdamScalars s = scalars;  // in registers (see adam_chunk)
+  const U::I vsalt = _mm256_set1_epi32(static_cast<int>(salt));
+  // the low index words of the lanes: lo0 + i + (0-3, 8-11) and (4-7, 12-15)
+  U::I lanes0 = _mm256_add_epi32(_mm256_set1_epi32(static_cast<int>(lo0)),
+                                 _mm256_setr_epi32(0, 1, 2, 3, 8, 9, 10, 11));
+  U::I lanes1 = _mm256_add_epi32(lanes0, _mm256_set1_epi32(4));
+  const U::I advance = _mm256_set1_epi32(static_cast<int>(kVecStep));
+  auto step = [&](const G* gp, uint16_t* pp, uint16_t* mp, uint16_t* vp)
+                  __attribute__((always_inline)) {
+    FVec g0, g1, p0, p1, m0, m1, v0, v1;
+    U::load_grad(gp, g0, g1);
+    U::load_bf16(pp, p0, p1);
+    U::load_bf16(mp, m0, m1);
+    U::load_bf16(vp, v0, v1);
+    adam_element_flags<FVec>(p0, m0, v0, g0, s, flags);
+    adam_element_flags<FVec>(p1, m1, v1, g1, s, flags);
+    U::store_moments(mp, m0, m1, vp, v0, v1);
+    const U::I r0 = sr_bits_lanes(lanes0, vsalt), r1 = sr_bits_lanes(lanes1, vsalt);
+    // store_bf16_sr's test and bits
+    const U::I u0 = _mm256_castps_si256(p0), u1 = _mm256_castps_si256(p1);
+    const U::I magnitude = _mm256_set1_epi32(0x7fffffff);
+    const U::I a = _mm256_max_epi32(_mm256_and_si256(u0, magnitude),
+                                    _mm256_and_si256(u1, magnitude));
+    if (__builtin_expect(_mm256_movemask_ps(_mm256_castsi256_ps(_mm256_cmpgt_epi32(
+                             a, _mm256_set1_epi32(0x7f7effff)))) == 0,
+                         1)) {
+      U::store_high16(pp, _mm256_add_epi32(u0, r0), _mm256_add_epi32(u1, r1));
+    } else {
+      U::store_low16(pp, bf16_sr_bits(p0, r0), bf16_sr_bits(p1, r1));
+    }
+  };
+  int64_t i = 0;
+  for (; i + kVecStep <= n; i += kVecStep) {
+    step(g + i, param + i, m + i, v + i);
+    lanes0 = _mm256_add_epi32(lanes0, advance);
+    lanes1 = _mm256_add_epi32(lanes1, advance);
+  }
+  if (i < n) {  // through zero-padded copies, as adam_chunk
+    const int64_t r = n - i;
+    Tail<G> tg;
+    Tail<uint16_t> tp, tm, tv;
+    tg.in(g + i, r);
+    tp.in(param + i, r);
+    tm.in(m + i, r);
+    tv.in(v + i, r);
+    step(tg.buf, tp.buf, tm.buf, tv.buf);
+    tp.out(param + i, r);
+    tm.out(m + i, r);
+    tv.out(v + i, r);
+  }
+}
+#else
+constexpr bool kUnpackedPass = false;
+// declared for the calls in fused_adam_step_, which discard them here (if constexpr)
+template <typename G, typename Flags>
+void adam_chunk_bf16_rem_unpacked(const G* g, int16_t* rem, uint16_t* m, uint16_t* v,
+                                  at::BFloat16* model, int64_t n, const AdamScalars& scalars,
+                                  Flags flags);
+template <typename G, typename Flags>
+void adam_chunk_bf16_sr_unpacked(const G* g, uint16_t* param, uint16_t* m, uint16_t* v,
+                                 int64_t n, const AdamScalars& scalars, Flags flags,
+                                 uint32_t lo0, uint32_t salt);
+#endif
+
 template <typename G, typename M, bool kMomentum>
 void sgd_chunk(const G* g, float* p, float* buf, M* model, int64_t n, bool first,
                const SgdScalars& scalars) {
@@ -1283,12 +1471,19 @@ void fused_adam_step_(at::TensorList params, at::TensorList exp_avgs, at::Tensor
       const bool one_word = (j0 & 0xffffffffull) + static_cast<uint64_t>(c.n) <= (1ull << 32);
       if (kBf16Pass && mk == Kind::kBFloat16 && vk == Kind::kBFloat16 && one_word) {
         using G = std::remove_const_t<std::remove_pointer_t<decltype(g)>>;
+        constexpr bool kUnpacked =
+            kUnpackedPass && (std::is_same_v<G, float> || std::is_same_v<G, at::BFloat16>);
         with_adam_flags(scalars[e], [&](auto flags) {
-          if constexpr (kBf16Pass) {
-            adam_chunk_bf16_sr<G, decltype(flags)>(
-                g, param, static_cast<uint16_t*>(exp_avgs[e].data_ptr()) + c.offset,
-                static_cast<uint16_t*>(exp_avg_sqs[e].data_ptr()) + c.offset, c.n, scalars[e],
-                flags, static_cast<uint32_t>(j0), sr_salt(stream, j0 >> 32));
+          uint16_t* m = static_cast<uint16_t*>(exp_avgs[e].data_ptr()) + c.offset;
+          uint16_t* v = static_cast<uint16_t*>(exp_avg_sqs[e].data_ptr()) + c.offset;
+          if constexpr (kUnpacked) {
+            adam_chunk_bf16_sr_unpacked<G, decltype(flags)>(g, param, m, v, c.n, scalars[e],
+                                                            flags, static_cast<uint32_t>(j0),
+                                                            sr_salt(stream, j0 >> 32));
+          } else if constexpr (kBf16Pass) {
+            adam_chunk_bf16_sr<G, decltype(flags)>(g, param, m, v, c.n, scalars[e], flags,
+                                                   static_cast<uint32_t>(j0),
+                                                   sr_salt(stream, j0 >> 32));
           }
         });
         return;
@@ -1321,6 +1516,11 @@ void fused_adam_step_(at::TensorList params, at::TensorList exp_avgs, at::Tensor
             adam_chunk_bf16<G, M, decltype(flags), false>(
                 g, params[e].data_ptr<float>() + c.offset, nullptr, m, v, model, c.n,
                 scalars[e], flags);
+          } else if constexpr (std::is_same_v<M, at::BFloat16> && kUnpackedPass &&
+                               (std::is_same_v<G, float> || std::is_same_v<G, at::BFloat16>)) {
+            adam_chunk_bf16_rem_unpacked<G, decltype(flags)>(
+                g, params[e].data_ptr<int16_t>() + c.offset, m, v, model, c.n, scalars[e],
+                flags);
           } else if constexpr (std::is_same_v<M, at::BFloat16>) {
             adam_chunk_bf16<G, M, decltype(flags), true>(
                 g, nullptr, params[e].data_ptr<int16_t>() + c.offset, m, v, model, c.n,
