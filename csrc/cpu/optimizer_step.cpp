@@ -1249,6 +1249,61 @@ __attribute__((noinline)) void adam_chunk_bf16_rem_unpacked(
   }
 }
 
+// adam_chunk_bf16<G, at::BFloat16, Flags, false> (float32 masters, bf16 model params) in the
+// unpacked order: the masters loaded and stored in 128-bit halves
+template <typename G, typename Flags>
+__attribute__((noinline)) void adam_chunk_bf16_unpacked(const G* __restrict g,
+                                                        float* __restrict p,
+                                                        uint16_t* __restrict m,
+                                                        uint16_t* __restrict v,
+                                                        at::BFloat16* __restrict model, int64_t n,
+                                                        const AdamScalars& scalars, Flags flags) {
+  using U = Unpacked;
+  const AdamScalars s = scalars;  // in registers (see adam_chunk)
+  auto step = [&](const G* gp, float* pp, uint16_t* mp, uint16_t* vp, at::BFloat16* modelp)
+                  __attribute__((always_inline)) {
+    FVec g0, g1, p0, p1, m0, m1, v0, v1;
+    U::load_grad(gp, g0, g1);
+    U::load_grad(static_cast<const float*>(pp), p0, p1);
+    U::load_bf16(mp, m0, m1);
+    U::load_bf16(vp, v0, v1);
+    adam_element_flags<FVec>(p0, m0, v0, g0, s, flags);
+    adam_element_flags<FVec>(p1, m1, v1, g1, s, flags);
+    U::store_moments(mp, m0, m1, vp, v0, v1);
+    _mm256_storeu2_m128(pp + 8, pp, p0);
+    _mm256_storeu2_m128(pp + 12, pp + 4, p1);
+    // at::vec's float32 -> bf16 (VecIO<at::BFloat16>::store): round to nearest even, NaN 0xffff
+    if (__builtin_expect(none_of(_mm256_cmp_ps(p0, p1, _CMP_UNORD_Q)), 1)) {
+      U::store_high16(modelp, bf16_rne_high(p0), bf16_rne_high(p1));
+    } else {
+      const U::I nan = _mm256_set1_epi32(0xffff);
+      auto bits = [&](const FVec& x) {
+        return _mm256_blendv_epi8(nan, _mm256_srli_epi32(bf16_rne_high(x), 16),
+                                  _mm256_castps_si256(_mm256_cmp_ps(x, x, _CMP_ORD_Q)));
+      };
+      U::store_low16(modelp, bits(p0), bits(p1));
+    }
+  };
+  int64_t i = 0;
+  for (; i + kVecStep <= n; i += kVecStep) step(g + i, p + i, m + i, v + i, model + i);
+  if (i < n) {  // through zero-padded copies, as adam_chunk
+    const int64_t r = n - i;
+    Tail<G> tg;
+    Tail<float> tp;
+    Tail<uint16_t> tm, tv;
+    Tail<at::BFloat16> tmodel;
+    tg.in(g + i, r);
+    tp.in(p + i, r);
+    tm.in(m + i, r);
+    tv.in(v + i, r);
+    step(tg.buf, tp.buf, tm.buf, tv.buf, tmodel.buf);
+    tp.out(p + i, r);
+    tm.out(m + i, r);
+    tv.out(v + i, r);
+    tmodel.out(model + i, r);
+  }
+}
+
 // adam_chunk_bf16_sr<G, Flags, uint16_t> in the unpacked order
 template <typename G, typename Flags>
 __attribute__((noinline)) void adam_chunk_bf16_sr_unpacked(
@@ -1310,6 +1365,10 @@ __attribute__((noinline)) void adam_chunk_bf16_sr_unpacked(
 #else
 constexpr bool kUnpackedPass = false;
 // declared for the calls in fused_adam_step_, which discard them here (if constexpr)
+template <typename G, typename Flags>
+void adam_chunk_bf16_unpacked(const G* g, float* p, uint16_t* m, uint16_t* v,
+                              at::BFloat16* model, int64_t n, const AdamScalars& scalars,
+                              Flags flags);
 template <typename G, typename Flags>
 void adam_chunk_bf16_rem_unpacked(const G* g, int16_t* rem, uint16_t* m, uint16_t* v,
                                   at::BFloat16* model, int64_t n, const AdamScalars& scalars,
@@ -1512,10 +1571,19 @@ void fused_adam_step_(at::TensorList params, at::TensorList exp_avgs, at::Tensor
       uint16_t* v = static_cast<uint16_t*>(exp_avg_sqs[e].data_ptr()) + c.offset;
       with_adam_flags(scalars[e], [&](auto flags) {
         if constexpr (kBf16Pass) {
+          constexpr bool kUnpacked =
+              kUnpackedPass && std::is_same_v<M, at::BFloat16> &&
+              (std::is_same_v<G, float> || std::is_same_v<G, at::BFloat16>);
           if (!remainders) {
-            adam_chunk_bf16<G, M, decltype(flags), false>(
-                g, params[e].data_ptr<float>() + c.offset, nullptr, m, v, model, c.n,
-                scalars[e], flags);
+            if constexpr (kUnpacked) {
+              adam_chunk_bf16_unpacked<G, decltype(flags)>(
+                  g, params[e].data_ptr<float>() + c.offset, m, v, model, c.n, scalars[e],
+                  flags);
+            } else {
+              adam_chunk_bf16<G, M, decltype(flags), false>(
+                  g, params[e].data_ptr<float>() + c.offset, nullptr, m, v, model, c.n,
+                  scalars[e], flags);
+            }
           } else if constexpr (std::is_same_v<M, at::BFloat16> && kUnpackedPass &&
                                (std::is_same_v<G, float> || std::is_same_v<G, at::BFloat16>)) {
             adam_chunk_bf16_rem_unpacked<G, decltype(flags)>(
