@@ -902,13 +902,10 @@ __attribute__((noinline)) void adam_chunk_dynamic(const G* __restrict g, float* 
       vmax = _mm256_max_epi32(vmax, _mm256_and_si256(_mm256_castps_si256(v0), live0));
       vmax = _mm256_max_epi32(vmax, _mm256_and_si256(_mm256_castps_si256(v1), live1));
       if constexpr (kRem) {
-        const L::I u0 = L::bits(p0), u1 = L::bits(p1);
-        const L::I half = L::set1(0x8000u);
-        L::store16(rp, u0, u1);
-        L::store16(modelp, L::shr16(L::add(u0, half)), L::shr16(L::add(u1, half)));
+        store_split(rp, modelp, L::bits(p0), L::bits(p1));
       } else {
         VecIO<float>::template store<true, false>(pp, p0, p1);
-        if constexpr (kModel) VecIO<M>::template store<true, false>(modelp, p0, p1);
+        if constexpr (kModel) store_model(modelp, p0, p1);
       }
     };
     int64_t i = 0;
