@@ -404,7 +404,10 @@ void adam_chunk_narrow(const G* g, float* p, int16_t* rem, const MomentRef& mref
 // elements the param is widened to float32 (exact), the moments read (any storage), the vector
 // math of adam_chunk run, the moments written back and the param written with stochastic
 // rounding (float_to_bf16_sr_bits, random bits sr_random_bits of each element's global index
-// j0 + i). Its own function: the other loops are untouched.
+// j0 + i). Its own function: the other loops are untouched. On AVX2 and AVX-512, bf16 and
+// float32 moments in a chunk with one high index word take adam_chunk_bf16_sr (one loop)
+// instead; this loop keeps 8-bit moments, mixed storage, a wrapping low word and the default
+// module.
 template <typename G>
 void adam_chunk_sr(const G* g, uint16_t* param, const MomentRef& mref, const MomentRef& vref,
                    int64_t n, const AdamScalars& scalars, uint64_t stream, uint64_t j0) {
