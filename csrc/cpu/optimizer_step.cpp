@@ -404,7 +404,10 @@ void adam_chunk_narrow(const G* g, float* p, int16_t* rem, const MomentRef& mref
 // elements the param is widened to float32 (exact), the moments read (any storage), the vector
 // math of adam_chunk run, the moments written back and the param written with stochastic
 // rounding (float_to_bf16_sr_bits, random bits sr_random_bits of each element's global index
-// j0 + i). Its own function: the other loops are untouched.
+// j0 + i). Its own function: the other loops are untouched. On AVX2 and AVX-512, bf16 and
+// float32 moments in a chunk with one high index word take adam_chunk_bf16_sr (one loop)
+// instead; this loop keeps 8-bit moments, mixed storage, a wrapping low word and the default
+// module.
 template <typename G>
 void adam_chunk_sr(const G* g, uint16_t* param, const MomentRef& mref, const MomentRef& vref,
                    int64_t n, const AdamScalars& scalars, uint64_t stream, uint64_t j0) {
@@ -525,6 +528,75 @@ inline __attribute__((always_inline)) Lanes32::I bf16_rne_bits(const FVec& x) {
   return L::select_gt(L::and_(u, L::set1(0x7fffffffu)), L::set1(0x7f800000u), nan, rounded);
 }
 
+// The bf16 stores of the loops below. AVX-512: store16 of bf16_rne_bits (and of at::vec's
+// conversion for bf16 model params). AVX2: without a NaN lane (tested once for all the registers
+// stored: never a NaN in practice), the rounding is u + 0x7fff + lsb (the result in the high
+// half of the lane, as float_to_bf16_bits and at::vec's conversion round a non-NaN x) and the
+// store packs the high halves (no select, no masking of the low halves); with one, the
+// functions above (the same bits either way).
+#if defined(CPU_CAPABILITY_AVX2)
+// the high 16 bits of every lane of a, then b, at p (in order)
+inline __attribute__((always_inline)) void store_high16(void* p, __m256i a, __m256i b) {
+  const __m256i packed = _mm256_packus_epi32(_mm256_srli_epi32(a, 16), _mm256_srli_epi32(b, 16));
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm256_permute4x64_epi64(packed, 0xd8));
+}
+// float_to_bf16_bits(x) in the high half of every lane of x that is not NaN
+inline __attribute__((always_inline)) __m256i bf16_rne_high(const FVec& x) {
+  const __m256i u = _mm256_castps_si256(x);
+  return _mm256_add_epi32(_mm256_add_epi32(u, _mm256_set1_epi32(0x7fff)),
+                          _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1)));
+}
+// all lanes of a mask of _mm256_cmp_ps false
+inline __attribute__((always_inline)) bool none_of(__m256 mask) {
+  return _mm256_movemask_ps(mask) == 0;
+}
+#endif
+
+// float_to_bf16_bits of m0, m1 at mp and of v0, v1 at vp (two bf16 moments)
+inline __attribute__((always_inline)) void store_moments_bf16(uint16_t* mp, const FVec& m0,
+                                                              const FVec& m1, uint16_t* vp,
+                                                              const FVec& v0, const FVec& v1) {
+#if defined(CPU_CAPABILITY_AVX2)
+  if (__builtin_expect(none_of(_mm256_or_ps(_mm256_cmp_ps(m0, m1, _CMP_UNORD_Q),
+                                            _mm256_cmp_ps(v0, v1, _CMP_UNORD_Q))),
+                       1)) {
+    store_high16(mp, bf16_rne_high(m0), bf16_rne_high(m1));
+    store_high16(vp, bf16_rne_high(v0), bf16_rne_high(v1));
+    return;
+  }
+#endif
+  Lanes32::store16(mp, bf16_rne_bits(m0), bf16_rne_bits(m1));
+  Lanes32::store16(vp, bf16_rne_bits(v0), bf16_rne_bits(v1));
+}
+
+// VecIO<M>::store of p0, p1 to model params
+template <typename M>
+inline __attribute__((always_inline)) void store_model(M* modelp, FVec& p0, FVec& p1) {
+#if defined(CPU_CAPABILITY_AVX2)
+  if constexpr (std::is_same_v<M, at::BFloat16>) {
+    if (__builtin_expect(none_of(_mm256_cmp_ps(p0, p1, _CMP_UNORD_Q)), 1)) {
+      store_high16(modelp, bf16_rne_high(p0), bf16_rne_high(p1));
+      return;
+    }
+  }
+#endif
+  VecIO<M>::template store<true, false>(modelp, p0, p1);
+}
+
+// the remainders (low halves) of u0, u1 at rp and the bf16 params (u + 0x8000) >> 16 at modelp
+// (split_remainder of every lane)
+inline __attribute__((always_inline)) void store_split(int16_t* rp, void* modelp, Lanes32::I u0,
+                                                       Lanes32::I u1) {
+  using L = Lanes32;
+  const L::I half = L::set1(0x8000u);
+  L::store16(rp, u0, u1);
+#if defined(CPU_CAPABILITY_AVX2)
+  store_high16(modelp, L::add(u0, half), L::add(u1, half));
+#else
+  L::store16(modelp, L::shr16(L::add(u0, half)), L::shr16(L::add(u1, half)));
+#endif
+}
+
 // The update of one chunk with bf16 moments m, v (bits) and either fp32 masters p (kRem false)
 // or bf16 model params with int16 remainders rem (kRem true, M = at::BFloat16).
 template <typename G, typename M, typename Flags, bool kRem>
@@ -558,16 +630,12 @@ __attribute__((noinline)) void adam_chunk_bf16(const G* __restrict g, float* __r
     v1 = L::from_bits(L::shl16(b));
     adam_element_flags<FVec>(p0, m0, v0, g0, s, flags);
     adam_element_flags<FVec>(p1, m1, v1, g1, s, flags);
-    L::store16(mp, bf16_rne_bits(m0), bf16_rne_bits(m1));
-    L::store16(vp, bf16_rne_bits(v0), bf16_rne_bits(v1));
+    store_moments_bf16(mp, m0, m1, vp, v0, v1);
     if constexpr (kRem) {
-      const L::I u0 = L::bits(p0), u1 = L::bits(p1);
-      const L::I half = L::set1(0x8000u);
-      L::store16(rp, u0, u1);
-      L::store16(modelp, L::shr16(L::add(u0, half)), L::shr16(L::add(u1, half)));
+      store_split(rp, modelp, L::bits(p0), L::bits(p1));
     } else {
       VecIO<float>::template store<true, false>(pp, p0, p1);
-      if constexpr (kModel) VecIO<M>::template store<true, false>(modelp, p0, p1);
+      if constexpr (kModel) store_model(modelp, p0, p1);
     }
   };
   int64_t i = 0;
@@ -837,13 +905,10 @@ __attribute__((noinline)) void adam_chunk_dynamic(const G* __restrict g, float* 
       vmax = _mm256_max_epi32(vmax, _mm256_and_si256(_mm256_castps_si256(v0), live0));
       vmax = _mm256_max_epi32(vmax, _mm256_and_si256(_mm256_castps_si256(v1), live1));
       if constexpr (kRem) {
-        const L::I u0 = L::bits(p0), u1 = L::bits(p1);
-        const L::I half = L::set1(0x8000u);
-        L::store16(rp, u0, u1);
-        L::store16(modelp, L::shr16(L::add(u0, half)), L::shr16(L::add(u1, half)));
+        store_split(rp, modelp, L::bits(p0), L::bits(p1));
       } else {
         VecIO<float>::template store<true, false>(pp, p0, p1);
-        if constexpr (kModel) VecIO<M>::template store<true, false>(modelp, p0, p1);
+        if constexpr (kModel) store_model(modelp, p0, p1);
       }
     };
     int64_t i = 0;
@@ -947,8 +1012,13 @@ inline __attribute__((always_inline)) Lanes32::I sr_bits_lanes(Lanes32::I lo, La
   x = S::mul(x, L::set1(0x7feb352du));
   x = S::xor_(x, S::shr15(x));
   x = S::mul(x, L::set1(0x846ca68bu));
+#if defined(CPU_CAPABILITY_AVX2)
+  // (x ^ (x >> 16)) >> 16 = x >> 16: the last xor only changes the low half
+  return L::shr16(x);
+#else
   x = S::xor_(x, L::shr16(x));
   return L::shr16(x);
+#endif
 }
 
 // float_to_bf16_sr_bits of every lane of x with the random bits r (the round-to-nearest lanes,
@@ -968,41 +1038,315 @@ inline __attribute__((always_inline)) Lanes32::I bf16_sr_bits(const FVec& x, Lan
   return sr;
 }
 
-template <typename G, typename Flags>
+// float_to_bf16_sr_bits of x0, x1 with the random bits r0, r1 stored at p. AVX2: one test for
+// both registers, then (u + r) >> 16 by store_high16 (the bits of bf16_sr_bits).
+inline __attribute__((always_inline)) void store_bf16_sr(uint16_t* p, const FVec& x0,
+                                                         const FVec& x1, Lanes32::I r0,
+                                                         Lanes32::I r1) {
+  using L = Lanes32;
+#if defined(CPU_CAPABILITY_AVX2)
+  const L::I u0 = L::bits(x0), u1 = L::bits(x1);
+  const L::I magnitude = L::set1(0x7fffffffu);
+  const L::I a = _mm256_max_epi32(L::and_(u0, magnitude), L::and_(u1, magnitude));
+  if (__builtin_expect(_mm256_movemask_ps(_mm256_castsi256_ps(
+                           _mm256_cmpgt_epi32(a, L::set1(0x7f7effffu)))) == 0,
+                       1)) {
+    store_high16(p, L::add(u0, r0), L::add(u1, r1));
+    return;
+  }
+#endif
+  L::store16(p, bf16_sr_bits(x0, r0), bf16_sr_bits(x1, r1));
+}
+
+// S: the moments' storage, uint16_t (bf16 bits, rounded to nearest even) or float (float32
+// moments, read and written in place: the adam_chunk_sr loop for float32 moments in one pass).
+template <typename G, typename Flags, typename S = uint16_t>
 __attribute__((noinline)) void adam_chunk_bf16_sr(const G* __restrict g,
                                                   uint16_t* __restrict param,
-                                                  uint16_t* __restrict m, uint16_t* __restrict v,
+                                                  S* __restrict m, S* __restrict v,
                                                   int64_t n, const AdamScalars& scalars,
                                                   Flags flags, uint32_t lo0, uint32_t salt) {
   using L = Lanes32;
+  static_assert(std::is_same_v<S, uint16_t> || std::is_same_v<S, float>, "bf16 or fp32 moments");
+  constexpr bool kBf16Moments = std::is_same_v<S, uint16_t>;
   const AdamScalars s = scalars;  // in registers (see adam_chunk)
   const L::I vsalt = L::set1(salt);
   const L::I iota = SrLanes::iota();
   const L::I second = L::set1(static_cast<uint32_t>(SrLanes::kLanes));
-  auto step = [&](const G* gp, uint16_t* pp, uint16_t* mp, uint16_t* vp, uint32_t lo) {
+  // l0: the low index words of the step's first register's lanes
+  auto step = [&](const G* gp, uint16_t* pp, S* mp, S* vp, L::I l0) {
     FVec g0, g1, p0, p1, m0, m1, v0, v1;
     L::I a, b;
     VecIO<G>::load(gp, g0, g1);
     L::load_u16(pp, a, b);
     p0 = L::from_bits(L::shl16(a));
     p1 = L::from_bits(L::shl16(b));
-    L::load_u16(mp, a, b);
-    m0 = L::from_bits(L::shl16(a));
-    m1 = L::from_bits(L::shl16(b));
-    L::load_u16(vp, a, b);
-    v0 = L::from_bits(L::shl16(a));
-    v1 = L::from_bits(L::shl16(b));
+    if constexpr (kBf16Moments) {
+      L::load_u16(mp, a, b);
+      m0 = L::from_bits(L::shl16(a));
+      m1 = L::from_bits(L::shl16(b));
+      L::load_u16(vp, a, b);
+      v0 = L::from_bits(L::shl16(a));
+      v1 = L::from_bits(L::shl16(b));
+    } else {
+      VecIO<float>::load(mp, m0, m1);
+      VecIO<float>::load(vp, v0, v1);
+    }
     adam_element_flags<FVec>(p0, m0, v0, g0, s, flags);
     adam_element_flags<FVec>(p1, m1, v1, g1, s, flags);
-    L::store16(mp, bf16_rne_bits(m0), bf16_rne_bits(m1));
-    L::store16(vp, bf16_rne_bits(v0), bf16_rne_bits(v1));
-    const L::I l0 = L::add(L::set1(lo), iota);
-    L::store16(pp, bf16_sr_bits(p0, sr_bits_lanes(l0, vsalt)),
-               bf16_sr_bits(p1, sr_bits_lanes(L::add(l0, second), vsalt)));
+    if constexpr (kBf16Moments) {
+      store_moments_bf16(mp, m0, m1, vp, v0, v1);
+    } else {
+      VecIO<float>::template store<true, false>(mp, m0, m1);
+      VecIO<float>::template store<true, false>(vp, v0, v1);
+    }
+    store_bf16_sr(pp, p0, p1, sr_bits_lanes(l0, vsalt),
+                  sr_bits_lanes(L::add(l0, second), vsalt));
+  };
+  int64_t i = 0;
+  L::I lanes = L::add(L::set1(lo0), iota);  // lo0 + i + lane, wrapping as uint32_t
+  const L::I advance = L::set1(static_cast<uint32_t>(kVecStep));
+  for (; i + kVecStep <= n; i += kVecStep) {
+    step(g + i, param + i, m + i, v + i, lanes);
+    lanes = L::add(lanes, advance);
+  }
+  if (i < n) {  // through zero-padded copies, as adam_chunk
+    const int64_t r = n - i;
+    Tail<G> tg;
+    Tail<uint16_t> tp;
+    Tail<S> tm, tv;
+    tg.in(g + i, r);
+    tp.in(param + i, r);
+    tm.in(m + i, r);
+    tv.in(v + i, r);
+    step(tg.buf, tp.buf, tm.buf, tv.buf, lanes);
+    tp.out(param + i, r);
+    tm.out(m + i, r);
+    tv.out(v + i, r);
+  }
+}
+#else
+// declared for the call in fused_adam_step_, which discards it here (if constexpr)
+template <typename G, typename Flags, typename S = uint16_t>
+void adam_chunk_bf16_sr(const G* g, uint16_t* param, S* m, S* v, int64_t n,
+                        const AdamScalars& scalars, Flags flags, uint32_t lo0, uint32_t salt);
+#endif
+
+// -- AVX2: the all-16-bit loops in the unpacked lane order --------------------------------------
+//
+// adam_chunk_bf16 with remainders and adam_chunk_bf16_sr with bf16 moments, for bf16 or float32
+// grads, on AVX2: every 16-bit array of a 16-element step (bf16 moments, param, remainders) is
+// widened from one 256-bit load by vpunpck{l,h}wd and narrowed by one vpackusdw, so the lanes
+// of the step's two float registers hold elements 0-3, 8-11 (register 0) and 4-7, 12-15
+// (register 1); the float32 grads are loaded in that order (two 128-bit halves a register). No
+// lane-crossing permute and no shift to widen: fewer instructions per element than the
+// in-order loops, whose vpmovzxwd loads and vpermq stores this loop spends on. The arithmetic
+// per element is theirs (the same functions lane for lane), so are the bits; the stochastic
+// rounding's random bits take each lane's own index.
+#if defined(CPU_CAPABILITY_AVX2)
+constexpr bool kUnpackedPass = true;
+
+struct Unpacked {
+  using I = __m256i;
+  static inline __attribute__((always_inline)) I load(const void* p) {
+    return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  }
+  // float32 of 16 bf16 values (bits) at p
+  static inline __attribute__((always_inline)) void load_bf16(const void* p, FVec& a, FVec& b) {
+    const I x = load(p), z = _mm256_setzero_si256();
+    a = FVec(_mm256_castsi256_ps(_mm256_unpacklo_epi16(z, x)));
+    b = FVec(_mm256_castsi256_ps(_mm256_unpackhi_epi16(z, x)));
+  }
+  // the grads (bf16 or float32)
+  template <typename G>
+  static inline __attribute__((always_inline)) void load_grad(const G* p, FVec& a, FVec& b) {
+    if constexpr (std::is_same_v<G, float>) {
+      a = FVec(_mm256_loadu2_m128(p + 8, p));
+      b = FVec(_mm256_loadu2_m128(p + 12, p + 4));
+    } else {
+      static_assert(std::is_same_v<G, at::BFloat16>, "bf16 or float32 grads");
+      load_bf16(p, a, b);
+    }
+  }
+  // join_remainder of the bf16 params at model and the remainders at rem:
+  // (model << 16) + int32(rem) = ((model - (rem < 0)) << 16) | uint16(rem)
+  static inline __attribute__((always_inline)) void load_join(const void* model, const void* rem,
+                                                              FVec& a, FVec& b) {
+    const I r = load(rem);
+    const I hi = _mm256_add_epi16(load(model), _mm256_srai_epi16(r, 15));
+    a = FVec(_mm256_castsi256_ps(_mm256_unpacklo_epi16(r, hi)));
+    b = FVec(_mm256_castsi256_ps(_mm256_unpackhi_epi16(r, hi)));
+  }
+  static inline __attribute__((always_inline)) void store(void* p, I x) {
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), x);
+  }
+  // the high / low 16 bits of every lane of a, b at p
+  static inline __attribute__((always_inline)) void store_high16(void* p, I a, I b) {
+    store(p, _mm256_packus_epi32(_mm256_srli_epi32(a, 16), _mm256_srli_epi32(b, 16)));
+  }
+  static inline __attribute__((always_inline)) void store_low16(void* p, I a, I b) {
+    const I low = _mm256_set1_epi32(0xffff);
+    store(p, _mm256_packus_epi32(_mm256_and_si256(a, low), _mm256_and_si256(b, low)));
+  }
+  // store_moments_bf16's bits
+  static inline __attribute__((always_inline)) void store_moments(void* mp, const FVec& m0,
+                                                                  const FVec& m1, void* vp,
+                                                                  const FVec& v0, const FVec& v1) {
+    if (__builtin_expect(none_of(_mm256_or_ps(_mm256_cmp_ps(m0, m1, _CMP_UNORD_Q),
+                                              _mm256_cmp_ps(v0, v1, _CMP_UNORD_Q))),
+                         1)) {
+      store_high16(mp, bf16_rne_high(m0), bf16_rne_high(m1));
+      store_high16(vp, bf16_rne_high(v0), bf16_rne_high(v1));
+      return;
+    }
+    store_low16(mp, bf16_rne_bits(m0), bf16_rne_bits(m1));
+    store_low16(vp, bf16_rne_bits(v0), bf16_rne_bits(v1));
+  }
+};
+
+// adam_chunk_bf16<G, at::BFloat16, Flags, true> in the unpacked order
+template <typename G, typename Flags>
+__attribute__((noinline)) void adam_chunk_bf16_rem_unpacked(
+    const G* __restrict g, int16_t* __restrict rem, uint16_t* __restrict m,
+    uint16_t* __restrict v, at::BFloat16* __restrict model, int64_t n,
+    const AdamScalars& scalars, Flags flags) {
+  using U = Unpacked;
+  const AdamScalars s = scalars;  // in registers (see adam_chunk)
+  auto step = [&](const G* gp, int16_t* rp, uint16_t* mp, uint16_t* vp, at::BFloat16* modelp)
+                  __attribute__((always_inline)) {
+    FVec g0, g1, p0, p1, m0, m1, v0, v1;
+    U::load_grad(gp, g0, g1);
+    U::load_join(modelp, rp, p0, p1);
+    U::load_bf16(mp, m0, m1);
+    U::load_bf16(vp, v0, v1);
+    adam_element_flags<FVec>(p0, m0, v0, g0, s, flags);
+    adam_element_flags<FVec>(p1, m1, v1, g1, s, flags);
+    U::store_moments(mp, m0, m1, vp, v0, v1);
+    // split_remainder: the low halves, and (u + 0x8000) >> 16
+    const U::I u0 = _mm256_castps_si256(p0), u1 = _mm256_castps_si256(p1);
+    const U::I half = _mm256_set1_epi32(0x8000);
+    U::store_low16(rp, u0, u1);
+    U::store_high16(modelp, _mm256_add_epi32(u0, half), _mm256_add_epi32(u1, half));
+  };
+  int64_t i = 0;
+  for (; i + kVecStep <= n; i += kVecStep) step(g + i, rem + i, m + i, v + i, model + i);
+  if (i < n) {  // through zero-padded copies, as adam_chunk
+    const int64_t r = n - i;
+    Tail<G> tg;
+    Tail<int16_t> trem;
+    Tail<uint16_t> tm, tv;
+    Tail<at::BFloat16> tmodel;
+    tg.in(g + i, r);
+    trem.in(rem + i, r);
+    tm.in(m + i, r);
+    tv.in(v + i, r);
+    tmodel.in(model + i, r);
+    step(tg.buf, trem.buf, tm.buf, tv.buf, tmodel.buf);
+    trem.out(rem + i, r);
+    tm.out(m + i, r);
+    tv.out(v + i, r);
+    tmodel.out(model + i, r);
+  }
+}
+
+// adam_chunk_bf16<G, at::BFloat16, Flags, false> (float32 masters, bf16 model params) in the
+// unpacked order: the masters loaded and stored in 128-bit halves
+template <typename G, typename Flags>
+__attribute__((noinline)) void adam_chunk_bf16_unpacked(const G* __restrict g,
+                                                        float* __restrict p,
+                                                        uint16_t* __restrict m,
+                                                        uint16_t* __restrict v,
+                                                        at::BFloat16* __restrict model, int64_t n,
+                                                        const AdamScalars& scalars, Flags flags) {
+  using U = Unpacked;
+  const AdamScalars s = scalars;  // in registers (see adam_chunk)
+  auto step = [&](const G* gp, float* pp, uint16_t* mp, uint16_t* vp, at::BFloat16* modelp)
+                  __attribute__((always_inline)) {
+    FVec g0, g1, p0, p1, m0, m1, v0, v1;
+    U::load_grad(gp, g0, g1);
+    U::load_grad(static_cast<const float*>(pp), p0, p1);
+    U::load_bf16(mp, m0, m1);
+    U::load_bf16(vp, v0, v1);
+    adam_element_flags<FVec>(p0, m0, v0, g0, s, flags);
+    adam_element_flags<FVec>(p1, m1, v1, g1, s, flags);
+    U::store_moments(mp, m0, m1, vp, v0, v1);
+    _mm256_storeu2_m128(pp + 8, pp, p0);
+    _mm256_storeu2_m128(pp + 12, pp + 4, p1);
+    // at::vec's float32 -> bf16 (VecIO<at::BFloat16>::store): round to nearest even, NaN 0xffff
+    if (__builtin_expect(none_of(_mm256_cmp_ps(p0, p1, _CMP_UNORD_Q)), 1)) {
+      U::store_high16(modelp, bf16_rne_high(p0), bf16_rne_high(p1));
+    } else {
+      const U::I nan = _mm256_set1_epi32(0xffff);
+      auto bits = [&](const FVec& x) {
+        return _mm256_blendv_epi8(nan, _mm256_srli_epi32(bf16_rne_high(x), 16),
+                                  _mm256_castps_si256(_mm256_cmp_ps(x, x, _CMP_ORD_Q)));
+      };
+      U::store_low16(modelp, bits(p0), bits(p1));
+    }
+  };
+  int64_t i = 0;
+  for (; i + kVecStep <= n; i += kVecStep) step(g + i, p + i, m + i, v + i, model + i);
+  if (i < n) {  // through zero-padded copies, as adam_chunk
+    const int64_t r = n - i;
+    Tail<G> tg;
+    Tail<float> tp;
+    Tail<uint16_t> tm, tv;
+    Tail<at::BFloat16> tmodel;
+    tg.in(g + i, r);
+    tp.in(p + i, r);
+    tm.in(m + i, r);
+    tv.in(v + i, r);
+    step(tg.buf, tp.buf, tm.buf, tv.buf, tmodel.buf);
+    tp.out(p + i, r);
+    tm.out(m + i, r);
+    tv.out(v + i, r);
+    tmodel.out(model + i, r);
+  }
+}
+
+// adam_chunk_bf16_sr<G, Flags, uint16_t> in the unpacked order
+template <typename G, typename Flags>
+__attribute__((noinline)) void adam_chunk_bf16_sr_unpacked(
+    const G* __restrict g, uint16_t* __restrict param, uint16_t* __restrict m,
+    uint16_t* __restrict v, int64_t n, const AdamScalars& scalars, Flags flags, uint32_t lo0,
+    uint32_t salt) {
+  using U = Unpacked;
+  const AdamScalars s = scalars;  // in registers (see adam_chunk)
+  const U::I vsalt = _mm256_set1_epi32(static_cast<int>(salt));
+  // the low index words of the lanes: lo0 + i + (0-3, 8-11) and (4-7, 12-15)
+  U::I lanes0 = _mm256_add_epi32(_mm256_set1_epi32(static_cast<int>(lo0)),
+                                 _mm256_setr_epi32(0, 1, 2, 3, 8, 9, 10, 11));
+  U::I lanes1 = _mm256_add_epi32(lanes0, _mm256_set1_epi32(4));
+  const U::I advance = _mm256_set1_epi32(static_cast<int>(kVecStep));
+  auto step = [&](const G* gp, uint16_t* pp, uint16_t* mp, uint16_t* vp)
+                  __attribute__((always_inline)) {
+    FVec g0, g1, p0, p1, m0, m1, v0, v1;
+    U::load_grad(gp, g0, g1);
+    U::load_bf16(pp, p0, p1);
+    U::load_bf16(mp, m0, m1);
+    U::load_bf16(vp, v0, v1);
+    adam_element_flags<FVec>(p0, m0, v0, g0, s, flags);
+    adam_element_flags<FVec>(p1, m1, v1, g1, s, flags);
+    U::store_moments(mp, m0, m1, vp, v0, v1);
+    const U::I r0 = sr_bits_lanes(lanes0, vsalt), r1 = sr_bits_lanes(lanes1, vsalt);
+    // store_bf16_sr's test and bits
+    const U::I u0 = _mm256_castps_si256(p0), u1 = _mm256_castps_si256(p1);
+    const U::I magnitude = _mm256_set1_epi32(0x7fffffff);
+    const U::I a = _mm256_max_epi32(_mm256_and_si256(u0, magnitude),
+                                    _mm256_and_si256(u1, magnitude));
+    if (__builtin_expect(_mm256_movemask_ps(_mm256_castsi256_ps(_mm256_cmpgt_epi32(
+                             a, _mm256_set1_epi32(0x7f7effff)))) == 0,
+                         1)) {
+      U::store_high16(pp, _mm256_add_epi32(u0, r0), _mm256_add_epi32(u1, r1));
+    } else {
+      U::store_low16(pp, bf16_sr_bits(p0, r0), bf16_sr_bits(p1, r1));
+    }
   };
   int64_t i = 0;
   for (; i + kVecStep <= n; i += kVecStep) {
-    step(g + i, param + i, m + i, v + i, lo0 + static_cast<uint32_t>(i));
+    step(g + i, param + i, m + i, v + i);
+    lanes0 = _mm256_add_epi32(lanes0, advance);
+    lanes1 = _mm256_add_epi32(lanes1, advance);
   }
   if (i < n) {  // through zero-padded copies, as adam_chunk
     const int64_t r = n - i;
@@ -1012,17 +1356,27 @@ __attribute__((noinline)) void adam_chunk_bf16_sr(const G* __restrict g,
     tp.in(param + i, r);
     tm.in(m + i, r);
     tv.in(v + i, r);
-    step(tg.buf, tp.buf, tm.buf, tv.buf, lo0 + static_cast<uint32_t>(i));
+    step(tg.buf, tp.buf, tm.buf, tv.buf);
     tp.out(param + i, r);
     tm.out(m + i, r);
     tv.out(v + i, r);
   }
 }
 #else
-// declared for the call in fused_adam_step_, which discards it here (if constexpr)
+constexpr bool kUnpackedPass = false;
+// declared for the calls in fused_adam_step_, which discard them here (if constexpr)
 template <typename G, typename Flags>
-void adam_chunk_bf16_sr(const G* g, uint16_t* param, uint16_t* m, uint16_t* v, int64_t n,
-                        const AdamScalars& scalars, Flags flags, uint32_t lo0, uint32_t salt);
+void adam_chunk_bf16_unpacked(const G* g, float* p, uint16_t* m, uint16_t* v,
+                              at::BFloat16* model, int64_t n, const AdamScalars& scalars,
+                              Flags flags);
+template <typename G, typename Flags>
+void adam_chunk_bf16_rem_unpacked(const G* g, int16_t* rem, uint16_t* m, uint16_t* v,
+                                  at::BFloat16* model, int64_t n, const AdamScalars& scalars,
+                                  Flags flags);
+template <typename G, typename Flags>
+void adam_chunk_bf16_sr_unpacked(const G* g, uint16_t* param, uint16_t* m, uint16_t* v,
+                                 int64_t n, const AdamScalars& scalars, Flags flags,
+                                 uint32_t lo0, uint32_t salt);
 #endif
 
 template <typename G, typename M, bool kMomentum>
@@ -1172,16 +1526,35 @@ void fused_adam_step_(at::TensorList params, at::TensorList exp_avgs, at::Tensor
       const uint64_t stream = sr_stream(static_cast<uint64_t>(row[0]), read_step(steps[e]) + 1.0);
       const uint64_t j0 = static_cast<uint64_t>(row[1]) + static_cast<uint64_t>(c.offset);
       uint16_t* param = static_cast<uint16_t*>(params[e].data_ptr()) + c.offset;
-      // bf16 moments, one high index word in the chunk: the one-loop pass
-      if (kBf16Pass && mk == Kind::kBFloat16 && vk == Kind::kBFloat16 &&
-          (j0 & 0xffffffffull) + static_cast<uint64_t>(c.n) <= (1ull << 32)) {
+      // bf16 or float32 moments, one high index word in the chunk: the one-loop pass
+      const bool one_word = (j0 & 0xffffffffull) + static_cast<uint64_t>(c.n) <= (1ull << 32);
+      if (kBf16Pass && mk == Kind::kBFloat16 && vk == Kind::kBFloat16 && one_word) {
+        using G = std::remove_const_t<std::remove_pointer_t<decltype(g)>>;
+        constexpr bool kUnpacked =
+            kUnpackedPass && (std::is_same_v<G, float> || std::is_same_v<G, at::BFloat16>);
+        with_adam_flags(scalars[e], [&](auto flags) {
+          uint16_t* m = static_cast<uint16_t*>(exp_avgs[e].data_ptr()) + c.offset;
+          uint16_t* v = static_cast<uint16_t*>(exp_avg_sqs[e].data_ptr()) + c.offset;
+          if constexpr (kUnpacked) {
+            adam_chunk_bf16_sr_unpacked<G, decltype(flags)>(g, param, m, v, c.n, scalars[e],
+                                                            flags, static_cast<uint32_t>(j0),
+                                                            sr_salt(stream, j0 >> 32));
+          } else if constexpr (kBf16Pass) {
+            adam_chunk_bf16_sr<G, decltype(flags)>(g, param, m, v, c.n, scalars[e], flags,
+                                                   static_cast<uint32_t>(j0),
+                                                   sr_salt(stream, j0 >> 32));
+          }
+        });
+        return;
+      }
+      if (kBf16Pass && mk == Kind::kFloat && vk == Kind::kFloat && one_word) {
         using G = std::remove_const_t<std::remove_pointer_t<decltype(g)>>;
         with_adam_flags(scalars[e], [&](auto flags) {
           if constexpr (kBf16Pass) {
-            adam_chunk_bf16_sr<G, decltype(flags)>(
-                g, param, static_cast<uint16_t*>(exp_avgs[e].data_ptr()) + c.offset,
-                static_cast<uint16_t*>(exp_avg_sqs[e].data_ptr()) + c.offset, c.n, scalars[e],
-                flags, static_cast<uint32_t>(j0), sr_salt(stream, j0 >> 32));
+            adam_chunk_bf16_sr<G, decltype(flags), float>(
+                g, param, exp_avgs[e].data_ptr<float>() + c.offset,
+                exp_avg_sqs[e].data_ptr<float>() + c.offset, c.n, scalars[e], flags,
+                static_cast<uint32_t>(j0), sr_salt(stream, j0 >> 32));
           }
         });
         return;
@@ -1198,10 +1571,24 @@ void fused_adam_step_(at::TensorList params, at::TensorList exp_avgs, at::Tensor
       uint16_t* v = static_cast<uint16_t*>(exp_avg_sqs[e].data_ptr()) + c.offset;
       with_adam_flags(scalars[e], [&](auto flags) {
         if constexpr (kBf16Pass) {
+          constexpr bool kUnpacked =
+              kUnpackedPass && std::is_same_v<M, at::BFloat16> &&
+              (std::is_same_v<G, float> || std::is_same_v<G, at::BFloat16>);
           if (!remainders) {
-            adam_chunk_bf16<G, M, decltype(flags), false>(
-                g, params[e].data_ptr<float>() + c.offset, nullptr, m, v, model, c.n,
-                scalars[e], flags);
+            if constexpr (kUnpacked) {
+              adam_chunk_bf16_unpacked<G, decltype(flags)>(
+                  g, params[e].data_ptr<float>() + c.offset, m, v, model, c.n, scalars[e],
+                  flags);
+            } else {
+              adam_chunk_bf16<G, M, decltype(flags), false>(
+                  g, params[e].data_ptr<float>() + c.offset, nullptr, m, v, model, c.n,
+                  scalars[e], flags);
+            }
+          } else if constexpr (std::is_same_v<M, at::BFloat16> && kUnpackedPass &&
+                               (std::is_same_v<G, float> || std::is_same_v<G, at::BFloat16>)) {
+            adam_chunk_bf16_rem_unpacked<G, decltype(flags)>(
+                g, params[e].data_ptr<int16_t>() + c.offset, m, v, model, c.n, scalars[e],
+                flags);
           } else if constexpr (std::is_same_v<M, at::BFloat16>) {
             adam_chunk_bf16<G, M, decltype(flags), true>(
                 g, nullptr, params[e].data_ptr<int16_t>() + c.offset, m, v, model, c.n,
