@@ -781,19 +781,7 @@ __attribute__((noinline)) void adam_chunk_dynamic_vbmi(
   const __m512i abs_mask = _mm512_set1_epi32(0x7fffffff);
   alignas(64) float mbuf[kMomentBlock];
   alignas(64) float vbuf[kMomentBlock];
-  alignas(64) float psave[kRem ? 1 : kMomentBlock];
-  alignas(64) int16_t rsave[kRem ? kMomentBlock : 1];
-  alignas(64) M msave[kRem ? kMomentBlock : 1];
-  auto copy_bytes = [](void* dst, const void* src, int64_t bytes) {
-    char* d = static_cast<char*>(dst);
-    const char* c = static_cast<const char*>(src);
-    int64_t q = 0;
-    for (; q + 64 <= bytes; q += 64) _mm512_storeu_si512(d + q, _mm512_loadu_si512(c + q));
-    if (q < bytes) {
-      const __mmask64 live = (uint64_t{1} << (bytes - q)) - 1u;
-      _mm512_mask_storeu_epi8(d + q, live, _mm512_maskz_loadu_epi8(live, c + q));
-    }
-  };
+  alignas(64) float psave[kMomentBlock];  // the params read (remainders: joined)
   for (int64_t b = 0; b * kMomentBlock < n; ++b) {
     const int64_t o = b * kMomentBlock;
     const int64_t k = std::min<int64_t>(kMomentBlock, n - o);
@@ -801,16 +789,9 @@ __attribute__((noinline)) void adam_chunk_dynamic_vbmi(
     const __m512 vscale = _mm512_set1_ps(vref.scales[b]);
     __m512i mmax = _mm512_setzero_si512(), vmax = _mm512_setzero_si512();
     __mmask16 pnan = 0;  // lanes where a new param is NaN (or the padding's)
-    // the block's params as they were (for adam_chunk_dynamic_words on a NaN)
-    if constexpr (kRem) {
-      copy_bytes(rsave, rem + o, k * 2);
-      copy_bytes(msave, model + o, k * 2);
-    } else {
-      copy_bytes(psave, p + o, k * 4);
-    }
     // adam_chunk_dynamic_words' step on decoded moments (m0, m1, v0, v1: map[c] * scale)
     auto step = [&](const G* gp, float* pp, int16_t* rp, M* modelp, __m512 m0, __m512 m1,
-                    __m512 v0, __m512 v1, float* mo, float* vo, __mmask32 live) {
+                    __m512 v0, __m512 v1, float* mo, float* vo, float* ps, __mmask32 live) {
       FVec g0, g1, p0, p1;
       VecIO<G>::load(gp, g0, g1);
       if constexpr (kRem) {
@@ -822,6 +803,8 @@ __attribute__((noinline)) void adam_chunk_dynamic_vbmi(
       } else {
         VecIO<float>::load(pp, p0, p1);
       }
+      _mm512_store_ps(ps, p0);  // kept for adam_chunk_dynamic_words (see above)
+      _mm512_store_ps(ps + 16, p1);
       // rounded where they stand: the decode's products are not contracted into the update
       FVec fm0 = RoundedHere<FVec>::apply(FVec(m0)), fm1 = RoundedHere<FVec>::apply(FVec(m1));
       FVec fv0 = RoundedHere<FVec>::apply(FVec(v0)), fv1 = RoundedHere<FVec>::apply(FVec(v1));
@@ -861,7 +844,7 @@ __attribute__((noinline)) void adam_chunk_dynamic_vbmi(
       const int64_t j = o + i;
       step(g + j, kRem ? nullptr : p + j, kRem ? rem + j : nullptr,
            kModel ? model + j : nullptr, md[0], md[1], vd[0], vd[1], mbuf + i, vbuf + i,
-           ~__mmask32(0));
+           psave + i, ~__mmask32(0));
     };
     int64_t i = 0;
     for (; i + 64 <= k; i += 64) {
@@ -899,7 +882,7 @@ __attribute__((noinline)) void adam_chunk_dynamic_vbmi(
           tp.in(p + j, rr);
         }
         step(tg.buf, tp.buf, trem.buf, kModel ? reinterpret_cast<M*>(tmodel.buf) : nullptr,
-             md[h], md[h + 1], vd[h], vd[h + 1], mbuf + i, vbuf + i, live);
+             md[h], md[h + 1], vd[h], vd[h + 1], mbuf + i, vbuf + i, psave + i, live);
         if constexpr (kRem) {
           trem.out(rem + j, rr);
         } else {
@@ -911,11 +894,16 @@ __attribute__((noinline)) void adam_chunk_dynamic_vbmi(
     const uint32_t mmx = static_cast<uint32_t>(_mm512_reduce_max_epi32(mmax));
     const uint32_t vmx = static_cast<uint32_t>(_mm512_reduce_max_epi32(vmax));
     if (pnan != 0 || mmx > 0x7f800000u || vmx > 0x7f800000u) {  // a NaN: see above
-      if constexpr (kRem) {
-        copy_bytes(rem + o, rsave, k * 2);
-        copy_bytes(model + o, msave, k * 2);
-      } else {
-        copy_bytes(p + o, psave, k * 4);
+      // the params back as they were (remainders: split_remainder of the joined bits, the
+      // model param and remainder they were joined from)
+      for (int64_t q = 0; q < k; ++q) {
+        if constexpr (kRem) {
+          const uint32_t u = float_to_bits(psave[q]);
+          rem[o + q] = static_cast<int16_t>(static_cast<uint16_t>(u & 0xffffu));
+          reinterpret_cast<uint16_t*>(model)[o + q] = static_cast<uint16_t>((u + 0x8000u) >> 16);
+        } else {
+          p[o + q] = psave[q];
+        }
       }
       const MomentRef mb{mref.kind, mcodes + o, mref.scales + b, mref.sqrt};
       const MomentRef vb{vref.kind, vcodes + o, vref.scales + b, vref.sqrt};
