@@ -291,103 +291,127 @@ inline void dynamic_decode_block(const uint8_t* __restrict in, int64_t n, float 
   for (; i < n; ++i) out[i] = t.map[in[i]] * scale;
 }
 
+#if defined(CPU_CAPABILITY_AVX512)
+// The AVX-512 encode: the AVX2 encode's lane function (the map's decade pieces, kDynamicPiece*;
+// see the AVX2 branch of dynamic_encode_block) on 16 lanes. Every lane computes what an AVX2
+// lane computes (the same operations on the same 32-bit values: the binade pair by a byte
+// shuffle of the 16-byte table, the piece by one compare with the next piece's start, t = fma(a,
+// A[p], B[p]) in fixed point, the flag of a t within 2^-12 of an integer, the cap by the piece's
+// top code), so its codes are AVX2's (scripts/check_dynamic_map_exhaustive.cpp checks every
+// float32 y); the sign by a mask instead of vpsignd (k = 0 at y = +-0), and the saturating packs
+// with one dword permute that puts 64 codes back in order. Flagged lanes are redone by
+// dynamic_encode_scalar. About 24 vector operations per 16 values against the 37 of the binary
+// search on the thresholds' 16-bit key halves it replaced (0.17 (signed map) / 0.14 (unsigned)
+// against 0.21 ns per element on the Zen 5 measured, scripts/bench_dynamic_map_block.cpp).
+struct DynamicPieces {
+  __m512 scale_tab, offset_tab;
+  __m512i top_tab, start_tab, binade_tab;
+  explicit DynamicPieces(bool is_unsigned) {
+    scale_tab = _mm512_zextps256_ps512(
+        _mm256_load_ps(is_unsigned ? kDynamicPieceScaleUnsigned : kDynamicPieceScaleSigned));
+    offset_tab = _mm512_zextps256_ps512(
+        _mm256_load_ps(is_unsigned ? kDynamicPieceOffsetUnsigned : kDynamicPieceOffsetSigned));
+    top_tab = _mm512_zextsi256_si512(_mm256_load_si256(reinterpret_cast<const __m256i*>(
+        is_unsigned ? kDynamicPieceTopUnsigned : kDynamicPieceTopSigned)));
+    start_tab = _mm512_zextsi256_si512(_mm256_load_si256(reinterpret_cast<const __m256i*>(
+        is_unsigned ? kDynamicPieceStartUnsigned : kDynamicPieceStartSigned)));
+    binade_tab = _mm512_broadcast_i32x4(_mm_load_si128(reinterpret_cast<const __m128i*>(
+        is_unsigned ? kDynamicPieceBinadeUnsigned : kDynamicPieceBinadeSigned)));
+  }
+  // The codes of the 16 values at p (live lanes read, the others 0) divided by d (not NaN) in
+  // 32-bit lanes (signed map: -1 for y <= -1, saturated to 0 by the caller), and in near the
+  // live lanes whose t lies within 2^-12 of an integer.
+  template <bool kUnsigned>
+  inline __attribute__((always_inline)) __m512i codes16(const float* p, __mmask16 live,
+                                                        __m512 d, __mmask16& near) const {
+    const __m512 y = _mm512_div_ps(_mm512_maskz_loadu_ps(live, p), d);
+    const __m512i u = _mm512_castps_si512(y);
+    const __m512 one = _mm512_set1_ps(1.0f);
+    // inf -> 1 (y is not NaN); unsigned: y <= 0 (-0.0, -inf included) -> +0.0, code 0
+    const __m512 a =
+        kUnsigned ? _mm512_max_ps(_mm512_min_ps(y, one), _mm512_setzero_ps())
+                  : _mm512_min_ps(_mm512_castsi512_ps(
+                                      _mm512_and_si512(u, _mm512_set1_epi32(0x7fffffff))),
+                                  one);
+    const __m512i ab = _mm512_castps_si512(a);
+    const __m512i key = kUnsigned ? ab : _mm512_add_epi32(ab, _mm512_srai_epi32(u, 30));
+    const __m512i pair = _mm512_srli_epi32(
+        _mm512_subs_epu8(ab, _mm512_set1_epi32((kDynamicPieceBias / 2) << 24)), 24);
+    const __m512i plo = _mm512_shuffle_epi8(binade_tab, pair);
+    const __m512i piece = _mm512_mask_add_epi32(
+        plo, _mm512_cmpgt_epi32_mask(key, _mm512_permutexvar_epi32(plo, start_tab)), plo,
+        _mm512_set1_epi32(1));
+    const __m512i ti = _mm512_cvttps_epi32(_mm512_fmadd_ps(
+        a, _mm512_permutexvar_ps(piece, scale_tab), _mm512_permutexvar_ps(piece, offset_tab)));
+    near = _mm512_mask_testn_epi32_mask(live, ti,
+                                        _mm512_set1_epi32((1 << kDynamicPieceFracBits) - 2));
+    const __m512i k = _mm512_min_epi32(_mm512_srai_epi32(ti, kDynamicPieceFracBits),
+                                       _mm512_permutexvar_epi32(piece, top_tab));
+    if constexpr (kUnsigned) {
+      return k;
+    } else {  // 127 + k, 127 - k for negative y
+      const __m512i c127 = _mm512_set1_epi32(127);
+      return _mm512_mask_sub_epi32(_mm512_add_epi32(c127, k), _mm512_movepi32_mask(u), c127, k);
+    }
+  }
+  // out[j] = dynamic_encode_scalar(in[j] / div) for the lanes set in lanes
+  static void redo(const float* in, unsigned lanes, float div, const DynamicTables& t,
+                   uint8_t* out) {
+    for (; lanes != 0u; lanes &= lanes - 1u) {
+      const int j = __builtin_ctz(lanes);
+      out[j] = static_cast<uint8_t>(dynamic_encode_scalar(in[j] / div, t));
+    }
+  }
+  // the codes of the 64 values at in (d = div broadcast, not NaN) to out
+  template <bool kUnsigned>
+  inline __attribute__((always_inline)) void encode64(const float* in, __m512 d, float div,
+                                                      const DynamicTables& t,
+                                                      uint8_t* out) const {
+    __mmask16 near[4];
+    const __m512i c0 = codes16<kUnsigned>(in, 0xffff, d, near[0]),
+                  c1 = codes16<kUnsigned>(in + 16, 0xffff, d, near[1]),
+                  c2 = codes16<kUnsigned>(in + 32, 0xffff, d, near[2]),
+                  c3 = codes16<kUnsigned>(in + 48, 0xffff, d, near[3]);
+    // 32 -> 16 -> 8 bits with unsigned saturation (codes <= 255, -1 -> 0); dword m of the
+    // packs' result holds codes 4 (m % 4) + m / 4 .. + 3
+    const __m512i order = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
+    _mm512_storeu_si512(out, _mm512_permutexvar_epi32(
+                                 order, _mm512_packus_epi16(_mm512_packus_epi32(c0, c1),
+                                                            _mm512_packus_epi32(c2, c3))));
+    if (__builtin_expect((near[0] | near[1] | near[2] | near[3]) != 0, 0)) {
+      for (int v = 0; v < 4; ++v) redo(in + 16 * v, near[v], div, t, out + 16 * v);
+    }
+  }
+  // the codes of the min(r, 16) values at in to out (a block's tail; nothing read or written
+  // past them)
+  template <bool kUnsigned>
+  inline void encode16(const float* in, int64_t r, __m512 d, float div, const DynamicTables& t,
+                       uint8_t* out) const {
+    const __mmask16 live = r >= 16 ? __mmask16(0xffff) : static_cast<__mmask16>((1u << r) - 1u);
+    __mmask16 near;
+    const __m512i c = _mm512_max_epi32(codes16<kUnsigned>(in, live, d, near),
+                                       _mm512_setzero_si512());
+    _mm512_mask_cvtepi32_storeu_epi8(out, live, c);
+    if (__builtin_expect(near != 0, 0)) redo(in, near, div, t, out);
+  }
+};
+#endif
+
 // out[i] = the code of in[i] / div for i < n (n <= kMomentBlock).
 inline void dynamic_encode_block(const float* __restrict in, int64_t n, float div,
                                  const DynamicTables& t, uint8_t* __restrict out) {
   int64_t i = 0;
 #if defined(CPU_CAPABILITY_AVX512)
-  // The AVX2 encode below (the map's decade pieces, kDynamicPiece*; see its comment) on 16
-  // lanes, 64 values a round: every lane computes what an AVX2 lane computes (the same
-  // operations on the same 32-bit values: the binade pair by a byte shuffle of the 16-byte
-  // table, the piece by one compare with the next piece's start, t = fma(a, A[p], B[p]) in
-  // fixed point, the flag of a t within 2^-12 of an integer, the cap by the piece's top code), so
-  // its codes are AVX2's (scripts/check_dynamic_map_exhaustive.cpp checks every float32 y);
-  // the sign by a mask instead of vpsignd (k = 0 at y = +-0), and the saturating packs with one
-  // dword permute that puts the 64 codes back in order. Flagged lanes are redone by
-  // dynamic_encode_scalar. 24 vector operations per 16 values against the 37 of the binary
-  // search on the thresholds' 16-bit key halves it replaced (0.13 against 0.21 ns per element
-  // on the Zen 5 measured, scripts/bench_dynamic_map_block.cpp). A NaN divisor (a block holding
-  // NaN; else no y is NaN) takes the scalar loop.
+  // DynamicPieces (above), 64 values a round. A NaN divisor (a block holding NaN; else no y is
+  // NaN) takes the scalar loop.
   if (div == div) {  // else NaN: every y is NaN, the scalar loop below
     const bool is_unsigned = t.map == kDynamicMapUnsigned;
-    const __m512 scale_tab = _mm512_zextps256_ps512(
-        _mm256_load_ps(is_unsigned ? kDynamicPieceScaleUnsigned : kDynamicPieceScaleSigned));
-    const __m512 offset_tab = _mm512_zextps256_ps512(
-        _mm256_load_ps(is_unsigned ? kDynamicPieceOffsetUnsigned : kDynamicPieceOffsetSigned));
-    const __m512i top_tab = _mm512_zextsi256_si512(_mm256_load_si256(reinterpret_cast<const __m256i*>(
-        is_unsigned ? kDynamicPieceTopUnsigned : kDynamicPieceTopSigned)));
-    const __m512i start_tab = _mm512_zextsi256_si512(_mm256_load_si256(
-        reinterpret_cast<const __m256i*>(is_unsigned ? kDynamicPieceStartUnsigned
-                                                     : kDynamicPieceStartSigned)));
-    const __m512i binade_tab = _mm512_broadcast_i32x4(_mm_load_si128(reinterpret_cast<const __m128i*>(
-        is_unsigned ? kDynamicPieceBinadeUnsigned : kDynamicPieceBinadeSigned)));
+    const DynamicPieces pieces(is_unsigned);
     const __m512 d = _mm512_set1_ps(div);
-    const __m512 one = _mm512_set1_ps(1.0f);
-    const __m512i abs_mask = _mm512_set1_epi32(0x7fffffff);
-    const __m512i bias = _mm512_set1_epi32((kDynamicPieceBias / 2) << 24);
-    const __m512i ione = _mm512_set1_epi32(1);
-    const __m512i c127 = _mm512_set1_epi32(127);
-    const __m512i frac_mask = _mm512_set1_epi32((1 << kDynamicPieceFracBits) - 2);
-    // dword m of the two packs' result holds codes 4 (m % 4) + m / 4 .. + 3 of the round
-    const __m512i order = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
-    // the codes of 16 values at p (32-bit lanes; signed: -1 for y <= -1, saturated to 0 by the
-    // packs or the caller) and the mask of the flagged lanes; live: the lanes read
-    auto codes16 = [&](auto unsigned_tag, const float* p, __mmask16 live, __mmask16& near) {
-      constexpr bool kUnsigned = decltype(unsigned_tag)::value;
-      const __m512 y = _mm512_div_ps(_mm512_maskz_loadu_ps(live, p), d);
-      const __m512i u = _mm512_castps_si512(y);
-      const __m512 a =
-          kUnsigned ? _mm512_max_ps(_mm512_min_ps(y, one), _mm512_setzero_ps())
-                    : _mm512_min_ps(_mm512_castsi512_ps(_mm512_and_si512(u, abs_mask)), one);
-      const __m512i ab = _mm512_castps_si512(a);
-      const __m512i key = kUnsigned ? ab : _mm512_add_epi32(ab, _mm512_srai_epi32(u, 30));
-      const __m512i pair = _mm512_srli_epi32(_mm512_subs_epu8(ab, bias), 24);
-      const __m512i plo = _mm512_shuffle_epi8(binade_tab, pair);
-      const __m512i piece = _mm512_mask_add_epi32(
-          plo, _mm512_cmpgt_epi32_mask(key, _mm512_permutexvar_epi32(plo, start_tab)), plo, ione);
-      const __m512i ti = _mm512_cvttps_epi32(
-          _mm512_fmadd_ps(a, _mm512_permutexvar_ps(piece, scale_tab),
-                          _mm512_permutexvar_ps(piece, offset_tab)));
-      near = _mm512_mask_testn_epi32_mask(live, ti, frac_mask);
-      const __m512i k = _mm512_min_epi32(_mm512_srai_epi32(ti, kDynamicPieceFracBits),
-                                         _mm512_permutexvar_epi32(piece, top_tab));
-      if constexpr (kUnsigned) {
-        return k;
-      } else {  // 127 + k, 127 - k for negative y
-        return _mm512_mask_sub_epi32(_mm512_add_epi32(c127, k), _mm512_movepi32_mask(u), c127,
-                                     k);
-      }
-    };
-    auto redo = [&](int64_t at, unsigned lanes) {  // the flagged lanes only
-      for (; lanes != 0u; lanes &= lanes - 1u) {
-        const int64_t j = at + __builtin_ctz(lanes);
-        out[j] = static_cast<uint8_t>(dynamic_encode_scalar(in[j] / div, t));
-      }
-    };
     auto run = [&](auto unsigned_tag) {
-      for (; i + 64 <= n; i += 64) {
-        __mmask16 near[4];
-        const __m512i c0 = codes16(unsigned_tag, in + i, 0xffff, near[0]),
-                      c1 = codes16(unsigned_tag, in + i + 16, 0xffff, near[1]),
-                      c2 = codes16(unsigned_tag, in + i + 32, 0xffff, near[2]),
-                      c3 = codes16(unsigned_tag, in + i + 48, 0xffff, near[3]);
-        // 32 -> 16 -> 8 bits with unsigned saturation (codes <= 255, -1 -> 0), in order
-        const __m512i bytes = _mm512_permutexvar_epi32(
-            order, _mm512_packus_epi16(_mm512_packus_epi32(c0, c1), _mm512_packus_epi32(c2, c3)));
-        _mm512_storeu_si512(out + i, bytes);
-        if (__builtin_expect((near[0] | near[1] | near[2] | near[3]) != 0, 0)) {
-          for (int v = 0; v < 4; ++v) redo(i + 16 * v, near[v]);
-        }
-      }
-      for (; i < n; i += 16) {  // the last block's tail (zero lanes past n, not stored)
-        const __mmask16 live =
-            n - i >= 16 ? __mmask16(0xffff) : static_cast<__mmask16>((1u << (n - i)) - 1u);
-        __mmask16 near;
-        const __m512i c = _mm512_max_epi32(codes16(unsigned_tag, in + i, live, near),
-                                           _mm512_setzero_si512());
-        _mm512_mask_cvtepi32_storeu_epi8(out + i, live, c);
-        if (__builtin_expect(near != 0, 0)) redo(i, near);
-      }
+      constexpr bool kUnsigned = decltype(unsigned_tag)::value;
+      for (; i + 64 <= n; i += 64) pieces.encode64<kUnsigned>(in + i, d, div, t, out + i);
+      for (; i < n; i += 16) pieces.encode16<kUnsigned>(in + i, n - i, d, div, t, out + i);
     };
     if (is_unsigned) {
       run(std::true_type{});
