@@ -1,7 +1,8 @@
 // Exhaustive check of the CPU launcher's uint8 encode (csrc/cpu/dynamic_map_simd.h) against the
 // CUDA launcher's rule (dynamic_encode_bits, csrc/kernels/optimizer_step.h): every one of the
 // 2^32 float32 bit patterns through both maps (a NaN y only with a NaN divisor, as the kernel
-// makes it), every block length 0..256 with NaN, -NaN and finite divisors, the decode, and the
+// makes it), every block length 0..256 with NaN, -NaN and finite divisors, the decode (AVX-512
+// on a CPU with VBMI: also DynamicDecoderVbmi on every code at every position), and the
 // block absmax; then a timing per element (thread CPU time). Not part of the build; a few minutes
 // per capability:
 //
@@ -16,11 +17,27 @@
 #include <chrono>
 #include <vector>
 #include <random>
+#include <cstring>
+#include <cmath>
 using namespace tpamp; using namespace tpamp::cpu;
 #include <time.h>
 static double cpu_now() { timespec ts; clock_gettime(CLOCK_THREAD_CPUTIME_ID, &ts); return ts.tv_sec + ts.tv_nsec * 1e-9; }
 static uint32_t wf[2][2 * kDynamicSlots];
 static const uint32_t* floor_of(int u) { return wf[u]; }
+#if defined(CPU_CAPABILITY_AVX512)
+// DynamicDecoderVbmi (the one-pass loop's decode where the CPU has VBMI) on 256 codes
+#pragma GCC push_options
+#pragma GCC target("avx512vbmi")
+static void decode_vbmi(const uint8_t* c, float s, const DynamicTables& t, float* out) {
+  const DynamicDecoderVbmi dec(t);
+  for (int q = 0; q < 4; ++q) {
+    __m512 o[4];
+    dec.decode64(_mm512_loadu_si512(c + 64 * q), _mm512_set1_ps(s), o);
+    for (int r = 0; r < 4; ++r) _mm512_storeu_ps(out + 64 * q + 16 * r, o[r]);
+  }
+}
+#pragma GCC pop_options
+#endif
 int main(int argc, char** argv) {
   for (int i = 0; i < 2 * kDynamicSlots; ++i) { wf[0][i] = kDynamicFloorSigned[i]; wf[1][i] = kDynamicFloorUnsigned[i]; }
   long bad = 0;
@@ -77,6 +94,27 @@ int main(int argc, char** argv) {
 #endif
        ) { ++bad; if (bad < 20) printf("absmax nan path trial %d\n", trial); }
   }
+#if defined(CPU_CAPABILITY_AVX512)
+  if (dynamic_vbmi_enabled()) {  // every code at every position, random codes, several scales
+    long checked = 0;
+    for (int u = 0; u < 2; ++u) {
+      const DynamicTables& t = dynamic_tables(u);
+      for (int trial = 0; trial < 20000; ++trial) {
+        std::mt19937 g(trial);
+        alignas(64) uint8_t codes[256]; alignas(64) float dec[256];
+        for (int k = 0; k < 256; ++k) codes[k] = trial < 256 ? uint8_t(k + trial) : uint8_t(g());
+        const float sc = trial % 7 == 0 ? std::nanf("") : (trial % 5 == 0 ? 3.4028235e38f : std::ldexp(float(g() % 1000 + 1), int(g() % 80) - 60));
+        decode_vbmi(codes, sc, t, dec);
+        for (int k = 0; k < 256; ++k) {
+          const float r = t.map[codes[k]] * sc;
+          ++checked;
+          if (memcmp(&r, &dec[k], 4)) { ++bad; if (bad < 20) printf("vbmi decode u=%d trial=%d k=%d\n", u, trial, k); }
+        }
+      }
+    }
+    printf("vbmi decode: %ld values\n", checked);
+  }
+#endif
   printf("mismatches %ld\n", bad);
   }
   // timing

@@ -1,11 +1,13 @@
 """The uint8 moment format (docs/spec.md section 9) in every CPU capability module: the AVX-512
-binary search over in-register thresholds, the AVX2 decade-piece arithmetic, the scalar path of the
-default module (csrc/cpu/dynamic_map_simd.h) give the codes of the rule written again in numpy
+and AVX2 decade-piece arithmetic (AVX-512: with the VBMI byte-permute decode where the CPU has it,
+and with it turned off by TPAMP_DISABLE_VBMI=1), the scalar path of the default module
+(csrc/cpu/dynamic_map_simd.h) give the codes of the rule written again in numpy
 (tests/test_dynamic_map.py: nearest map entry by exhaustive search) at every float32 threshold
 of both maps and at its neighbours, on random blocks, short blocks, all-zero blocks, -0.0,
 subnormals, +-inf and NaN; and the bits of the emulated CUDA launcher (the table search of
 csrc/kernels/optimizer_step.h, unchanged) on the same steps. Each module runs in a subprocess
-(ATEN_CPU_CAPABILITY selects it); modules this CPU cannot run are skipped.
+(ATEN_CPU_CAPABILITY selects it; "avx512-novbmi" is the AVX-512 module with
+TPAMP_DISABLE_VBMI=1); modules this CPU cannot run are skipped.
 """
 
 from __future__ import annotations
@@ -172,12 +174,16 @@ def _inputs():
 def _run_module(capability, inputs, tmp_path):
     path_in, path_out = tmp_path / "in.pt", tmp_path / f"out_{capability}.pt"
     torch.save({"grads": inputs}, path_in)
-    env = dict(os.environ, ATEN_CPU_CAPABILITY=capability, PYTHONPATH=ROOT)
+    module, _, variant = capability.partition("-")
+    env = dict(os.environ, ATEN_CPU_CAPABILITY=module, PYTHONPATH=ROOT)
+    env.pop("TPAMP_DISABLE_VBMI", None)
+    if variant == "novbmi":
+        env["TPAMP_DISABLE_VBMI"] = "1"
     res = subprocess.run([sys.executable, "-c", CHILD, str(path_in), str(path_out)], env=env,
                          cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert res.returncode == 0, res.stderr[-3000:]
     out = torch.load(path_out)
-    if out["module"] != f"tpamp._C_cpu_{capability}":
+    if out["module"] != f"tpamp._C_cpu_{module}":
         pytest.skip(f"{capability} module not loaded on this CPU ({out['module']})")
     return out
 
@@ -216,10 +222,10 @@ def inputs():
 
 
 @pytest.mark.skipif(not ops.extension_available("cpu"), reason="CPU kernels not built")
-@pytest.mark.parametrize("capability", ["default", "avx2", "avx512"])
+@pytest.mark.parametrize("capability", ["default", "avx2", "avx512", "avx512-novbmi"])
 def test_module_encodes_as_the_rule(capability, inputs, tmp_path):
     native = torch.backends.cpu.get_cpu_capability().lower()
-    if capability == "avx512" and native != "avx512":
+    if capability.startswith("avx512") and native != "avx512":
         pytest.skip(f"this CPU is {native}")
     if capability == "avx2" and native not in ("avx2", "avx512"):
         pytest.skip(f"this CPU is {native}")
@@ -282,7 +288,8 @@ def test_modules_agree_on_a_usual_step(inputs, tmp_path):
     the param update is not compared: its division is rounded differently in the default
     module's emulated vectors)."""
     native = torch.backends.cpu.get_cpu_capability().lower()
-    caps = {"avx512": ["default", "avx2", "avx512"], "avx2": ["default", "avx2"]}.get(
+    caps = {"avx512": ["default", "avx2", "avx512", "avx512-novbmi"],
+            "avx2": ["default", "avx2"]}.get(
         native, ["default"])
     outs = [_run_module(c, inputs, tmp_path) for c in caps]
     for key in outs[0]:

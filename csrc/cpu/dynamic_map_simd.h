@@ -7,11 +7,10 @@
 // AVX-512; explicit 16-lane gathers cost ~3 ns per element on the AMD CPU measured.)
 //
 // Encode: y = x / div (a float32 division, as torchao), then the code:
-// * AVX-512: code(y) = #{c <= 254 : T[c] <= y} (kDynamicThreshold*: T[c] is the smallest float32
-//   whose code is above c; the rule is monotone in y) on 32-bit keys of y and T split in 16-bit
-//   halves (DynamicKeyTables): an 8-level branch-free binary search on the high halves in
-//   16-bit lanes (32 values a register; thresholds from registers by word permutes), then one
-//   compare of the low halves.
+// * AVX-512: the AVX2 arithmetic below on 16 lanes (DynamicPieces: every lane computes what an
+//   AVX2 lane does), 64 values a round; flagged lanes take the scalar path. 0.17 (signed map) /
+//   0.14 (unsigned) ns per element on the Zen 5 measured, the 8-level binary search on the
+//   thresholds' 16-bit key halves (kDynamicThreshold*) it replaced 0.21.
 // * AVX2: no table read per element: the map is linear within each decade, so the code is
 //   floor(a A[p] + B[p]) on the decade piece p of a = |y| (kDynamicPiece*, from
 //   scripts/gen_dynamic_map.py --pieces; see dynamic_encode_block); a lane within 2^-12 of a
@@ -21,8 +20,9 @@
 //   dynamic_encode_scalar).
 // A NaN divisor (a block holding NaN; no y is NaN otherwise) takes the scalar loop, whose
 // segments put NaN where dynamic_encode_bits does (255 with a clear sign bit, else 0).
-// Decode: AVX-512 picks the 16-bit halves of map[c] by word permutes (DynamicDecoder); AVX2 and
-// scalar read the table (scalar loads beat AVX2 gathers here: 0.18 against 0.45 ns per element).
+// Decode: AVX-512 picks the 16-bit halves of map[c] by word permutes (DynamicDecoder); in the
+// one-pass loop, where the CPU has VBMI (dynamic_vbmi_enabled), the four bytes of map[c] by byte
+// permutes, 64 codes a round (DynamicDecoderVbmi); AVX2 and scalar read the table (scalar loads beat AVX2 gathers here: 0.18 against 0.45 ns per element).
 // scripts/gen_dynamic_map.py generates and checks the tables; tests/test_dynamic_map_modules.py
 // checks every float32 threshold of both maps and its neighbours in every CPU module against
 // the numpy rule and the emulated CUDA launcher.
@@ -33,13 +33,8 @@
 #include "dynamic_map_pieces.h"
 
 #include <cstdint>
+#include <cstdlib>
 #include <type_traits>
-
-// Groups of 32 values per round of the AVX-512 encode, their searches interleaved (8, a whole
-// block: 9.5 TSC cycles per 16 values on the CPU measured; 4: 12.9; 2: 17.8).
-#ifndef TPAMP_DYNAMIC_UNROLL
-#define TPAMP_DYNAMIC_UNROLL 8
-#endif
 
 #if defined(CPU_CAPABILITY_AVX512) || defined(CPU_CAPABILITY_AVX2)
 #include <immintrin.h>
@@ -73,54 +68,6 @@ inline const DynamicTables& dynamic_tables(bool is_unsigned) {
   return t[is_unsigned ? 1 : 0];
 }
 
-#if defined(CPU_CAPABILITY_AVX512)
-// The AVX-512 encode's tables (see dynamic_encode_block): the thresholds T[c] (c <= 254) as
-// monotone 32-bit keys (the float32 bits, the magnitude bits complemented when negative: the
-// keys order as the values, and no threshold is +-0), split in 16-bit halves. Every threshold
-// has its own high half (at most one threshold per sign, exponent and 7 top mantissa bits, as
-// the keyed tables; the high halves strictly increase: scripts/gen_dynamic_map.py checks it),
-// so #{c : T[c] <= y} is the count n of high halves below y's, plus one when T[n]'s high half
-// is y's and its low half is not above y's. hi[255] = 0x7fff: no y's high half equals it (y is
-// not NaN).
-struct DynamicKeyTables {
-  alignas(64) int16_t l6_2[5][32];  // levels 6..2 of the search (2..32 entries used)
-  alignas(64) int16_t l1[64];
-  alignas(64) int16_t l0[128];
-  alignas(64) int16_t hi[256];
-  alignas(64) int16_t lo[256];
-  int16_t l7;
-};
-
-inline uint32_t dynamic_key_bits(float x) {
-  const uint32_t u = float_to_bits(x);
-  return (u >> 31) != 0u ? u ^ 0x7fffffffu : u;
-}
-
-inline const DynamicKeyTables& dynamic_key_tables(const DynamicTables& t) {
-  static const DynamicKeyTables* tables = [] {
-    static DynamicKeyTables kt[2];
-    for (int u = 0; u < 2; ++u) {
-      const float* th = u ? kDynamicThresholdUnsigned : kDynamicThresholdSigned;
-      DynamicKeyTables& d = kt[u];
-      for (int c = 0; c < 256; ++c) {
-        const uint32_t k = c < 255 ? dynamic_key_bits(th[c]) : 0x7fffffffu;
-        d.hi[c] = static_cast<int16_t>(static_cast<uint16_t>(k >> 16));
-        d.lo[c] = static_cast<int16_t>(static_cast<uint16_t>(k & 0xffffu));
-      }
-      // level j (the code's bit j): the high half of T[(2q + 1) 2^j - 1] for prefix q
-      auto at = [&](int j, int q) { return d.hi[((2 * q + 1) << j) - 1]; };
-      d.l7 = at(7, 0);
-      for (int j = 6; j >= 2; --j) {
-        for (int q = 0; q < 32; ++q) d.l6_2[6 - j][q] = q < (1 << (7 - j)) ? at(j, q) : 0;
-      }
-      for (int q = 0; q < 64; ++q) d.l1[q] = at(1, q);
-      for (int q = 0; q < 128; ++q) d.l0[q] = at(0, q);
-    }
-    return kt;
-  }();
-  return tables[t.map == kDynamicMapUnsigned ? 1 : 0];
-}
-#endif
 
 // dynamic_encode_bits(y, ...) with one table read: the entry of y's segment (sign, exponent
 // clamped to [-24, 0], 7 mantissa bits) holds the code of the segment's lowest value and the key
@@ -265,6 +212,63 @@ struct DynamicDecoder {
 };
 #endif
 
+#if defined(CPU_CAPABILITY_AVX512)
+// Whether the CPU has AVX-512 VBMI (byte permutes; not part of ATen's AVX-512 capability) and
+// the environment does not set TPAMP_DISABLE_VBMI to a value other than "0" (which forces the
+// code without VBMI: tests and benchmarks of both paths). Read once.
+inline bool dynamic_vbmi_enabled() {
+  static const bool on = [] {
+    const char* off = std::getenv("TPAMP_DISABLE_VBMI");
+    return __builtin_cpu_supports("avx512vbmi") &&
+           (off == nullptr || off[0] == '\0' || (off[0] == '0' && off[1] == '\0'));
+  }();
+  return on;
+}
+
+// Compiled for VBMI (the callers check dynamic_vbmi_enabled() first): DynamicDecoder's values
+// (map[c] * scale) for 64 codes a call, from the four byte planes of the map's float32 bits (256
+// bytes each: 4 registers a plane), each picked with two 128-entry byte permutes (vpermi2b) and
+// one select by the code's bit 7, then the bytes joined by unpacks (the codes' dwords transposed
+// first so that the joined lanes are in order): 26 operations per 64 codes against the 42 of
+// DynamicDecoder.
+#pragma GCC push_options
+#pragma GCC target("avx512vbmi")
+struct DynamicDecoderVbmi {
+  __m512i plane[4][4];  // plane[j][q]: byte j of map[64 q + l] in byte l
+  __m512i order;        // dword 4 l + k of the permuted codes: dword 4 k + l of the codes
+  explicit DynamicDecoderVbmi(const DynamicTables& t) {
+    alignas(64) uint8_t b[4][256];
+    for (int c = 0; c < 256; ++c) {
+      const uint32_t bits = float_to_bits(t.map[c]);
+      for (int j = 0; j < 4; ++j) b[j][c] = static_cast<uint8_t>(bits >> (8 * j));
+    }
+    for (int j = 0; j < 4; ++j) {
+      for (int q = 0; q < 4; ++q) plane[j][q] = _mm512_load_si512(b[j] + 64 * q);
+    }
+    order = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
+  }
+  // the 64 codes c (bytes, in memory order) -> map[c] * scale: codes 16 r .. 16 r + 15 in out[r]
+  inline __attribute__((always_inline)) void decode64(__m512i c, __m512 scale,
+                                                      __m512* out) const {
+    // after the unpacks, dword s of lane l of the k-th result holds byte 16 l + 4 k + s
+    c = _mm512_permutexvar_epi32(order, c);
+    const __mmask64 high = _mm512_movepi8_mask(c);  // code bit 7: entries 128..255
+    __m512i b[4];
+    for (int j = 0; j < 4; ++j) {
+      b[j] = _mm512_mask_blend_epi8(high, _mm512_permutex2var_epi8(plane[j][0], c, plane[j][1]),
+                                    _mm512_permutex2var_epi8(plane[j][2], c, plane[j][3]));
+    }
+    const __m512i w0 = _mm512_unpacklo_epi8(b[0], b[1]), w1 = _mm512_unpackhi_epi8(b[0], b[1]);
+    const __m512i v0 = _mm512_unpacklo_epi8(b[2], b[3]), v1 = _mm512_unpackhi_epi8(b[2], b[3]);
+    out[0] = _mm512_mul_ps(_mm512_castsi512_ps(_mm512_unpacklo_epi16(w0, v0)), scale);
+    out[1] = _mm512_mul_ps(_mm512_castsi512_ps(_mm512_unpackhi_epi16(w0, v0)), scale);
+    out[2] = _mm512_mul_ps(_mm512_castsi512_ps(_mm512_unpacklo_epi16(w1, v1)), scale);
+    out[3] = _mm512_mul_ps(_mm512_castsi512_ps(_mm512_unpackhi_epi16(w1, v1)), scale);
+  }
+};
+#pragma GCC pop_options
+#endif
+
 // out[i] = map[in[i]] * scale for i < n (n <= kMomentBlock).
 inline void dynamic_decode_block(const uint8_t* __restrict in, int64_t n, float scale,
                                  const DynamicTables& t, float* __restrict out) {
@@ -287,105 +291,132 @@ inline void dynamic_decode_block(const uint8_t* __restrict in, int64_t n, float 
   for (; i < n; ++i) out[i] = t.map[in[i]] * scale;
 }
 
+#if defined(CPU_CAPABILITY_AVX512)
+// The AVX-512 encode: the AVX2 encode's lane function (the map's decade pieces, kDynamicPiece*;
+// see the AVX2 branch of dynamic_encode_block) on 16 lanes. Every lane computes what an AVX2
+// lane computes (the same operations on the same 32-bit values: the binade pair by a byte
+// shuffle of the 16-byte table, the piece by one compare with the next piece's start, t = fma(a,
+// A[p], B[p]) in fixed point, the flag of a t within 2^-12 of an integer, the cap by the piece's
+// top code), so its codes are AVX2's (scripts/check_dynamic_map_exhaustive.cpp checks every
+// float32 y); the sign by a mask instead of vpsignd (k = 0 at y = +-0), and the saturating packs
+// with one dword permute that puts 64 codes back in order. Flagged lanes are redone by
+// dynamic_encode_scalar. About 24 vector operations per 16 values against the 37 of the binary
+// search on the thresholds' 16-bit key halves it replaced (0.17 (signed map) / 0.14 (unsigned)
+// against 0.21 ns per element on the Zen 5 measured, scripts/bench_dynamic_map_block.cpp).
+struct DynamicPieces {
+  __m512 scale_tab, offset_tab;
+  __m512i top_tab, start_tab, binade_tab;
+  explicit DynamicPieces(bool is_unsigned) {
+    scale_tab = _mm512_zextps256_ps512(
+        _mm256_load_ps(is_unsigned ? kDynamicPieceScaleUnsigned : kDynamicPieceScaleSigned));
+    offset_tab = _mm512_zextps256_ps512(
+        _mm256_load_ps(is_unsigned ? kDynamicPieceOffsetUnsigned : kDynamicPieceOffsetSigned));
+    top_tab = _mm512_zextsi256_si512(_mm256_load_si256(reinterpret_cast<const __m256i*>(
+        is_unsigned ? kDynamicPieceTopUnsigned : kDynamicPieceTopSigned)));
+    start_tab = _mm512_zextsi256_si512(_mm256_load_si256(reinterpret_cast<const __m256i*>(
+        is_unsigned ? kDynamicPieceStartUnsigned : kDynamicPieceStartSigned)));
+    binade_tab = _mm512_broadcast_i32x4(_mm_load_si128(reinterpret_cast<const __m128i*>(
+        is_unsigned ? kDynamicPieceBinadeUnsigned : kDynamicPieceBinadeSigned)));
+  }
+  // The codes of the 16 values at p (live lanes read, the others 0) divided by d (not NaN) in
+  // 32-bit lanes (signed map: -1 for y <= -1, saturated to 0 by the caller), and in near the
+  // live lanes whose t lies within 2^-12 of an integer.
+  template <bool kUnsigned>
+  inline __attribute__((always_inline)) __m512i codes16(const float* p, __mmask16 live,
+                                                        __m512 d, __mmask16& near) const {
+    const __m512 y = _mm512_div_ps(_mm512_maskz_loadu_ps(live, p), d);
+    const __m512i u = _mm512_castps_si512(y);
+    const __m512 one = _mm512_set1_ps(1.0f);
+    // inf -> 1 (y is not NaN); unsigned: y <= 0 (-0.0, -inf included) -> +0.0, code 0
+    const __m512 a =
+        kUnsigned ? _mm512_max_ps(_mm512_min_ps(y, one), _mm512_setzero_ps())
+                  : _mm512_min_ps(_mm512_castsi512_ps(
+                                      _mm512_and_si512(u, _mm512_set1_epi32(0x7fffffff))),
+                                  one);
+    const __m512i ab = _mm512_castps_si512(a);
+    const __m512i key = kUnsigned ? ab : _mm512_add_epi32(ab, _mm512_srai_epi32(u, 30));
+    const __m512i pair = _mm512_srli_epi32(
+        _mm512_subs_epu8(ab, _mm512_set1_epi32((kDynamicPieceBias / 2) << 24)), 24);
+    const __m512i plo = _mm512_shuffle_epi8(binade_tab, pair);
+    const __m512i piece = _mm512_mask_add_epi32(
+        plo, _mm512_cmpgt_epi32_mask(key, _mm512_permutexvar_epi32(plo, start_tab)), plo,
+        _mm512_set1_epi32(1));
+    const __m512i ti = _mm512_cvttps_epi32(_mm512_fmadd_ps(
+        a, _mm512_permutexvar_ps(piece, scale_tab), _mm512_permutexvar_ps(piece, offset_tab)));
+    near = _mm512_mask_testn_epi32_mask(live, ti,
+                                        _mm512_set1_epi32((1 << kDynamicPieceFracBits) - 2));
+    const __m512i k = _mm512_min_epi32(_mm512_srai_epi32(ti, kDynamicPieceFracBits),
+                                       _mm512_permutexvar_epi32(piece, top_tab));
+    if constexpr (kUnsigned) {
+      return k;
+    } else {  // 127 + k, 127 - k for negative y
+      const __m512i c127 = _mm512_set1_epi32(127);
+      return _mm512_mask_sub_epi32(_mm512_add_epi32(c127, k), _mm512_movepi32_mask(u), c127, k);
+    }
+  }
+  // out[j] = dynamic_encode_scalar(in[j] / div) for the lanes set in lanes
+  static void redo(const float* in, unsigned lanes, float div, const DynamicTables& t,
+                   uint8_t* out) {
+    for (; lanes != 0u; lanes &= lanes - 1u) {
+      const int j = __builtin_ctz(lanes);
+      out[j] = static_cast<uint8_t>(dynamic_encode_scalar(in[j] / div, t));
+    }
+  }
+  // the codes of the 64 values at in (d = div broadcast, not NaN) to out
+  template <bool kUnsigned>
+  inline __attribute__((always_inline)) void encode64(const float* in, __m512 d, float div,
+                                                      const DynamicTables& t,
+                                                      uint8_t* out) const {
+    __mmask16 near[4];
+    const __m512i c0 = codes16<kUnsigned>(in, 0xffff, d, near[0]),
+                  c1 = codes16<kUnsigned>(in + 16, 0xffff, d, near[1]),
+                  c2 = codes16<kUnsigned>(in + 32, 0xffff, d, near[2]),
+                  c3 = codes16<kUnsigned>(in + 48, 0xffff, d, near[3]);
+    // 32 -> 16 -> 8 bits with unsigned saturation (codes <= 255, -1 -> 0); dword m of the
+    // packs' result holds codes 4 (m % 4) + m / 4 .. + 3
+    const __m512i order = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
+    _mm512_storeu_si512(out, _mm512_permutexvar_epi32(
+                                 order, _mm512_packus_epi16(_mm512_packus_epi32(c0, c1),
+                                                            _mm512_packus_epi32(c2, c3))));
+    if (__builtin_expect((near[0] | near[1] | near[2] | near[3]) != 0, 0)) {
+      for (int v = 0; v < 4; ++v) redo(in + 16 * v, near[v], div, t, out + 16 * v);
+    }
+  }
+  // the codes of the min(r, 16) values at in to out (a block's tail; nothing read or written
+  // past them)
+  template <bool kUnsigned>
+  inline void encode16(const float* in, int64_t r, __m512 d, float div, const DynamicTables& t,
+                       uint8_t* out) const {
+    const __mmask16 live = r >= 16 ? __mmask16(0xffff) : static_cast<__mmask16>((1u << r) - 1u);
+    __mmask16 near;
+    const __m512i c = _mm512_max_epi32(codes16<kUnsigned>(in, live, d, near),
+                                       _mm512_setzero_si512());
+    _mm512_mask_cvtepi32_storeu_epi8(out, live, c);
+    if (__builtin_expect(near != 0, 0)) redo(in, near, div, t, out);
+  }
+};
+#endif
+
 // out[i] = the code of in[i] / div for i < n (n <= kMomentBlock).
 inline void dynamic_encode_block(const float* __restrict in, int64_t n, float div,
                                  const DynamicTables& t, uint8_t* __restrict out) {
   int64_t i = 0;
 #if defined(CPU_CAPABILITY_AVX512)
-  // code(y) = #{c <= 254 : T[c] <= y} on the keys of DynamicKeyTables, 32 values a round in
-  // 16-bit lanes: an 8-level branch-free binary search for the count q of high halves below
-  // y's (the code's bits from the top: at the level of bit j the prefix q picks the high half
-  // of T[(2q + 1) 2^j - 1] by a word permute of the level's table; one compare per level), then
-  // the halves of T[q] (4 two-register word permutes and 3 selects each) and one step up when
-  // the high halves agree and y's low half is not below T[q]'s. Half the lanes' work of a
-  // search on float32 lanes. A NaN divisor (a block holding NaN; else no y is NaN) takes the
-  // scalar loop.
+  // DynamicPieces (above), 64 values a round. A NaN divisor (a block holding NaN; else no y is
+  // NaN) takes the scalar loop.
   if (div == div) {  // else NaN: every y is NaN, the scalar loop below
-    const DynamicKeyTables& kt = dynamic_key_tables(t);
-    const __m512i l7 = _mm512_set1_epi16(kt.l7);
-    __m512i l62[5], l1[2], l0[4], hi[8], lo[8];
-    for (int k = 0; k < 5; ++k) l62[k] = _mm512_load_si512(kt.l6_2[k]);
-    for (int k = 0; k < 2; ++k) l1[k] = _mm512_load_si512(kt.l1 + 32 * k);
-    for (int k = 0; k < 4; ++k) l0[k] = _mm512_load_si512(kt.l0 + 32 * k);
-    for (int k = 0; k < 8; ++k) {
-      hi[k] = _mm512_load_si512(kt.hi + 32 * k);
-      lo[k] = _mm512_load_si512(kt.lo + 32 * k);
-    }
+    const bool is_unsigned = t.map == kDynamicMapUnsigned;
+    const DynamicPieces pieces(is_unsigned);
     const __m512 d = _mm512_set1_ps(div);
-    const __m512i one = _mm512_set1_epi16(1), b6 = _mm512_set1_epi16(64),
-                  b7 = _mm512_set1_epi16(128);
-    const __m512i magnitude = _mm512_set1_epi32(0x7fffffff);
-    // the high halves (odd words) and the low halves (even words) of two key registers, in order
-    const __m512i pick_lo = _mm512_set_epi16(62, 60, 58, 56, 54, 52, 50, 48, 46, 44, 42, 40, 38,
-                                             36, 34, 32, 30, 28, 26, 24, 22, 20, 18, 16, 14, 12,
-                                             10, 8, 6, 4, 2, 0);
-    const __m512i pick_hi = _mm512_add_epi16(pick_lo, one);
-    auto key = [&](__m512 y) {
-      const __m512i u = _mm512_castps_si512(y);
-      return _mm512_xor_si512(u, _mm512_and_si512(_mm512_srai_epi32(u, 31), magnitude));
+    auto run = [&](auto unsigned_tag) {
+      constexpr bool kUnsigned = decltype(unsigned_tag)::value;
+      for (; i + 64 <= n; i += 64) pieces.encode64<kUnsigned>(in + i, d, div, t, out + i);
+      for (; i < n; i += 16) pieces.encode16<kUnsigned>(in + i, n - i, d, div, t, out + i);
     };
-    // the codes of kU groups of 32 values at p (x[2u]: values 0-15 of group u, x[2u + 1]: 16-31)
-    // in 16-bit lanes, in order; the groups' levels interleaved (independent dependency chains)
-    auto search = [&](auto u_tag, const __m512* x, __m512i* q) {
-      constexpr int kU = decltype(u_tag)::value;
-      __m512i yh[kU], yl[kU];
-      for (int u = 0; u < kU; ++u) {
-        const __m512i k0 = key(_mm512_div_ps(x[2 * u], d));
-        const __m512i k1 = key(_mm512_div_ps(x[2 * u + 1], d));
-        yh[u] = _mm512_permutex2var_epi16(k0, pick_hi, k1);
-        yl[u] = _mm512_permutex2var_epi16(k0, pick_lo, k1);
-        q[u] = _mm512_maskz_mov_epi16(_mm512_cmplt_epi16_mask(l7, yh[u]), one);
-      }
-      auto next = [&](int u, __m512i th) {  // q = 2q + (th < yh)
-        const __m512i q2 = _mm512_add_epi16(q[u], q[u]);
-        q[u] = _mm512_mask_add_epi16(q2, _mm512_cmplt_epi16_mask(th, yh[u]), q2, one);
-      };
-      for (int k = 0; k < 5; ++k) {
-        for (int u = 0; u < kU; ++u) next(u, _mm512_permutexvar_epi16(q[u], l62[k]));
-      }
-      for (int u = 0; u < kU; ++u) next(u, _mm512_permutex2var_epi16(l1[0], q[u], l1[1]));
-      for (int u = 0; u < kU; ++u) {
-        next(u, _mm512_mask_blend_epi16(_mm512_test_epi16_mask(q[u], b6),
-                                        _mm512_permutex2var_epi16(l0[0], q[u], l0[1]),
-                                        _mm512_permutex2var_epi16(l0[2], q[u], l0[3])));
-      }
-      for (int u = 0; u < kU; ++u) {
-        const __mmask32 q6 = _mm512_test_epi16_mask(q[u], b6);
-        const __mmask32 q7 = _mm512_test_epi16_mask(q[u], b7);
-        auto pick = [&](const __m512i* tab) {
-          const __m512i a =
-              _mm512_mask_blend_epi16(q6, _mm512_permutex2var_epi16(tab[0], q[u], tab[1]),
-                                      _mm512_permutex2var_epi16(tab[2], q[u], tab[3]));
-          const __m512i b =
-              _mm512_mask_blend_epi16(q6, _mm512_permutex2var_epi16(tab[4], q[u], tab[5]),
-                                      _mm512_permutex2var_epi16(tab[6], q[u], tab[7]));
-          return _mm512_mask_blend_epi16(q7, a, b);
-        };
-        const __mmask32 up = _mm512_cmpeq_epi16_mask(pick(hi), yh[u]) &
-                             _mm512_cmpge_epu16_mask(yl[u], pick(lo));
-        q[u] = _mm512_mask_add_epi16(q[u], up, q[u], one);
-      }
-    };
-    constexpr int kU = TPAMP_DYNAMIC_UNROLL;
-    for (; i + 32 * kU <= n; i += 32 * kU) {
-      __m512 x[2 * kU];
-      __m512i q[kU];
-      for (int u = 0; u < 2 * kU; ++u) x[u] = _mm512_loadu_ps(in + i + 16 * u);
-      search(std::integral_constant<int, kU>{}, x, q);
-      for (int u = 0; u < kU; ++u) {
-        _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + i + 32 * u),
-                            _mm512_cvtepi16_epi8(q[u]));
-      }
-    }
-    for (; i < n; i += 32) {
-      const int64_t r = n - i;
-      const __mmask32 live =
-          r >= 32 ? ~__mmask32(0) : static_cast<__mmask32>((uint64_t{1} << r) - 1u);
-      __m512 x[2] = {_mm512_maskz_loadu_ps(static_cast<__mmask16>(live), in + i),
-                     _mm512_maskz_loadu_ps(static_cast<__mmask16>(live >> 16), in + i + 16)};
-      __m512i q[1];
-      search(std::integral_constant<int, 1>{}, x, q);
-      _mm256_mask_storeu_epi8(out + i, live, _mm512_cvtepi16_epi8(q[0]));
+    if (is_unsigned) {
+      run(std::true_type{});
+    } else {
+      run(std::false_type{});
     }
   }
 #elif defined(CPU_CAPABILITY_AVX2)

@@ -693,12 +693,12 @@ void adam_chunk_bf16(const G* g, float* p, int16_t* rem, uint16_t* m, uint16_t* 
 #if defined(CPU_CAPABILITY_AVX512)
 constexpr bool kDynamicPass = true;
 
+// The loop described above, with the decode of DynamicDecoder (word permutes; any AVX-512 CPU).
 template <typename G, typename M, typename Flags, bool kRem>
-__attribute__((noinline)) void adam_chunk_dynamic(const G* __restrict g, float* __restrict p,
-                                                  int16_t* __restrict rem, const MomentRef& mref,
-                                                  const MomentRef& vref, M* __restrict model,
-                                                  int64_t n, const AdamScalars& scalars,
-                                                  Flags flags) {
+__attribute__((noinline)) void adam_chunk_dynamic_words(
+    const G* __restrict g, float* __restrict p, int16_t* __restrict rem, const MomentRef& mref,
+    const MomentRef& vref, M* __restrict model, int64_t n, const AdamScalars& scalars,
+    Flags flags) {
   using L = Lanes32;
   constexpr bool kModel = !std::is_same_v<M, NoModel>;
   static_assert(!kRem || std::is_same_v<M, at::BFloat16>, "remainders go with bf16 params");
@@ -817,6 +817,188 @@ __attribute__((noinline)) void adam_chunk_dynamic(const G* __restrict g, float* 
     };
     finish(mref, mmax, mt, mbuf, mcodes);
     finish(vref, vmax, vt, vbuf, vcodes);
+  }
+}
+
+// adam_chunk_dynamic_words with the decode of DynamicDecoderVbmi (64 codes of each moment a
+// round, then two of its steps of 32 elements), compiled for VBMI: adam_chunk_dynamic calls it
+// when dynamic_vbmi_enabled(). The same operations per element, but compiled in another
+// function: where two NaN operands meet, g++ may have put them in the other order (x86 returns
+// the first operand's NaN), so a NaN's sign, and so the code of a NaN block, could differ. A
+// block whose params or moments come out NaN is therefore done again by
+// adam_chunk_dynamic_words from its saved inputs (codes and scales are written last): every
+// bit is adam_chunk_dynamic_words'.
+#pragma GCC push_options
+#pragma GCC target("avx512vbmi")
+template <typename G, typename M, typename Flags, bool kRem>
+__attribute__((noinline)) void adam_chunk_dynamic_vbmi(
+    const G* __restrict g, float* __restrict p, int16_t* __restrict rem, const MomentRef& mref,
+    const MomentRef& vref, M* __restrict model, int64_t n, const AdamScalars& scalars,
+    Flags flags) {
+  using L = Lanes32;
+  constexpr bool kModel = !std::is_same_v<M, NoModel>;
+  static_assert(!kRem || std::is_same_v<M, at::BFloat16>, "remainders go with bf16 params");
+  static_assert(kVecStep == 32, "32 elements a step (two registers of 16)");
+  static_assert(kMomentBlock % 64 == 0, "whole rounds of 64 in a full block");
+  const AdamScalars s = scalars;  // in registers (see adam_chunk)
+  const DynamicTables& mt = dynamic_tables(false);
+  const DynamicTables& vt = dynamic_tables(true);
+  const DynamicDecoderVbmi mdec(mt), vdec(vt);
+  uint8_t* const mcodes = static_cast<uint8_t*>(mref.data);
+  uint8_t* const vcodes = static_cast<uint8_t*>(vref.data);
+  const __m512i abs_mask = _mm512_set1_epi32(0x7fffffff);
+  alignas(64) float mbuf[kMomentBlock];
+  alignas(64) float vbuf[kMomentBlock];
+  alignas(64) float psave[kMomentBlock];  // the params read (remainders: joined)
+  for (int64_t b = 0; b * kMomentBlock < n; ++b) {
+    const int64_t o = b * kMomentBlock;
+    const int64_t k = std::min<int64_t>(kMomentBlock, n - o);
+    const __m512 mscale = _mm512_set1_ps(mref.scales[b]);
+    const __m512 vscale = _mm512_set1_ps(vref.scales[b]);
+    __m512i mmax = _mm512_setzero_si512(), vmax = _mm512_setzero_si512();
+    __mmask16 pnan = 0;  // lanes where a new param is NaN (or the padding's)
+    // adam_chunk_dynamic_words' step on decoded moments (m0, m1, v0, v1: map[c] * scale)
+    auto step = [&](const G* gp, float* pp, int16_t* rp, M* modelp, __m512 m0, __m512 m1,
+                    __m512 v0, __m512 v1, float* mo, float* vo, float* ps, __mmask32 live) {
+      FVec g0, g1, p0, p1;
+      VecIO<G>::load(gp, g0, g1);
+      if constexpr (kRem) {
+        L::I a, c, ra, rb;
+        L::load_u16(reinterpret_cast<const uint16_t*>(modelp), a, c);
+        L::load_s16(rp, ra, rb);
+        p0 = L::from_bits(L::add(L::shl16(a), ra));
+        p1 = L::from_bits(L::add(L::shl16(c), rb));
+      } else {
+        VecIO<float>::load(pp, p0, p1);
+      }
+      _mm512_store_ps(ps, p0);  // kept for adam_chunk_dynamic_words (see above)
+      _mm512_store_ps(ps + 16, p1);
+      // rounded where they stand: the decode's products are not contracted into the update
+      FVec fm0 = RoundedHere<FVec>::apply(FVec(m0)), fm1 = RoundedHere<FVec>::apply(FVec(m1));
+      FVec fv0 = RoundedHere<FVec>::apply(FVec(v0)), fv1 = RoundedHere<FVec>::apply(FVec(v1));
+      adam_element_dynamic<FVec>(p0, fm0, fv0, g0, s, flags);
+      adam_element_dynamic<FVec>(p1, fm1, fv1, g1, s, flags);
+      pnan |= _mm512_cmp_ps_mask(p0, p1, _CMP_UNORD_Q);
+      m0 = fm0;
+      m1 = fm1;
+      v0 = fv0;
+      v1 = fv1;
+      _mm512_store_ps(mo, m0);
+      _mm512_store_ps(mo + 16, m1);
+      _mm512_store_ps(vo, v0);
+      _mm512_store_ps(vo + 16, v1);
+      const __mmask16 live0 = static_cast<__mmask16>(live);
+      const __mmask16 live1 = static_cast<__mmask16>(live >> 16);
+      mmax = _mm512_mask_max_epi32(mmax, live0, mmax,
+                                   _mm512_and_si512(_mm512_castps_si512(m0), abs_mask));
+      mmax = _mm512_mask_max_epi32(mmax, live1, mmax,
+                                   _mm512_and_si512(_mm512_castps_si512(m1), abs_mask));
+      vmax = _mm512_mask_max_epi32(vmax, live0, vmax,
+                                   _mm512_and_si512(_mm512_castps_si512(v0), abs_mask));
+      vmax = _mm512_mask_max_epi32(vmax, live1, vmax,
+                                   _mm512_and_si512(_mm512_castps_si512(v1), abs_mask));
+      if constexpr (kRem) {
+        const L::I u0 = L::bits(p0), u1 = L::bits(p1);
+        const L::I half = L::set1(0x8000u);
+        L::store16(rp, u0, u1);
+        L::store16(modelp, L::shr16(L::add(u0, half)), L::shr16(L::add(u1, half)));
+      } else {
+        VecIO<float>::template store<true, false>(pp, p0, p1);
+        if constexpr (kModel) VecIO<M>::template store<true, false>(modelp, p0, p1);
+      }
+    };
+    // the step of the 32 elements at block offset i, all in the block
+    auto full = [&](int64_t i, const __m512* md, const __m512* vd) {
+      const int64_t j = o + i;
+      step(g + j, kRem ? nullptr : p + j, kRem ? rem + j : nullptr,
+           kModel ? model + j : nullptr, md[0], md[1], vd[0], vd[1], mbuf + i, vbuf + i,
+           psave + i, ~__mmask32(0));
+    };
+    int64_t i = 0;
+    for (; i + 64 <= k; i += 64) {
+      __m512 md[4], vd[4];
+      mdec.decode64(_mm512_loadu_si512(mcodes + o + i), mscale, md);
+      vdec.decode64(_mm512_loadu_si512(vcodes + o + i), vscale, vd);
+      full(i, md, vd);
+      full(i + 32, md + 2, vd + 2);
+    }
+    if (i < k) {  // the last block's tail: whole steps, then zero-padded copies, as adam_chunk
+      const int64_t r = k - i;  // < 64
+      const __mmask64 codes_live = (uint64_t{1} << r) - 1u;
+      __m512 md[4], vd[4];
+      mdec.decode64(_mm512_maskz_loadu_epi8(codes_live, mcodes + o + i), mscale, md);
+      vdec.decode64(_mm512_maskz_loadu_epi8(codes_live, vcodes + o + i), vscale, vd);
+      int h = 0;
+      if (r >= 32) {
+        full(i, md, vd);
+        i += 32;
+        h = 2;
+      }
+      if (i < k) {
+        const int64_t rr = k - i;
+        const int64_t j = o + i;
+        const __mmask32 live = static_cast<__mmask32>((1u << rr) - 1u);
+        Tail<G> tg;
+        Tail<float> tp;
+        Tail<int16_t> trem;
+        Tail<std::conditional_t<kModel, M, float>> tmodel;
+        tg.in(g + j, rr);
+        if constexpr (kRem) {
+          trem.in(rem + j, rr);
+          tmodel.in(model + j, rr);
+        } else {
+          tp.in(p + j, rr);
+        }
+        step(tg.buf, tp.buf, trem.buf, kModel ? reinterpret_cast<M*>(tmodel.buf) : nullptr,
+             md[h], md[h + 1], vd[h], vd[h + 1], mbuf + i, vbuf + i, psave + i, live);
+        if constexpr (kRem) {
+          trem.out(rem + j, rr);
+        } else {
+          tp.out(p + j, rr);
+        }
+        if constexpr (kModel) tmodel.out(model + j, rr);
+      }
+    }
+    const uint32_t mmx = static_cast<uint32_t>(_mm512_reduce_max_epi32(mmax));
+    const uint32_t vmx = static_cast<uint32_t>(_mm512_reduce_max_epi32(vmax));
+    if (pnan != 0 || mmx > 0x7f800000u || vmx > 0x7f800000u) {  // a NaN: see above
+      // the params back as they were (remainders: split_remainder of the joined bits, the
+      // model param and remainder they were joined from)
+      for (int64_t q = 0; q < k; ++q) {
+        if constexpr (kRem) {
+          const uint32_t u = float_to_bits(psave[q]);
+          rem[o + q] = static_cast<int16_t>(static_cast<uint16_t>(u & 0xffffu));
+          reinterpret_cast<uint16_t*>(model)[o + q] = static_cast<uint16_t>((u + 0x8000u) >> 16);
+        } else {
+          p[o + q] = psave[q];
+        }
+      }
+      const MomentRef mb{mref.kind, mcodes + o, mref.scales + b, mref.sqrt};
+      const MomentRef vb{vref.kind, vcodes + o, vref.scales + b, vref.sqrt};
+      adam_chunk_dynamic_words<G, M, Flags, kRem>(
+          g + o, kRem ? nullptr : p + o, kRem ? rem + o : nullptr, mb, vb,
+          kModel ? model + o : nullptr, k, scalars, flags);
+      continue;
+    }
+    // the scales and codes (write_moment's, with the maxima found above; none is NaN)
+    const DynamicScale ms = dynamic_scale(bits_to_float(mmx));
+    mref.scales[b] = ms.scale;
+    dynamic_encode_block(mbuf, k, ms.div, mt, mcodes + o);
+    const DynamicScale vsc = dynamic_scale(bits_to_float(vmx));
+    vref.scales[b] = vsc.scale;
+    dynamic_encode_block(vbuf, k, vsc.div, vt, vcodes + o);
+  }
+}
+#pragma GCC pop_options
+
+template <typename G, typename M, typename Flags, bool kRem>
+void adam_chunk_dynamic(const G* g, float* p, int16_t* rem, const MomentRef& mref,
+                        const MomentRef& vref, M* model, int64_t n, const AdamScalars& scalars,
+                        Flags flags) {
+  if (dynamic_vbmi_enabled()) {
+    adam_chunk_dynamic_vbmi<G, M, Flags, kRem>(g, p, rem, mref, vref, model, n, scalars, flags);
+  } else {
+    adam_chunk_dynamic_words<G, M, Flags, kRem>(g, p, rem, mref, vref, model, n, scalars, flags);
   }
 }
 #elif defined(CPU_CAPABILITY_AVX2)
