@@ -20,8 +20,8 @@ Tables (docs/spec.md section 9):
 * kDynamicThresholdSigned / kDynamicThresholdUnsigned: for c = 0..254, the smallest float32 y
   whose code is above c (T[c]; index 255 holds FLT_MAX, never read by the search). The code rule
   is monotone in y, so code(y) = #{c <= 254 : T[c] <= y} for every float32 y but NaN (float
-  comparisons: -0.0 counts as 0.0); the CPU launcher's AVX-512 encode counts this with a
-  branch-free binary search over in-register tables (csrc/cpu/dynamic_map_simd.h). Each T[c] is
+  comparisons: -0.0 counts as 0.0); the tests and the exhaustive check
+  (scripts/check_dynamic_map_exhaustive.cpp) compare the kernels' codes with it. Each T[c] is
   found by bisection over the float32 bit patterns with the rule below and checked: code(T[c])
   > c and code(the float32 below T[c]) <= c. (tests/test_dynamic_map.py checks every threshold
   and its neighbours through the kernels of every CPU module against the numpy rule.)
@@ -160,8 +160,8 @@ def thresholds(q):
         assert code_rule(q, t) > c and code_rule(q, from_ordered(hi - 1)) <= c, c
         out.append(t)
     assert all(a < b for a, b in zip(out, out[1:]))
-    # the AVX-512 encode (csrc/cpu/dynamic_map_simd.h, DynamicKeyTables) searches the high 16
-    # bits of the ordered keys: every threshold has its own, and none is +-0
+    # a property of the tables kept checked (no kernel relies on it since the AVX-512 encode
+    # uses the decade pieces): every threshold has its own high 16 key bits, and none is +-0
     highs = [ordered(t) >> 16 for t in out]
     assert all(a < b for a, b in zip(highs, highs[1:])), "two thresholds share a high key half"
     assert all(t != 0.0 for t in out)

@@ -683,7 +683,8 @@ void adam_chunk_bf16(const G* g, float* p, int16_t* rem, uint16_t* m, uint16_t* 
 //
 // adam_chunk_narrow with both moments in the uint8 format, fused: per block of kMomentBlock
 // elements, one loop over 32 elements at a time decodes both moments into registers
-// (DynamicDecoder), runs adam_element_dynamic, writes the params (fp32 masters and model params,
+// (DynamicDecoder; AVX-512 with VBMI: adam_chunk_dynamic_vbmi, 64 codes a round), runs
+// adam_element_dynamic, writes the params (fp32 masters and model params,
 // or bf16 params + remainders split in registers as adam_chunk_bf16) and the new moments into
 // L1 buffers, and keeps the running max of |m| and |v| bits (dynamic_absmax's order); then each
 // moment's scale and its encode (dynamic_encode_block) from the buffer. A block whose moment
