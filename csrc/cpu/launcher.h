@@ -12,6 +12,7 @@
 
 #include <ATen/Parallel.h>
 
+#include <atomic>
 #include <cstdint>
 #include <vector>
 
@@ -64,6 +65,41 @@ void for_each_chunk(const ChunkPlan& plan, const F& f) {
   at::parallel_for(0, slots, 1, [&](int64_t begin, int64_t end) {
     for (int64_t s = begin; s < end; ++s) f(s, plan.chunks[s]);
   });
+}
+
+// f(i) for every i in [0, items), in parallel, each thread taking the next item from a shared
+// counter (a dynamic schedule) instead of a fixed share of the range: a thread that starts late
+// (the intra-op pool's workers sleep between regions; waking one took milliseconds on a VM) or
+// is descheduled leaves its items to the others instead of making them wait at the end. Which
+// thread runs an item never changes its result (f writes only item i's results), so results
+// are the same as for_each_chunk's. Any call of the parallel_for body drains the counter, so
+// this is correct for every at::parallel_for backend and when nested (one call, on one thread).
+template <typename F>
+void for_each_item_shared(int64_t items, const F& f) {
+  if (items <= 0) return;
+  std::atomic<int64_t> next{0};
+  at::parallel_for(0, items, 1, [&](int64_t, int64_t) {
+    for (int64_t i = next.fetch_add(1, std::memory_order_relaxed); i < items;
+         i = next.fetch_add(1, std::memory_order_relaxed)) {
+      f(i);
+    }
+  });
+}
+
+// for_each_chunk with the chunks handed out by for_each_item_shared (same results).
+template <typename F>
+void for_each_chunk_shared(const ChunkPlan& plan, const F& f) {
+  const int64_t slots = static_cast<int64_t>(plan.chunks.size());
+  if (slots == 0) return;
+  int64_t elements = 0;
+  if (slots <= 2) {
+    for (const Chunk& c : plan.chunks) elements += c.n;
+  }
+  if (slots == 1 || (slots <= 2 && elements < kChunkSize)) {
+    for (int64_t s = 0; s < slots; ++s) f(s, plan.chunks[s]);
+    return;
+  }
+  for_each_item_shared(slots, [&](int64_t s) { f(s, plan.chunks[s]); });
 }
 
 }  // namespace cpu
