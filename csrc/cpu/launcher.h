@@ -67,28 +67,54 @@ void for_each_chunk(const ChunkPlan& plan, const F& f) {
   });
 }
 
-// f(i) for every i in [0, items), in parallel, each thread taking the next item from a shared
-// counter (a dynamic schedule) instead of a fixed share of the range: a thread that starts late
-// (the intra-op pool's workers sleep between regions; waking one took milliseconds on a VM) or
-// is descheduled leaves its items to the others instead of making them wait at the end. Which
-// thread runs an item never changes its result (f writes only item i's results), so results
-// are the same as for_each_chunk's. Any call of the parallel_for body drains the counter, so
-// this is correct for every at::parallel_for backend and when nested (one call, on one thread).
-template <typename F>
-void for_each_item_shared(int64_t items, const F& f) {
-  if (items <= 0) return;
-  std::atomic<int64_t> next{0};
-  at::parallel_for(0, items, 1, [&](int64_t, int64_t) {
-    for (int64_t i = next.fetch_add(1, std::memory_order_relaxed); i < items;
-         i = next.fetch_add(1, std::memory_order_relaxed)) {
-      f(i);
+// The number of parts for_each_part_balanced cuts `items` into: one per intra-op thread (at
+// most one per item; 1 inside a parallel region, where at::parallel_for runs serially).
+inline int64_t balanced_parts(int64_t items) {
+  if (items <= 0) return 0;
+  const int64_t threads = at::in_parallel_region() ? 1 : at::get_num_threads();
+  return threads < items ? (threads < 1 ? 1 : threads) : items;
+}
+
+// f(part, k) for every part in [0, parts) and k in [0, count(part)), in parallel: thread t runs
+// the items of part t in order (as at::parallel_for's static split would: one long run of
+// memory per thread), and when its part is done, takes the next items of the other parts
+// (each part's items are handed out by its own counter, so every item runs once). A thread
+// that starts late (the intra-op pool's workers sleep between regions) or is descheduled then
+// leaves its last items to the others instead of making them wait. Which thread runs an item
+// never changes its result (f writes only that item's results), so results do not depend on
+// it. Correct for every at::parallel_for backend and when nested (any call of the body drains
+// every part).
+template <typename Count, typename F>
+void for_each_part_balanced(int64_t parts, const Count& count, const F& f) {
+  if (parts <= 0) return;
+  struct alignas(64) Counter {
+    std::atomic<int64_t> next{0};
+  };
+  std::vector<Counter> counters(static_cast<size_t>(parts));
+  at::parallel_for(0, parts, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      for (int64_t j = 0; j < parts; ++j) {
+        const int64_t part = (t + j) % parts;
+        const int64_t n = count(part);
+        std::atomic<int64_t>& next = counters[static_cast<size_t>(part)].next;
+        for (int64_t k = next.fetch_add(1, std::memory_order_relaxed); k < n;
+             k = next.fetch_add(1, std::memory_order_relaxed)) {
+          f(part, k);
+        }
+      }
     }
   });
 }
 
-// for_each_chunk with the chunks handed out by for_each_item_shared (same results).
+// The first slot of part `part` of `slots` cut into `parts` near-equal runs.
+inline int64_t part_begin(int64_t slots, int64_t parts, int64_t part) {
+  return slots * part / parts;
+}
+
+// for_each_chunk with the chunks cut into one run per thread and balanced at the end
+// (for_each_part_balanced): the same results.
 template <typename F>
-void for_each_chunk_shared(const ChunkPlan& plan, const F& f) {
+void for_each_chunk_balanced(const ChunkPlan& plan, const F& f) {
   const int64_t slots = static_cast<int64_t>(plan.chunks.size());
   if (slots == 0) return;
   int64_t elements = 0;
@@ -99,7 +125,16 @@ void for_each_chunk_shared(const ChunkPlan& plan, const F& f) {
     for (int64_t s = 0; s < slots; ++s) f(s, plan.chunks[s]);
     return;
   }
-  for_each_item_shared(slots, [&](int64_t s) { f(s, plan.chunks[s]); });
+  const int64_t parts = balanced_parts(slots);
+  for_each_part_balanced(
+      parts,
+      [&](int64_t part) {
+        return part_begin(slots, parts, part + 1) - part_begin(slots, parts, part);
+      },
+      [&](int64_t part, int64_t k) {
+        const int64_t s = part_begin(slots, parts, part) + k;
+        f(s, plan.chunks[s]);
+      });
 }
 
 }  // namespace cpu
