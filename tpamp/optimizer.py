@@ -847,10 +847,13 @@ class MixedPrecisionOptimizer(OptimizerWrapper):
             group = []
             for model, main in pairs:
                 main.grad = None
-                grad = _model_grad(model)
+                grad = getattr(model, "main_grad", None)  # _model_grad, a plain grad inline
+                if grad is None:
+                    grad = model.grad
                 if grad is not None:
-                    mask = self._counts(main)
-                    group.append((main, model, local_tensor(grad), mask))
+                    if type(grad) is not torch.Tensor:  # a DTensor (or a subclass): placed
+                        grad = local_tensor(_placed_like(grad, model))
+                    group.append((main, model, grad, self._counts(main)))
             for p in fp32s:
                 grad = _model_grad(p)
                 if grad is not None:
