@@ -76,31 +76,45 @@ inline int64_t balanced_parts(int64_t items) {
 }
 
 // f(part, k) for every part in [0, parts) and k in [0, count(part)), in parallel: thread t runs
-// the items of part t in order (as at::parallel_for's static split would: one long run of
-// memory per thread), and when its part is done, takes the next items of the other parts
-// (each part's items are handed out by its own counter, so every item runs once). A thread
-// that starts late (the intra-op pool's workers sleep between regions) or is descheduled then
-// leaves its last items to the others instead of making them wait. Which thread runs an item
-// never changes its result (f writes only that item's results), so results do not depend on
-// it. Correct for every at::parallel_for backend and when nested (any call of the body drains
-// every part).
+// the items of part t in order from the front (as at::parallel_for's static split would: one
+// long run of memory per thread), and when its part is done, takes the other parts' last items
+// from their back, one at a time, so the owner's run stays one stream. A thread that starts
+// late (the intra-op pool's workers sleep between regions) or is descheduled then leaves the
+// end of its part to the others instead of making them wait. Each part's [front, back) is one
+// atomic word, so every item runs exactly once. Which thread runs an item never changes its
+// result (f writes only that item's results), so results do not depend on it. Correct for every
+// at::parallel_for backend and when nested (any call of the body drains every part).
 template <typename Count, typename F>
 void for_each_part_balanced(int64_t parts, const Count& count, const F& f) {
   if (parts <= 0) return;
-  struct alignas(64) Counter {
-    std::atomic<int64_t> next{0};
+  struct alignas(64) Range {
+    std::atomic<uint64_t> word{0};  // back << 32 | front
   };
-  std::vector<Counter> counters(static_cast<size_t>(parts));
+  std::vector<Range> ranges(static_cast<size_t>(parts));
+  for (int64_t part = 0; part < parts; ++part) {
+    const int64_t n = count(part);
+    TORCH_CHECK(n >= 0 && n < (int64_t{1} << 32), "tpamp: a part of ", n, " items");
+    ranges[static_cast<size_t>(part)].word.store(static_cast<uint64_t>(n) << 32,
+                                                 std::memory_order_relaxed);
+  }
+  // the next item of `part`: its front (owner) or its back (others); -1 when none is left
+  auto take = [&](int64_t part, bool owner) -> int64_t {
+    std::atomic<uint64_t>& word = ranges[static_cast<size_t>(part)].word;
+    uint64_t w = word.load(std::memory_order_relaxed);
+    for (;;) {
+      const uint64_t front = w & 0xffffffffull, back = w >> 32;
+      if (front >= back) return -1;
+      const uint64_t next = owner ? w + 1 : ((back - 1) << 32) | front;
+      if (word.compare_exchange_weak(w, next, std::memory_order_relaxed)) {
+        return static_cast<int64_t>(owner ? front : back - 1);
+      }
+    }
+  };
   at::parallel_for(0, parts, 1, [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) {
       for (int64_t j = 0; j < parts; ++j) {
         const int64_t part = (t + j) % parts;
-        const int64_t n = count(part);
-        std::atomic<int64_t>& next = counters[static_cast<size_t>(part)].next;
-        for (int64_t k = next.fetch_add(1, std::memory_order_relaxed); k < n;
-             k = next.fetch_add(1, std::memory_order_relaxed)) {
-          f(part, k);
-        }
+        for (int64_t k = take(part, j == 0); k >= 0; k = take(part, j == 0)) f(part, k);
       }
     }
   });
