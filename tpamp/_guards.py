@@ -223,6 +223,7 @@ def check_param_groups(wrapper) -> None:
 # (name, param, grad) triples; without one, every param's ``.grad`` of the inner optimizer.
 
 _GRAD_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+_PLAIN = (Tensor, torch.nn.Parameter)  # classes check_step_grads takes the short branch for
 _local = local_tensor
 
 
@@ -243,7 +244,17 @@ def check_step_grads(sources) -> None:
     """Each (name, param, grad): grad a tensor (TypeError) of float32/float16/bfloat16 (float32
     for a float32 param; TypeError), of the param's shape (global and local; ValueError) and
     on the param's device (ValueError). Checked before a step changes anything."""
+    f32 = torch.float32
     for name, param, grad in sources:
+        # plain tensors (no DTensor) that pass every check below: one look at each attribute
+        if type(grad) is Tensor and type(param) in _PLAIN:
+            dtype = grad.dtype
+            if (
+                (dtype is f32 or (dtype in _GRAD_DTYPES and param.dtype is not f32))
+                and grad.shape == param.shape
+                and grad.device == param.device
+            ):
+                continue
         if not isinstance(grad, Tensor):
             raise TypeError(
                 f"the gradient of {name} is a {type(grad).__name__}, not a tensor"

@@ -847,10 +847,13 @@ class MixedPrecisionOptimizer(OptimizerWrapper):
             group = []
             for model, main in pairs:
                 main.grad = None
-                grad = _model_grad(model)
+                grad = getattr(model, "main_grad", None)  # _model_grad, a plain grad inline
+                if grad is None:
+                    grad = model.grad
                 if grad is not None:
-                    mask = self._counts(main)
-                    group.append((main, model, local_tensor(grad), mask))
+                    if type(grad) is not torch.Tensor:  # a DTensor (or a subclass): placed
+                        grad = local_tensor(_placed_like(grad, model))
+                    group.append((main, model, grad, self._counts(main)))
             for p in fp32s:
                 grad = _model_grad(p)
                 if grad is not None:
@@ -1064,8 +1067,26 @@ class MixedPrecisionOptimizer(OptimizerWrapper):
         sr_rows = [] if sr_params and any(id(e[0]) in sr_params for e in part) else None
         f32 = torch.float32
         state_of, rem_of = inner.state, remainders.get
+        # fp32 state (the default configuration): a param whose state is already plain float32
+        # tensors of torch.optim's layout takes the short branch below (no remainder, no
+        # stochastic rounding, no 8-bit scales, not a DTensor); everything else the full one
+        plain = not narrow and not remainders and sr_rows is None
         for main, _, _, _ in part:
             state = state_of[main]
+            if plain and state and type(main) in _PLAIN_TENSORS:
+                m_t, v_t, step_t = state.get("exp_avg"), state.get("exp_avg_sq"), state.get("step")
+                if (
+                    type(m_t) is torch.Tensor and type(v_t) is torch.Tensor
+                    and type(step_t) is torch.Tensor
+                    and m_t.dtype is f32 and v_t.dtype is f32
+                    and step_t.device == main.device
+                    and "exp_avg_scale" not in state and "exp_avg_sq_scale" not in state
+                ):
+                    mains.append(main)
+                    exp_avgs.append(m_t)
+                    exp_avg_sqs.append(v_t)
+                    steps.append(step_t)
+                    continue
             rem = rem_of(id(main))
             local = rem if rem is not None else local_tensor(main)  # what the kernel steps
             if id(main) in sr_params:  # the bf16 param itself (stochastic rounding)
@@ -1590,6 +1611,10 @@ def _fused_group_supported(kind: str, group: dict) -> bool:
             and _is_number(group.get("eps"))
         )
     return _is_number(group.get("momentum")) and _is_number(group.get("dampening"))
+
+
+# the classes of a plain (not DTensor) main param: _fused_adam's short branch
+_PLAIN_TENSORS = (torch.Tensor, torch.nn.Parameter)
 
 
 def _scalar_dtype() -> torch.dtype:

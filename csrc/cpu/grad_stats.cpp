@@ -218,9 +218,10 @@ GradStatsResult grad_stats_impl(const char* op, at::TensorList grads, at::Tensor
   std::vector<ChunkStats> partials(plan.chunks.size());
 
   // The read-only pass (in place, no multiply: nothing is written) reads two streams per
-  // thread: a thread's range of chunks in halves, chunk j of each half one sum block at a time
-  // (grad_stats_pair). Every chunk's partial is the same as chunk by chunk, so the results are
-  // too. 100M fp16, 2 threads: 4.29-4.41 -> 3.89-4.26 ms (docs/benchmarks.md).
+  // thread: its run of chunks in halves, chunks j and half + j one sum block at a time
+  // (grad_stats_pair), the last pairs of a run taken by whichever thread is free
+  // (for_each_part_balanced). Every chunk's partial is the same as chunk by chunk, so the results
+  // are too. 100M fp16, 2 threads: 4.29-4.41 -> 3.89-4.26 ms (docs/benchmarks.md).
   const bool read_only = in_place && !args.has_scale;
   if (read_only && plan.chunks.size() > 2) {
     const int64_t slots = static_cast<int64_t>(plan.chunks.size());
@@ -234,34 +235,48 @@ GradStatsResult grad_stats_impl(const char* op, at::TensorList grads, at::Tensor
         partials[slot] = run_chunk<in_t, in_t, false>(src, none, c.n, false, s, count_zeros);
       });
     };
-    at::parallel_for(0, slots, 1, [&](int64_t begin, int64_t end) {
-      const int64_t half = (end - begin) / 2;
-      for (int64_t j = 0; j < half; ++j) {
-        const int64_t sa = begin + j, sb = begin + half + j;
-        const Chunk& x = plan.chunks[sa];
-        const Chunk& y = plan.chunks[sb];
-        const at::Tensor& gx = grads[x.entry];
-        const at::Tensor& gy = grads[y.entry];
-        if (gx.scalar_type() != gy.scalar_type()) {
-          one(sa);
-          one(sb);
-          continue;
-        }
-        dispatch_float(gx.scalar_type(), [&](auto tag) {
-          using in_t = decltype(tag);
-          const in_t* pa = static_cast<const in_t*>(gx.const_data_ptr()) + x.offset;
-          const in_t* pb = static_cast<const in_t*>(gy.const_data_ptr()) + y.offset;
-          if (count_zeros) {
-            grad_stats_pair<in_t, true>(pa, x.n, partials[sa], pb, y.n, partials[sb]);
-          } else {
-            grad_stats_pair<in_t, false>(pa, x.n, partials[sa], pb, y.n, partials[sb]);
+    // one run of slots per thread (part); in each, pairs (j, half + j) of its halves, then its
+    // odd last slot; the last items of a part taken by whichever thread is free
+    const int64_t parts = balanced_parts(slots);
+    auto half_of = [&](int64_t part) {
+      return (part_begin(slots, parts, part + 1) - part_begin(slots, parts, part)) / 2;
+    };
+    for_each_part_balanced(
+        parts,
+        [&](int64_t part) {
+          const int64_t n = part_begin(slots, parts, part + 1) - part_begin(slots, parts, part);
+          return n / 2 + n % 2;
+        },
+        [&](int64_t part, int64_t j) {
+          const int64_t begin = part_begin(slots, parts, part);
+          const int64_t half = half_of(part);
+          if (j == half) {
+            one(begin + 2 * half);
+            return;
           }
+          const int64_t sa = begin + j, sb = begin + half + j;
+          const Chunk& x = plan.chunks[sa];
+          const Chunk& y = plan.chunks[sb];
+          const at::Tensor& gx = grads[x.entry];
+          const at::Tensor& gy = grads[y.entry];
+          if (gx.scalar_type() != gy.scalar_type()) {
+            one(sa);
+            one(sb);
+            return;
+          }
+          dispatch_float(gx.scalar_type(), [&](auto tag) {
+            using in_t = decltype(tag);
+            const in_t* pa = static_cast<const in_t*>(gx.const_data_ptr()) + x.offset;
+            const in_t* pb = static_cast<const in_t*>(gy.const_data_ptr()) + y.offset;
+            if (count_zeros) {
+              grad_stats_pair<in_t, true>(pa, x.n, partials[sa], pb, y.n, partials[sb]);
+            } else {
+              grad_stats_pair<in_t, false>(pa, x.n, partials[sa], pb, y.n, partials[sb]);
+            }
+          });
         });
-      }
-      for (int64_t t = begin + 2 * half; t < end; ++t) one(t);
-    });
   } else {
-    for_each_chunk(plan, [&](int64_t slot, const Chunk& c) {
+    for_each_chunk_balanced(plan, [&](int64_t slot, const Chunk& c) {
       const at::Tensor& g = grads[c.entry];
       dispatch_float(g.scalar_type(), [&](auto tag) {
         using in_t = decltype(tag);

@@ -12,6 +12,7 @@
 
 #include <ATen/Parallel.h>
 
+#include <atomic>
 #include <cstdint>
 #include <vector>
 
@@ -64,6 +65,90 @@ void for_each_chunk(const ChunkPlan& plan, const F& f) {
   at::parallel_for(0, slots, 1, [&](int64_t begin, int64_t end) {
     for (int64_t s = begin; s < end; ++s) f(s, plan.chunks[s]);
   });
+}
+
+// The number of parts for_each_part_balanced cuts `items` into: one per intra-op thread (at
+// most one per item; 1 inside a parallel region, where at::parallel_for runs serially).
+inline int64_t balanced_parts(int64_t items) {
+  if (items <= 0) return 0;
+  const int64_t threads = at::in_parallel_region() ? 1 : at::get_num_threads();
+  return threads < items ? (threads < 1 ? 1 : threads) : items;
+}
+
+// f(part, k) for every part in [0, parts) and k in [0, count(part)), in parallel: thread t runs
+// the items of part t in order from the front (as at::parallel_for's static split would: one
+// long run of memory per thread), and when its part is done, takes the other parts' last items
+// from their back, one at a time, so the owner's run stays one stream. A thread that starts
+// late (the intra-op pool's workers sleep between regions) or is descheduled then leaves the
+// end of its part to the others instead of making them wait. Each part's [front, back) is one
+// atomic word, so every item runs exactly once. Which thread runs an item never changes its
+// result (f writes only that item's results), so results do not depend on it. Correct for every
+// at::parallel_for backend and when nested (any call of the body drains every part).
+template <typename Count, typename F>
+void for_each_part_balanced(int64_t parts, const Count& count, const F& f) {
+  if (parts <= 0) return;
+  struct alignas(64) Range {
+    std::atomic<uint64_t> word{0};  // back << 32 | front
+  };
+  std::vector<Range> ranges(static_cast<size_t>(parts));
+  for (int64_t part = 0; part < parts; ++part) {
+    const int64_t n = count(part);
+    TORCH_CHECK(n >= 0 && n < (int64_t{1} << 32), "tpamp: a part of ", n, " items");
+    ranges[static_cast<size_t>(part)].word.store(static_cast<uint64_t>(n) << 32,
+                                                 std::memory_order_relaxed);
+  }
+  // the next item of `part`: its front (owner) or its back (others); -1 when none is left
+  auto take = [&](int64_t part, bool owner) -> int64_t {
+    std::atomic<uint64_t>& word = ranges[static_cast<size_t>(part)].word;
+    uint64_t w = word.load(std::memory_order_relaxed);
+    for (;;) {
+      const uint64_t front = w & 0xffffffffull, back = w >> 32;
+      if (front >= back) return -1;
+      const uint64_t next = owner ? w + 1 : ((back - 1) << 32) | front;
+      if (word.compare_exchange_weak(w, next, std::memory_order_relaxed)) {
+        return static_cast<int64_t>(owner ? front : back - 1);
+      }
+    }
+  };
+  at::parallel_for(0, parts, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      for (int64_t j = 0; j < parts; ++j) {
+        const int64_t part = (t + j) % parts;
+        for (int64_t k = take(part, j == 0); k >= 0; k = take(part, j == 0)) f(part, k);
+      }
+    }
+  });
+}
+
+// The first slot of part `part` of `slots` cut into `parts` near-equal runs.
+inline int64_t part_begin(int64_t slots, int64_t parts, int64_t part) {
+  return slots * part / parts;
+}
+
+// for_each_chunk with the chunks cut into one run per thread and balanced at the end
+// (for_each_part_balanced): the same results.
+template <typename F>
+void for_each_chunk_balanced(const ChunkPlan& plan, const F& f) {
+  const int64_t slots = static_cast<int64_t>(plan.chunks.size());
+  if (slots == 0) return;
+  int64_t elements = 0;
+  if (slots <= 2) {
+    for (const Chunk& c : plan.chunks) elements += c.n;
+  }
+  if (slots == 1 || (slots <= 2 && elements < kChunkSize)) {
+    for (int64_t s = 0; s < slots; ++s) f(s, plan.chunks[s]);
+    return;
+  }
+  const int64_t parts = balanced_parts(slots);
+  for_each_part_balanced(
+      parts,
+      [&](int64_t part) {
+        return part_begin(slots, parts, part + 1) - part_begin(slots, parts, part);
+      },
+      [&](int64_t part, int64_t k) {
+        const int64_t s = part_begin(slots, parts, part) + k;
+        f(s, plan.chunks[s]);
+      });
 }
 
 }  // namespace cpu

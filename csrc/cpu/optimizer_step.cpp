@@ -1640,14 +1640,16 @@ std::vector<int64_t> numels_of(at::TensorList ts) {
 }
 
 // Every chunk of every param with its grad and model-param slices typed by their dtypes
-// (model: a null NoModel* when there are no model params), run by at::parallel_for: the loop
-// both optimizer steps share. f(const G* grad, M* model, const Chunk& chunk).
+// (model: a null NoModel* when there are no model params), run by for_each_chunk_balanced (one
+// run of chunks per thread, the last chunks taken by whichever thread is free: launcher.h): the
+// loop both optimizer steps share.
+// f(const G* grad, M* model, const Chunk& chunk).
 template <typename F>
 void for_each_step_chunk(at::TensorList params, at::TensorList grads, at::TensorList model_params,
                          const F& f) {
   const bool has_model = !model_params.empty();
   const ChunkPlan plan = plan_chunks(numels_of(params));
-  for_each_chunk(plan, [&](int64_t, const Chunk& c) {
+  for_each_chunk_balanced(plan, [&](int64_t, const Chunk& c) {
     const int64_t e = c.entry;
     dispatch_grad_model(
         grads[e].scalar_type(), has_model, has_model ? model_params[e].scalar_type() : at::kFloat,
