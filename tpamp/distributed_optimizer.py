@@ -525,12 +525,16 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
             grad_shard=grad_shard, reduce_out=reduce_out,
             group=group, size=d, rank=r, ring=ring, expert=expert,
         )
-        if remainders:  # the masters' high halves: kept, an input of every step
-            bucket.param_shard = torch.zeros(shard, dtype=dtype, device=dev)
-        if self.stochastic_rounding and dtype == torch.bfloat16:
-            # no master (docs/spec.md section 21): the bf16 shard is the param, kept between
-            # steps and stepped in place; the main shard is that same tensor
-            bucket.param_shard = bucket.main_shard = torch.zeros(shard, dtype=dtype, device=dev)
+        sr = self.stochastic_rounding and dtype == torch.bfloat16
+        if remainders or sr:
+            # a bf16 shard kept between steps: the masters' high halves (remainders), or with
+            # stochastic rounding the param itself, stepped in place (no master, docs/spec.md
+            # section 21). It is this rank's chunk of the all-gather buffer (which only ever
+            # writes the other ranks' chunks), so the gather needs no copy of it.
+            bucket.param_data = torch.zeros(numel, dtype=dtype, device=dev)
+            bucket.param_shard = bucket.param_data[r * shard:(r + 1) * shard]
+        if sr:  # the main shard is that same tensor
+            bucket.main_shard = bucket.param_shard
         for p, (a, b) in zip(params, offsets):
             # Megatron-LM's main_grad convention: the param's slot in the grad buffer
             p.main_grad = grad_data[a:b].view(local_tensor(p).shape)
@@ -822,7 +826,7 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
         else this rank's chunk of the output (an in-place all-gather, as Megatron-LM's)."""
         if b.param_data is None:
             b.param_data = torch.empty(b.numel, dtype=b.dtype, device=self._device)
-        if b.param_shard is None:  # (made at construction for remainder buckets)
+        if b.param_shard is None:  # (made at construction for remainder / SR buckets)
             r = b.rank
             b.param_shard = (b.main_shard if b.dtype == torch.float32 else
                              b.param_data[r * b.shard_size:(r + 1) * b.shard_size])
@@ -843,8 +847,8 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
             d, r = b.size, b.rank
             own = b.param_data[r * b.shard_size:(r + 1) * b.shard_size]
             if (b.ring or d == 1) and b.param_shard.data_ptr() != own.data_ptr():
-                # fp32 params (the main shard is the input), remainder buckets (their own
-                # bf16 shard of high halves): into this rank's chunk of the in-place gather
+                # fp32 params (the main shard is the input): into this rank's chunk of the
+                # in-place gather (remainder / SR buckets' bf16 shard is that chunk already)
                 own.copy_(b.param_shard)
             handles.append(start_all_gather(b.group, b.param_data,
                                             b.param_shard, 2 * b.index + 1, ring=b.ring))
