@@ -48,17 +48,20 @@ inline ChunkPlan plan_chunks(const std::vector<int64_t>& numels) {
   return p;
 }
 
+// Whether a plan runs on the calling thread: no chunk, one chunk, or two of less than one
+// chunk's worth together (lists of less than about two chunks' worth).
+inline bool runs_serially(const ChunkPlan& plan) {
+  const size_t slots = plan.chunks.size();
+  return slots <= 1 || (slots == 2 && plan.chunks[0].n + plan.chunks[1].n < kChunkSize);
+}
+
 // f(slot, chunk) for every chunk, in parallel. f must only write its own slot's results and its
-// chunk's elements. Lists of less than about two chunks' worth run on the calling thread.
+// chunk's elements. Lists of less than about two chunks' worth run on the calling thread
+// (runs_serially).
 template <typename F>
 void for_each_chunk(const ChunkPlan& plan, const F& f) {
   const int64_t slots = static_cast<int64_t>(plan.chunks.size());
-  if (slots == 0) return;
-  int64_t elements = 0;
-  if (slots <= 2) {
-    for (const Chunk& c : plan.chunks) elements += c.n;
-  }
-  if (slots == 1 || (slots <= 2 && elements < kChunkSize)) {
+  if (runs_serially(plan)) {
     for (int64_t s = 0; s < slots; ++s) f(s, plan.chunks[s]);
     return;
   }
@@ -130,12 +133,7 @@ inline int64_t part_begin(int64_t slots, int64_t parts, int64_t part) {
 template <typename F>
 void for_each_chunk_balanced(const ChunkPlan& plan, const F& f) {
   const int64_t slots = static_cast<int64_t>(plan.chunks.size());
-  if (slots == 0) return;
-  int64_t elements = 0;
-  if (slots <= 2) {
-    for (const Chunk& c : plan.chunks) elements += c.n;
-  }
-  if (slots == 1 || (slots <= 2 && elements < kChunkSize)) {
+  if (runs_serially(plan)) {
     for (int64_t s = 0; s < slots; ++s) f(s, plan.chunks[s]);
     return;
   }

@@ -694,13 +694,75 @@ void adam_chunk_bf16(const G* g, float* p, int16_t* rem, uint16_t* m, uint16_t* 
 #if defined(CPU_CAPABILITY_AVX512)
 constexpr bool kDynamicPass = true;
 
+// One step of 32 elements of the loops below on decoded moments (m0, m1, v0, v1: map[c] *
+// scale): read the params (remainders: joined with the bf16 params), update them and the
+// moments (adam_element_dynamic), store the new moments in the block buffers mo / vo, fold their
+// |bits| into the running maxima over the live lanes, store the params. `ps` (when kSave) keeps
+// the params read; p0 / p1 come back as the new params. Inlined into adam_chunk_dynamic_words
+// and, compiled with VBMI allowed, into adam_chunk_dynamic_vbmi.
+template <typename G, typename M, typename Flags, bool kRem, bool kSave>
+inline __attribute__((always_inline)) void dynamic_step32(
+    const G* gp, float* pp, int16_t* rp, M* modelp, __m512 m0, __m512 m1, __m512 v0,
+    __m512 v1, float* mo, float* vo, float* ps, __mmask32 live, const AdamScalars& s,
+    Flags flags, __m512i& mmax, __m512i& vmax, FVec& p0, FVec& p1) {
+  using L = Lanes32;
+  constexpr bool kModel = !std::is_same_v<M, NoModel>;
+  const __m512i abs_mask = _mm512_set1_epi32(0x7fffffff);
+  FVec g0, g1;
+  VecIO<G>::load(gp, g0, g1);
+  if constexpr (kRem) {
+    L::I a, c, ra, rb;
+    L::load_u16(reinterpret_cast<const uint16_t*>(modelp), a, c);
+    L::load_s16(rp, ra, rb);
+    p0 = L::from_bits(L::add(L::shl16(a), ra));
+    p1 = L::from_bits(L::add(L::shl16(c), rb));
+  } else {
+    VecIO<float>::load(pp, p0, p1);
+  }
+  if constexpr (kSave) {
+    _mm512_store_ps(ps, p0);
+    _mm512_store_ps(ps + 16, p1);
+  }
+  // rounded where they stand: the decode's products are not contracted into the update
+  FVec fm0 = RoundedHere<FVec>::apply(FVec(m0)), fm1 = RoundedHere<FVec>::apply(FVec(m1));
+  FVec fv0 = RoundedHere<FVec>::apply(FVec(v0)), fv1 = RoundedHere<FVec>::apply(FVec(v1));
+  adam_element_dynamic<FVec>(p0, fm0, fv0, g0, s, flags);
+  adam_element_dynamic<FVec>(p1, fm1, fv1, g1, s, flags);
+  m0 = fm0;
+  m1 = fm1;
+  v0 = fv0;
+  v1 = fv1;
+  _mm512_store_ps(mo, m0);
+  _mm512_store_ps(mo + 16, m1);
+  _mm512_store_ps(vo, v0);
+  _mm512_store_ps(vo + 16, v1);
+  const __mmask16 live0 = static_cast<__mmask16>(live);
+  const __mmask16 live1 = static_cast<__mmask16>(live >> 16);
+  mmax = _mm512_mask_max_epi32(mmax, live0, mmax,
+                               _mm512_and_si512(_mm512_castps_si512(m0), abs_mask));
+  mmax = _mm512_mask_max_epi32(mmax, live1, mmax,
+                               _mm512_and_si512(_mm512_castps_si512(m1), abs_mask));
+  vmax = _mm512_mask_max_epi32(vmax, live0, vmax,
+                               _mm512_and_si512(_mm512_castps_si512(v0), abs_mask));
+  vmax = _mm512_mask_max_epi32(vmax, live1, vmax,
+                               _mm512_and_si512(_mm512_castps_si512(v1), abs_mask));
+  if constexpr (kRem) {
+    const L::I u0 = L::bits(p0), u1 = L::bits(p1);
+    const L::I half = L::set1(0x8000u);
+    L::store16(rp, u0, u1);
+    L::store16(modelp, L::shr16(L::add(u0, half)), L::shr16(L::add(u1, half)));
+  } else {
+    VecIO<float>::template store<true, false>(pp, p0, p1);
+    if constexpr (kModel) VecIO<M>::template store<true, false>(modelp, p0, p1);
+  }
+}
+
 // The loop described above, with the decode of DynamicDecoder (word permutes; any AVX-512 CPU).
 template <typename G, typename M, typename Flags, bool kRem>
 __attribute__((noinline)) void adam_chunk_dynamic_words(
     const G* __restrict g, float* __restrict p, int16_t* __restrict rem, const MomentRef& mref,
     const MomentRef& vref, M* __restrict model, int64_t n, const AdamScalars& scalars,
     Flags flags) {
-  using L = Lanes32;
   constexpr bool kModel = !std::is_same_v<M, NoModel>;
   static_assert(!kRem || std::is_same_v<M, at::BFloat16>, "remainders go with bf16 params");
   static_assert(kVecStep == 32, "32 elements a step (two registers of 16)");
@@ -710,7 +772,6 @@ __attribute__((noinline)) void adam_chunk_dynamic_words(
   const DynamicDecoder mdec(mt), vdec(vt);
   uint8_t* const mcodes = static_cast<uint8_t*>(mref.data);
   uint8_t* const vcodes = static_cast<uint8_t*>(vref.data);
-  const __m512i abs_mask = _mm512_set1_epi32(0x7fffffff);
   alignas(64) float mbuf[kMomentBlock];
   alignas(64) float vbuf[kMomentBlock];
   for (int64_t b = 0; b * kMomentBlock < n; ++b) {
@@ -723,52 +784,12 @@ __attribute__((noinline)) void adam_chunk_dynamic_words(
     // computed but neither stored nor counted in the maxima)
     auto step = [&](const G* gp, float* pp, int16_t* rp, M* modelp, __m512i mc, __m512i vc,
                     float* mo, float* vo, __mmask32 live) {
-      FVec g0, g1, p0, p1;
       __m512 m0, m1, v0, v1;
-      VecIO<G>::load(gp, g0, g1);
-      if constexpr (kRem) {
-        L::I a, c, ra, rb;
-        L::load_u16(reinterpret_cast<const uint16_t*>(modelp), a, c);
-        L::load_s16(rp, ra, rb);
-        p0 = L::from_bits(L::add(L::shl16(a), ra));
-        p1 = L::from_bits(L::add(L::shl16(c), rb));
-      } else {
-        VecIO<float>::load(pp, p0, p1);
-      }
       mdec.decode32(mc, mscale, m0, m1);
       vdec.decode32(vc, vscale, v0, v1);
-      // rounded where they stand: the decode's products are not contracted into the update
-      FVec fm0 = RoundedHere<FVec>::apply(FVec(m0)), fm1 = RoundedHere<FVec>::apply(FVec(m1));
-      FVec fv0 = RoundedHere<FVec>::apply(FVec(v0)), fv1 = RoundedHere<FVec>::apply(FVec(v1));
-      adam_element_dynamic<FVec>(p0, fm0, fv0, g0, s, flags);
-      adam_element_dynamic<FVec>(p1, fm1, fv1, g1, s, flags);
-      m0 = fm0;
-      m1 = fm1;
-      v0 = fv0;
-      v1 = fv1;
-      _mm512_store_ps(mo, m0);
-      _mm512_store_ps(mo + 16, m1);
-      _mm512_store_ps(vo, v0);
-      _mm512_store_ps(vo + 16, v1);
-      const __mmask16 live0 = static_cast<__mmask16>(live);
-      const __mmask16 live1 = static_cast<__mmask16>(live >> 16);
-      mmax = _mm512_mask_max_epi32(mmax, live0, mmax,
-                                   _mm512_and_si512(_mm512_castps_si512(m0), abs_mask));
-      mmax = _mm512_mask_max_epi32(mmax, live1, mmax,
-                                   _mm512_and_si512(_mm512_castps_si512(m1), abs_mask));
-      vmax = _mm512_mask_max_epi32(vmax, live0, vmax,
-                                   _mm512_and_si512(_mm512_castps_si512(v0), abs_mask));
-      vmax = _mm512_mask_max_epi32(vmax, live1, vmax,
-                                   _mm512_and_si512(_mm512_castps_si512(v1), abs_mask));
-      if constexpr (kRem) {
-        const L::I u0 = L::bits(p0), u1 = L::bits(p1);
-        const L::I half = L::set1(0x8000u);
-        L::store16(rp, u0, u1);
-        L::store16(modelp, L::shr16(L::add(u0, half)), L::shr16(L::add(u1, half)));
-      } else {
-        VecIO<float>::template store<true, false>(pp, p0, p1);
-        if constexpr (kModel) VecIO<M>::template store<true, false>(modelp, p0, p1);
-      }
+      FVec p0, p1;
+      dynamic_step32<G, M, Flags, kRem, false>(gp, pp, rp, modelp, m0, m1, v0, v1, mo, vo,
+                                               nullptr, live, s, flags, mmax, vmax, p0, p1);
     };
     auto codes = [](const uint8_t* c, __mmask32 live) {
       return _mm512_cvtepu8_epi16(_mm256_maskz_loadu_epi8(live, c));
@@ -836,7 +857,6 @@ __attribute__((noinline)) void adam_chunk_dynamic_vbmi(
     const G* __restrict g, float* __restrict p, int16_t* __restrict rem, const MomentRef& mref,
     const MomentRef& vref, M* __restrict model, int64_t n, const AdamScalars& scalars,
     Flags flags) {
-  using L = Lanes32;
   constexpr bool kModel = !std::is_same_v<M, NoModel>;
   static_assert(!kRem || std::is_same_v<M, at::BFloat16>, "remainders go with bf16 params");
   static_assert(kVecStep == 32, "32 elements a step (two registers of 16)");
@@ -847,7 +867,6 @@ __attribute__((noinline)) void adam_chunk_dynamic_vbmi(
   const DynamicDecoderVbmi mdec(mt), vdec(vt);
   uint8_t* const mcodes = static_cast<uint8_t*>(mref.data);
   uint8_t* const vcodes = static_cast<uint8_t*>(vref.data);
-  const __m512i abs_mask = _mm512_set1_epi32(0x7fffffff);
   alignas(64) float mbuf[kMomentBlock];
   alignas(64) float vbuf[kMomentBlock];
   alignas(64) float psave[kMomentBlock];  // the params read (remainders: joined)
@@ -858,55 +877,14 @@ __attribute__((noinline)) void adam_chunk_dynamic_vbmi(
     const __m512 vscale = _mm512_set1_ps(vref.scales[b]);
     __m512i mmax = _mm512_setzero_si512(), vmax = _mm512_setzero_si512();
     __mmask16 pnan = 0;  // lanes where a new param is NaN (or the padding's)
-    // adam_chunk_dynamic_words' step on decoded moments (m0, m1, v0, v1: map[c] * scale)
+    // adam_chunk_dynamic_words' step on decoded moments, the params read kept in `ps` (for
+    // adam_chunk_dynamic_words, see above) and a NaN among the new ones noted
     auto step = [&](const G* gp, float* pp, int16_t* rp, M* modelp, __m512 m0, __m512 m1,
                     __m512 v0, __m512 v1, float* mo, float* vo, float* ps, __mmask32 live) {
-      FVec g0, g1, p0, p1;
-      VecIO<G>::load(gp, g0, g1);
-      if constexpr (kRem) {
-        L::I a, c, ra, rb;
-        L::load_u16(reinterpret_cast<const uint16_t*>(modelp), a, c);
-        L::load_s16(rp, ra, rb);
-        p0 = L::from_bits(L::add(L::shl16(a), ra));
-        p1 = L::from_bits(L::add(L::shl16(c), rb));
-      } else {
-        VecIO<float>::load(pp, p0, p1);
-      }
-      _mm512_store_ps(ps, p0);  // kept for adam_chunk_dynamic_words (see above)
-      _mm512_store_ps(ps + 16, p1);
-      // rounded where they stand: the decode's products are not contracted into the update
-      FVec fm0 = RoundedHere<FVec>::apply(FVec(m0)), fm1 = RoundedHere<FVec>::apply(FVec(m1));
-      FVec fv0 = RoundedHere<FVec>::apply(FVec(v0)), fv1 = RoundedHere<FVec>::apply(FVec(v1));
-      adam_element_dynamic<FVec>(p0, fm0, fv0, g0, s, flags);
-      adam_element_dynamic<FVec>(p1, fm1, fv1, g1, s, flags);
+      FVec p0, p1;
+      dynamic_step32<G, M, Flags, kRem, true>(gp, pp, rp, modelp, m0, m1, v0, v1, mo, vo, ps,
+                                              live, s, flags, mmax, vmax, p0, p1);
       pnan |= _mm512_cmp_ps_mask(p0, p1, _CMP_UNORD_Q);
-      m0 = fm0;
-      m1 = fm1;
-      v0 = fv0;
-      v1 = fv1;
-      _mm512_store_ps(mo, m0);
-      _mm512_store_ps(mo + 16, m1);
-      _mm512_store_ps(vo, v0);
-      _mm512_store_ps(vo + 16, v1);
-      const __mmask16 live0 = static_cast<__mmask16>(live);
-      const __mmask16 live1 = static_cast<__mmask16>(live >> 16);
-      mmax = _mm512_mask_max_epi32(mmax, live0, mmax,
-                                   _mm512_and_si512(_mm512_castps_si512(m0), abs_mask));
-      mmax = _mm512_mask_max_epi32(mmax, live1, mmax,
-                                   _mm512_and_si512(_mm512_castps_si512(m1), abs_mask));
-      vmax = _mm512_mask_max_epi32(vmax, live0, vmax,
-                                   _mm512_and_si512(_mm512_castps_si512(v0), abs_mask));
-      vmax = _mm512_mask_max_epi32(vmax, live1, vmax,
-                                   _mm512_and_si512(_mm512_castps_si512(v1), abs_mask));
-      if constexpr (kRem) {
-        const L::I u0 = L::bits(p0), u1 = L::bits(p1);
-        const L::I half = L::set1(0x8000u);
-        L::store16(rp, u0, u1);
-        L::store16(modelp, L::shr16(L::add(u0, half)), L::shr16(L::add(u1, half)));
-      } else {
-        VecIO<float>::template store<true, false>(pp, p0, p1);
-        if constexpr (kModel) VecIO<M>::template store<true, false>(modelp, p0, p1);
-      }
     };
     // the step of the 32 elements at block offset i, all in the block
     auto full = [&](int64_t i, const __m512* md, const __m512* vd) {
