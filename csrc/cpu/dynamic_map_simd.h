@@ -84,6 +84,19 @@ inline uint32_t dynamic_encode_scalar(float y, const DynamicTables& t) {
   return (e & 0xffu) + (key >= (e >> 8) ? 1u : 0u);
 }
 
+// Whether dynamic_encode_block may compute y = x * r with r = 1 / div (float32 division, once)
+// instead of y = x / div: when r is a normal float32 (2^-126 <= div <= 2^126; not for NaN,
+// the saturated FLT_MAX of a block with inf, or a subnormal absmax). Then r = 1/div (1 +- 2^-24)
+// and x * r = (x / div)(1 + e), |e| <= 2^-24 + 2^-48; rounded, x * r lies at most 2 float32
+// steps from the rounded x / div (a relative error below 2^-24 moves the exact quotient by less
+// than one step of its binade; each rounding by at most half of one, and a step of the binade
+// below is half as wide; a subnormal quotient moves by less than one step). The lane functions
+// give a code only where no threshold lies within 3 steps of the y they see (else the lane is
+// flagged, t within 2^-12 of an integer, and redone by division), so the codes are those of x /
+// div: scripts/check_dynamic_map_exhaustive.cpp checks this for every float32 y and map.
+constexpr int32_t kDynamicRecipGuard = 4;  // float32 steps around a piece's start (see below)
+inline bool dynamic_recip_ok(float div) { return div >= 0x1p-126f && div <= 0x1p126f; }
+
 // The max |x| of a block's n values for its scale, as the caller's NaN-propagating reduction
 // (nan_path) computes it, without its serial chain of NaN-propagating maxima: the maximum of
 // the bits of |x| as integers (their order is the order of the values; a NaN's bits are above
@@ -318,13 +331,15 @@ struct DynamicPieces {
     binade_tab = _mm512_broadcast_i32x4(_mm_load_si128(reinterpret_cast<const __m128i*>(
         is_unsigned ? kDynamicPieceBinadeUnsigned : kDynamicPieceBinadeSigned)));
   }
-  // The codes of the 16 values at p (live lanes read, the others 0) divided by d (not NaN) in
-  // 32-bit lanes (signed map: -1 for y <= -1, saturated to 0 by the caller), and in near the
-  // live lanes whose t lies within 2^-12 of an integer.
-  template <bool kUnsigned>
-  inline __attribute__((always_inline)) __m512i codes16(const float* p, __mmask16 live,
-                                                        __m512 d, __mmask16& near) const {
-    const __m512 y = _mm512_div_ps(_mm512_maskz_loadu_ps(live, p), d);
+  // The codes of the 16 values y in 32-bit lanes (signed map: -1 for y <= -1, saturated to 0 by
+  // the caller), and in near the live lanes whose t lies within 2^-12 of an integer. y is not
+  // NaN.
+  // kGuard (y = x * (1 / div), see dynamic_recip_ok): also the lanes whose key lies within
+  // kDynamicRecipGuard of the next piece's start (the piece is found exactly on y's bits, and t
+  // need not be near an integer at a piece's start).
+  template <bool kUnsigned, bool kGuard = false>
+  inline __attribute__((always_inline)) __m512i codes16y(__m512 y, __mmask16 live,
+                                                         __mmask16& near) const {
     const __m512i u = _mm512_castps_si512(y);
     const __m512 one = _mm512_set1_ps(1.0f);
     // inf -> 1 (y is not NaN); unsigned: y <= 0 (-0.0, -inf included) -> +0.0, code 0
@@ -338,13 +353,18 @@ struct DynamicPieces {
     const __m512i pair = _mm512_srli_epi32(
         _mm512_subs_epu8(ab, _mm512_set1_epi32((kDynamicPieceBias / 2) << 24)), 24);
     const __m512i plo = _mm512_shuffle_epi8(binade_tab, pair);
-    const __m512i piece = _mm512_mask_add_epi32(
-        plo, _mm512_cmpgt_epi32_mask(key, _mm512_permutexvar_epi32(plo, start_tab)), plo,
-        _mm512_set1_epi32(1));
+    const __m512i start = _mm512_permutexvar_epi32(plo, start_tab);
+    const __m512i piece = _mm512_mask_add_epi32(plo, _mm512_cmpgt_epi32_mask(key, start), plo,
+                                                _mm512_set1_epi32(1));
     const __m512i ti = _mm512_cvttps_epi32(_mm512_fmadd_ps(
         a, _mm512_permutexvar_ps(piece, scale_tab), _mm512_permutexvar_ps(piece, offset_tab)));
     near = _mm512_mask_testn_epi32_mask(live, ti,
                                         _mm512_set1_epi32((1 << kDynamicPieceFracBits) - 2));
+    if constexpr (kGuard) {  // key - start in [-guard, guard] (the last piece's start: INT_MAX)
+      near |= _mm512_mask_cmple_epu32_mask(
+          live, _mm512_sub_epi32(key, _mm512_sub_epi32(start, _mm512_set1_epi32(kDynamicRecipGuard))),
+          _mm512_set1_epi32(2 * kDynamicRecipGuard));
+    }
     const __m512i k = _mm512_min_epi32(_mm512_srai_epi32(ti, kDynamicPieceFracBits),
                                        _mm512_permutexvar_epi32(piece, top_tab));
     if constexpr (kUnsigned) {
@@ -354,6 +374,15 @@ struct DynamicPieces {
       return _mm512_mask_sub_epi32(_mm512_add_epi32(c127, k), _mm512_movepi32_mask(u), c127, k);
     }
   }
+  // codes16y of the 16 values at p (live lanes read, the others 0) scaled by d: y = x * d
+  // (kRecip: d = dynamic_recip(div), see DynamicDivisor) or x / d (d = div, not NaN)
+  template <bool kUnsigned, bool kRecip>
+  inline __attribute__((always_inline)) __m512i codes16(const float* p, __mmask16 live,
+                                                        __m512 d, __mmask16& near) const {
+    const __m512 x = _mm512_maskz_loadu_ps(live, p);
+    return codes16y<kUnsigned, kRecip>(kRecip ? _mm512_mul_ps(x, d) : _mm512_div_ps(x, d), live,
+                                        near);
+  }
   // out[j] = dynamic_encode_scalar(in[j] / div) for the lanes set in lanes
   static void redo(const float* in, unsigned lanes, float div, const DynamicTables& t,
                    uint8_t* out) {
@@ -362,16 +391,16 @@ struct DynamicPieces {
       out[j] = static_cast<uint8_t>(dynamic_encode_scalar(in[j] / div, t));
     }
   }
-  // the codes of the 64 values at in (d = div broadcast, not NaN) to out
-  template <bool kUnsigned>
+  // the codes of the 64 values at in (d: see codes16) to out
+  template <bool kUnsigned, bool kRecip>
   inline __attribute__((always_inline)) void encode64(const float* in, __m512 d, float div,
                                                       const DynamicTables& t,
                                                       uint8_t* out) const {
     __mmask16 near[4];
-    const __m512i c0 = codes16<kUnsigned>(in, 0xffff, d, near[0]),
-                  c1 = codes16<kUnsigned>(in + 16, 0xffff, d, near[1]),
-                  c2 = codes16<kUnsigned>(in + 32, 0xffff, d, near[2]),
-                  c3 = codes16<kUnsigned>(in + 48, 0xffff, d, near[3]);
+    const __m512i c0 = codes16<kUnsigned, kRecip>(in, 0xffff, d, near[0]),
+                  c1 = codes16<kUnsigned, kRecip>(in + 16, 0xffff, d, near[1]),
+                  c2 = codes16<kUnsigned, kRecip>(in + 32, 0xffff, d, near[2]),
+                  c3 = codes16<kUnsigned, kRecip>(in + 48, 0xffff, d, near[3]);
     // 32 -> 16 -> 8 bits with unsigned saturation (codes <= 255, -1 -> 0); dword m of the
     // packs' result holds codes 4 (m % 4) + m / 4 .. + 3
     const __m512i order = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
@@ -384,15 +413,80 @@ struct DynamicPieces {
   }
   // the codes of the min(r, 16) values at in to out (a block's tail; nothing read or written
   // past them)
-  template <bool kUnsigned>
+  template <bool kUnsigned, bool kRecip>
   inline void encode16(const float* in, int64_t r, __m512 d, float div, const DynamicTables& t,
                        uint8_t* out) const {
     const __mmask16 live = r >= 16 ? __mmask16(0xffff) : static_cast<__mmask16>((1u << r) - 1u);
     __mmask16 near;
-    const __m512i c = _mm512_max_epi32(codes16<kUnsigned>(in, live, d, near),
+    const __m512i c = _mm512_max_epi32(codes16<kUnsigned, kRecip>(in, live, d, near),
                                        _mm512_setzero_si512());
     _mm512_mask_cvtepi32_storeu_epi8(out, live, c);
     if (__builtin_expect(near != 0, 0)) redo(in, near, div, t, out);
+  }
+};
+#endif
+
+#if defined(CPU_CAPABILITY_AVX2)
+// The AVX2 encode's lane function (see the AVX2 branch of dynamic_encode_block) on 8 lanes, its
+// tables in registers.
+struct DynamicPieces8 {
+  __m256 scale_tab, offset_tab;
+  __m256i top_tab, start_tab, binade_tab;
+  explicit DynamicPieces8(bool is_unsigned) {
+    scale_tab = _mm256_load_ps(is_unsigned ? kDynamicPieceScaleUnsigned
+                                           : kDynamicPieceScaleSigned);
+    offset_tab = _mm256_load_ps(is_unsigned ? kDynamicPieceOffsetUnsigned
+                                            : kDynamicPieceOffsetSigned);
+    top_tab = _mm256_load_si256(reinterpret_cast<const __m256i*>(
+        is_unsigned ? kDynamicPieceTopUnsigned : kDynamicPieceTopSigned));
+    start_tab = _mm256_load_si256(reinterpret_cast<const __m256i*>(
+        is_unsigned ? kDynamicPieceStartUnsigned : kDynamicPieceStartSigned));
+    binade_tab = _mm256_load_si256(reinterpret_cast<const __m256i*>(
+        is_unsigned ? kDynamicPieceBinadeUnsigned : kDynamicPieceBinadeSigned));
+  }
+  // The codes of the 8 values y (not NaN) in 32-bit lanes (signed map: -1 for y <= -1,
+  // saturated to 0 by the pack), the piece's t in fixed point: ti = trunc(2^bits t + 1) (A and
+  // B scaled by 2^bits exactly, B plus 1: kDynamicPieceFracBits). near = ti & (2^bits - 2) is 0
+  // iff t lies within 2^-bits of an integer (the lane is flagged; otherwise ti >> bits =
+  // floor(t)).
+  // kGuard: as DynamicPieces::codes16y.
+  template <bool kUnsigned, bool kGuard = false>
+  inline __attribute__((always_inline)) __m256i codes8y(__m256 y, __m256i& near) const {
+    const __m256 one = _mm256_set1_ps(1.0f);
+    // inf -> 1 (y is not NaN); unsigned: y <= 0 (-0.0, -inf included) -> +0.0, code 0
+    const __m256 a =
+        kUnsigned ? _mm256_max_ps(_mm256_min_ps(y, one), _mm256_setzero_ps())
+                  : _mm256_min_ps(
+                        _mm256_and_ps(y, _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff))),
+                        one);
+    const __m256i ab = _mm256_castps_si256(a);
+    const __m256i u = _mm256_castps_si256(y);
+    // the key: a's bits, less 2 for negative y (|y| < 2; else a = 1, the last piece either way)
+    const __m256i key = kUnsigned ? ab : _mm256_add_epi32(ab, _mm256_srai_epi32(u, 30));
+    // the binade pair max(E - bias, 0) / 2 from a's top byte (E / 2, E <= 127): < 16; the
+    // upper bytes are 0 and read table[0] = 0
+    const __m256i pair = _mm256_srli_epi32(
+        _mm256_subs_epu8(ab, _mm256_set1_epi32((kDynamicPieceBias / 2) << 24)), 24);
+    const __m256i plo = _mm256_shuffle_epi8(binade_tab, pair);
+    const __m256i start = _mm256_permutevar8x32_epi32(start_tab, plo);
+    const __m256i piece = _mm256_sub_epi32(plo, _mm256_cmpgt_epi32(key, start));
+    const __m256i ti = _mm256_cvttps_epi32(
+        _mm256_fmadd_ps(a, _mm256_permutevar8x32_ps(scale_tab, piece),
+                        _mm256_permutevar8x32_ps(offset_tab, piece)));
+    near = _mm256_and_si256(ti, _mm256_set1_epi32((1 << kDynamicPieceFracBits) - 2));
+    if constexpr (kGuard) {  // |key - start| <= guard: near = 0 (|INT_MIN| is INT_MIN: flagged)
+      near = _mm256_andnot_si256(
+          _mm256_cmpgt_epi32(_mm256_set1_epi32(kDynamicRecipGuard + 1),
+                             _mm256_abs_epi32(_mm256_sub_epi32(key, start))),
+          near);
+    }
+    const __m256i k = _mm256_min_epi32(_mm256_srai_epi32(ti, kDynamicPieceFracBits),
+                                       _mm256_permutevar8x32_epi32(top_tab, piece));
+    if constexpr (kUnsigned) {
+      return k;
+    } else {  // 127 - 128 = -1 (y <= -1) saturates to code 0 in the pack
+      return _mm256_add_epi32(_mm256_set1_epi32(127), _mm256_sign_epi32(k, u));
+    }
   }
 };
 #endif
@@ -407,16 +501,28 @@ inline void dynamic_encode_block(const float* __restrict in, int64_t n, float di
   if (div == div) {  // else NaN: every y is NaN, the scalar loop below
     const bool is_unsigned = t.map == kDynamicMapUnsigned;
     const DynamicPieces pieces(is_unsigned);
-    const __m512 d = _mm512_set1_ps(div);
-    auto run = [&](auto unsigned_tag) {
+    const bool recip = dynamic_recip_ok(div);
+    const __m512 d = _mm512_set1_ps(recip ? 1.0f / div : div);
+    auto run = [&](auto unsigned_tag, auto recip_tag) {
       constexpr bool kUnsigned = decltype(unsigned_tag)::value;
-      for (; i + 64 <= n; i += 64) pieces.encode64<kUnsigned>(in + i, d, div, t, out + i);
-      for (; i < n; i += 16) pieces.encode16<kUnsigned>(in + i, n - i, d, div, t, out + i);
+      constexpr bool kRecip = decltype(recip_tag)::value;
+      for (; i + 64 <= n; i += 64) {
+        pieces.encode64<kUnsigned, kRecip>(in + i, d, div, t, out + i);
+      }
+      for (; i < n; i += 16) {
+        pieces.encode16<kUnsigned, kRecip>(in + i, n - i, d, div, t, out + i);
+      }
     };
-    if (is_unsigned) {
-      run(std::true_type{});
+    if (recip) {  // y = x * (1 / div): see dynamic_recip_ok
+      if (is_unsigned) {
+        run(std::true_type{}, std::true_type{});
+      } else {
+        run(std::false_type{}, std::true_type{});
+      }
+    } else if (is_unsigned) {
+      run(std::true_type{}, std::false_type{});
     } else {
-      run(std::false_type{});
+      run(std::false_type{}, std::false_type{});
     }
   }
 #elif defined(CPU_CAPABILITY_AVX2)
@@ -430,67 +536,29 @@ inline void dynamic_encode_block(const float* __restrict in, int64_t n, float di
   // negative decade start lies 0-2 ulps from the positive one; where the key misplaces a lane,
   // its t lies on an integer and the lane is flagged). t = a A[p] + B[p] crosses the integer j
   // within 2^-15 of the threshold of k >= j inside the piece; a lane whose t lies within 2^-12
-  // of an integer (about 1 in 2000 of uniform t) is redone by dynamic_encode_scalar. The code
-  // depends on y only and y = x / div is IEEE division, so
-  // scripts/check_dynamic_map_exhaustive.cpp (every float32 y) checks every divisor.
+  // of an integer (about 1 in 2000 of uniform t) is redone by dynamic_encode_scalar
+  // (DynamicPieces8::codes8y). y = x * (1 / div) where dynamic_recip_ok(div), else x / div (IEEE
+  // division); scripts/check_dynamic_map_exhaustive.cpp checks every float32 y (and its
+  // neighbours: dynamic_recip_ok), so every divisor.
   const bool is_unsigned = t.map == kDynamicMapUnsigned;
-  const __m256 scale_tab = _mm256_load_ps(is_unsigned ? kDynamicPieceScaleUnsigned
-                                                      : kDynamicPieceScaleSigned);
-  const __m256 offset_tab = _mm256_load_ps(is_unsigned ? kDynamicPieceOffsetUnsigned
-                                                       : kDynamicPieceOffsetSigned);
-  const __m256i top_tab = _mm256_load_si256(reinterpret_cast<const __m256i*>(
-      is_unsigned ? kDynamicPieceTopUnsigned : kDynamicPieceTopSigned));
-  const __m256i start_tab = _mm256_load_si256(reinterpret_cast<const __m256i*>(
-      is_unsigned ? kDynamicPieceStartUnsigned : kDynamicPieceStartSigned));
-  const __m256i binade_tab = _mm256_load_si256(reinterpret_cast<const __m256i*>(
-      is_unsigned ? kDynamicPieceBinadeUnsigned : kDynamicPieceBinadeSigned));
-  const __m256 d = _mm256_set1_ps(div);
-  const __m256 abs_mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
-  const __m256 one = _mm256_set1_ps(1.0f);
-  const __m256i bias = _mm256_set1_epi32((kDynamicPieceBias / 2) << 24);
+  const DynamicPieces8 pieces(is_unsigned);
   const __m256i zero = _mm256_setzero_si256();
-  const __m256i c127 = _mm256_set1_epi32(127);
-  const __m256i frac_mask = _mm256_set1_epi32((1 << kDynamicPieceFracBits) - 2);
   const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
-  // The codes of 8 values (32-bit lanes), the piece's t in fixed point: ti = trunc(2^bits t
-  // + 1) (A and B scaled by 2^bits exactly, B plus 1: kDynamicPieceFracBits). ti & (2^bits -
-  // 2) is 0 iff t lies within 2^-bits of an integer (the lane is flagged; otherwise ti >> bits
-  // = floor(t)); the minimum over a group of 32 says whether any lane is.
-  auto codes8 = [&](auto unsigned_tag, const float* p, __m256i& near) {  // near: per lane
+  auto run = [&](auto unsigned_tag, auto recip_tag) {
     constexpr bool kUnsigned = decltype(unsigned_tag)::value;
-    const __m256 y = _mm256_div_ps(_mm256_loadu_ps(p), d);
-    // inf -> 1 (y is not NaN); unsigned: y <= 0 (-0.0, -inf included) -> +0.0, code 0
-    const __m256 a = kUnsigned ? _mm256_max_ps(_mm256_min_ps(y, one), _mm256_setzero_ps())
-                               : _mm256_min_ps(_mm256_and_ps(y, abs_mask), one);
-    const __m256i ab = _mm256_castps_si256(a);
-    const __m256i u = _mm256_castps_si256(y);
-    // the key: a's bits, less 2 for negative y (|y| < 2; else a = 1, the last piece either way)
-    const __m256i key = kUnsigned ? ab : _mm256_add_epi32(ab, _mm256_srai_epi32(u, 30));
-    // the binade pair max(E - bias, 0) / 2 from a's top byte (E / 2, E <= 127): < 16; the
-    // upper bytes are 0 and read table[0] = 0
-    const __m256i pair = _mm256_srli_epi32(_mm256_subs_epu8(ab, bias), 24);
-    const __m256i plo = _mm256_shuffle_epi8(binade_tab, pair);
-    const __m256i piece = _mm256_sub_epi32(
-        plo, _mm256_cmpgt_epi32(key, _mm256_permutevar8x32_epi32(start_tab, plo)));
-    const __m256i ti = _mm256_cvttps_epi32(
-        _mm256_fmadd_ps(a, _mm256_permutevar8x32_ps(scale_tab, piece),
-                        _mm256_permutevar8x32_ps(offset_tab, piece)));
-    near = _mm256_and_si256(ti, frac_mask);
-    const __m256i k = _mm256_min_epi32(_mm256_srai_epi32(ti, kDynamicPieceFracBits),
-                                       _mm256_permutevar8x32_epi32(top_tab, piece));
-    if constexpr (kUnsigned) {
-      return k;
-    } else {  // 127 - 128 = -1 (y <= -1) saturates to code 0 in the pack
-      return _mm256_add_epi32(c127, _mm256_sign_epi32(k, u));
-    }
-  };
-  auto run = [&](auto unsigned_tag) {
+    constexpr bool kRecip = decltype(recip_tag)::value;
+    const __m256 d = _mm256_set1_ps(kRecip ? 1.0f / div : div);
+    // the codes of 8 values; near: per lane (the minimum over a group of 32 says whether any
+    // lane is flagged)
+    auto codes8 = [&](const float* p, __m256i& near) {
+      const __m256 x = _mm256_loadu_ps(p);
+      return pieces.codes8y<kUnsigned, kRecip>(kRecip ? _mm256_mul_ps(x, d) : _mm256_div_ps(x, d),
+                                       near);
+    };
     for (; i + 32 <= n; i += 32) {
       __m256i near[4];
-      const __m256i c0 = codes8(unsigned_tag, in + i, near[0]),
-                    c1 = codes8(unsigned_tag, in + i + 8, near[1]),
-                    c2 = codes8(unsigned_tag, in + i + 16, near[2]),
-                    c3 = codes8(unsigned_tag, in + i + 24, near[3]);
+      const __m256i c0 = codes8(in + i, near[0]), c1 = codes8(in + i + 8, near[1]),
+                    c2 = codes8(in + i + 16, near[2]), c3 = codes8(in + i + 24, near[3]);
       const __m256i any = _mm256_cmpeq_epi32(
           _mm256_min_epu32(_mm256_min_epu32(near[0], near[1]), _mm256_min_epu32(near[2], near[3])),
           zero);
@@ -511,10 +579,16 @@ inline void dynamic_encode_block(const float* __restrict in, int64_t n, float di
     }
   };
   if (div == div) {  // else NaN: every y is NaN, the scalar loop below
-    if (is_unsigned) {
-      run(std::true_type{});
+    if (dynamic_recip_ok(div)) {  // y = x * (1 / div)
+      if (is_unsigned) {
+        run(std::true_type{}, std::true_type{});
+      } else {
+        run(std::false_type{}, std::true_type{});
+      }
+    } else if (is_unsigned) {
+      run(std::true_type{}, std::false_type{});
     } else {
-      run(std::false_type{});
+      run(std::false_type{}, std::false_type{});
     }
   }
 #endif
