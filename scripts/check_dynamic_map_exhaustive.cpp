@@ -47,7 +47,7 @@ static bool lane_codes(int u, const float* y, uint8_t* code, uint8_t* flag) {
   const DynamicPieces pieces(u != 0);
   __mmask16 near;
   const __m512 v = _mm512_loadu_ps(y);
-  __m512i c = u ? pieces.codes16y<true, true>(v, 0xffff, near) : pieces.codes16y<false, true>(v, 0xffff, near);
+  __m512i c = u ? pieces.codes16y<true>(v, 0xffff, near) : pieces.codes16y<false>(v, 0xffff, near);
   c = _mm512_max_epi32(c, _mm512_setzero_si512());
   _mm512_mask_cvtepi32_storeu_epi8(code, 0xffff, c);
   for (int k = 0; k < 16; ++k) flag[k] = (near >> k) & 1u;
@@ -57,7 +57,7 @@ static bool lane_codes(int u, const float* y, uint8_t* code, uint8_t* flag) {
   for (int h = 0; h < 2; ++h) {
     __m256i near;
     const __m256 v = _mm256_loadu_ps(y + 8 * h);
-    __m256i c = u ? pieces.codes8y<true, true>(v, near) : pieces.codes8y<false, true>(v, near);
+    __m256i c = u ? pieces.codes8y<true>(v, near) : pieces.codes8y<false>(v, near);
     c = _mm256_max_epi32(c, _mm256_setzero_si256());
     alignas(32) int32_t cc[8], nn[8];
     _mm256_store_si256(reinterpret_cast<__m256i*>(cc), c);

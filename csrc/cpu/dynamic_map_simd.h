@@ -6,16 +6,19 @@
 // vectorizer turned the table search into scalar loads and inserts, 9 ns per element with
 // AVX-512; explicit 16-lane gathers cost ~3 ns per element on the AMD CPU measured.)
 //
-// Encode: y = x / div (a float32 division, as torchao), then the code:
-// * AVX-512: the AVX2 arithmetic below on 16 lanes (DynamicPieces: every lane computes what an
-//   AVX2 lane does), 64 values a round; flagged lanes take the scalar path. 0.17 (signed map) /
+// Encode: the code of y = x / div (a float32 division, as torchao). The AVX-512 and AVX2 paths
+// compute y' = x * (1 / div) instead where 1 / div is a normal float32 (dynamic_recip_ok): y'
+// lies at most 2 float32 steps from y, and a lane whose y' lies within 3 steps of a threshold
+// (or within kDynamicRecipGuard of a decade piece's start) is flagged and redone by division.
+// * AVX-512: the AVX2 arithmetic below on 16 lanes (DynamicPieces; 127 folded into the signed
+//   map's tables), 64 values a round; flagged lanes take the scalar path. 0.15 (signed map) /
 //   0.14 (unsigned) ns per element on the Zen 5 measured, the 8-level binary search on the
-//   thresholds' 16-bit key halves (kDynamicThreshold*) it replaced 0.21.
+//   thresholds' 16-bit key halves (kDynamicThreshold*) before it 0.21.
 // * AVX2: no table read per element: the map is linear within each decade, so the code is
 //   floor(a A[p] + B[p]) on the decade piece p of a = |y| (kDynamicPiece*, from
-//   scripts/gen_dynamic_map.py --pieces; see dynamic_encode_block); a lane within 2^-12 of a
-//   threshold (in code units) takes the scalar path. 0.33 ns per element on the Zen 5
-//   measured (one thread, block in L1), the keyed gather before it 0.40.
+//   scripts/gen_dynamic_map.py --pieces; see dynamic_encode_block, DynamicPieces8); a lane
+//   within 2^-12 of a threshold (in code units) takes the scalar path. 0.27 ns per element on
+//   the Zen 5 measured (one thread, block in L1), the keyed gather before it 0.40.
 // * scalar (and the AVX2 fallback): one read of a keyed table (kDynamicKeyed*, see
 //   dynamic_encode_scalar).
 // A NaN divisor (a block holding NaN; no y is NaN otherwise) takes the scalar loop, whose
@@ -94,7 +97,7 @@ inline uint32_t dynamic_encode_scalar(float y, const DynamicTables& t) {
 // give a code only where no threshold lies within 3 steps of the y they see (else the lane is
 // flagged, t within 2^-12 of an integer, and redone by division), so the codes are those of x /
 // div: scripts/check_dynamic_map_exhaustive.cpp checks this for every float32 y and map.
-constexpr int32_t kDynamicRecipGuard = 4;  // float32 steps around a piece's start (see below)
+constexpr int32_t kDynamicRecipGuard = 6;  // float32 steps around a piece's start (see below)
 inline bool dynamic_recip_ok(float div) { return div >= 0x1p-126f && div <= 0x1p126f; }
 
 // The max |x| of a block's n values for its scale, as the caller's NaN-propagating reduction
@@ -305,83 +308,84 @@ inline void dynamic_decode_block(const uint8_t* __restrict in, int64_t n, float 
 }
 
 #if defined(CPU_CAPABILITY_AVX512)
-// The AVX-512 encode: the AVX2 encode's lane function (the map's decade pieces, kDynamicPiece*;
-// see the AVX2 branch of dynamic_encode_block) on 16 lanes. Every lane computes what an AVX2
-// lane computes (the same operations on the same 32-bit values: the binade pair by a byte
-// shuffle of the 16-byte table, the piece by one compare with the next piece's start, t = fma(a,
-// A[p], B[p]) in fixed point, the flag of a t within 2^-12 of an integer, the cap by the piece's
-// top code), so its codes are AVX2's (scripts/check_dynamic_map_exhaustive.cpp checks every
-// float32 y); the sign by a mask instead of vpsignd (k = 0 at y = +-0), and the saturating packs
-// with one dword permute that puts 64 codes back in order. Flagged lanes are redone by
-// dynamic_encode_scalar. About 24 vector operations per 16 values against the 37 of the binary
-// search on the thresholds' 16-bit key halves it replaced (0.17 (signed map) / 0.14 (unsigned)
-// against 0.21 ns per element on the Zen 5 measured, scripts/bench_dynamic_map_block.cpp).
+// The AVX-512 encode: the AVX2 encode's decade pieces (kDynamicPiece*; see the AVX2 branch of
+// dynamic_encode_block) on 16 lanes: a = min(|y|, 1) by one vrangeps, the binade pair by a byte
+// shuffle of the 16-byte table, the piece by one compare with the next piece's start (less
+// kDynamicRecipGuard, so that the same difference flags the lanes near it), t = fma(a, A[p],
+// B[p]) in fixed point, the flag of a t within 2^-12 of an integer, the cap by the piece's top
+// code; signed map: 127 folded into B and the top codes (k' = 127 + k; code k' or 254 - k' by a
+// mask on y's sign). Its codes are those of dynamic_encode_bits wherever a lane is not flagged
+// (scripts/check_dynamic_map_exhaustive.cpp: every float32 y and its neighbours); the
+// saturating packs with one dword permute put 64 codes back in order. Flagged lanes are redone
+// by dynamic_encode_scalar. About 21 vector operations per 16 values (signed; the 37 of the
+// binary search on the thresholds' 16-bit key halves before it: 0.21 ns per element on the Zen
+// 5 measured, scripts/bench_dynamic_map_block.cpp).
 struct DynamicPieces {
   __m512 scale_tab, offset_tab;
   __m512i top_tab, start_tab, binade_tab;
   explicit DynamicPieces(bool is_unsigned) {
+    alignas(64) float offset[16] = {};
+    alignas(64) int32_t top[16] = {}, start[16] = {};
+    const int32_t fold = is_unsigned ? 0 : 127;  // signed: k' = 127 + k
+    for (int p = 0; p < 8; ++p) {
+      offset[p] = (is_unsigned ? kDynamicPieceOffsetUnsigned : kDynamicPieceOffsetSigned)[p] +
+                  static_cast<float>(fold << kDynamicPieceFracBits);  // rounded: see the check
+      top[p] = (is_unsigned ? kDynamicPieceTopUnsigned : kDynamicPieceTopSigned)[p] + fold;
+      start[p] = (is_unsigned ? kDynamicPieceStartUnsigned : kDynamicPieceStartSigned)[p] -
+                 kDynamicRecipGuard;
+    }
     scale_tab = _mm512_zextps256_ps512(
         _mm256_load_ps(is_unsigned ? kDynamicPieceScaleUnsigned : kDynamicPieceScaleSigned));
-    offset_tab = _mm512_zextps256_ps512(
-        _mm256_load_ps(is_unsigned ? kDynamicPieceOffsetUnsigned : kDynamicPieceOffsetSigned));
-    top_tab = _mm512_zextsi256_si512(_mm256_load_si256(reinterpret_cast<const __m256i*>(
-        is_unsigned ? kDynamicPieceTopUnsigned : kDynamicPieceTopSigned)));
-    start_tab = _mm512_zextsi256_si512(_mm256_load_si256(reinterpret_cast<const __m256i*>(
-        is_unsigned ? kDynamicPieceStartUnsigned : kDynamicPieceStartSigned)));
+    offset_tab = _mm512_load_ps(offset);
+    top_tab = _mm512_load_si512(top);
+    start_tab = _mm512_load_si512(start);
     binade_tab = _mm512_broadcast_i32x4(_mm_load_si128(reinterpret_cast<const __m128i*>(
         is_unsigned ? kDynamicPieceBinadeUnsigned : kDynamicPieceBinadeSigned)));
   }
-  // The codes of the 16 values y in 32-bit lanes (signed map: -1 for y <= -1, saturated to 0 by
-  // the caller), and in near the live lanes whose t lies within 2^-12 of an integer. y is not
-  // NaN.
-  // kGuard (y = x * (1 / div), see dynamic_recip_ok): also the lanes whose key lies within
-  // kDynamicRecipGuard of the next piece's start (the piece is found exactly on y's bits, and t
-  // need not be near an integer at a piece's start).
-  template <bool kUnsigned, bool kGuard = false>
+  // The codes of the 16 values y (not NaN) in 32-bit lanes (signed map: -1 for y <= -1,
+  // saturated to 0 by the caller), and in near the live lanes whose t lies within 2^-12 of an
+  // integer or whose a lies within kDynamicRecipGuard float32 steps of the next piece's start
+  // (the piece is found exactly on a's bits, and t need not be near an integer at a piece's
+  // start; a negative y's boundary lies 0-2 steps below the positive one's).
+  template <bool kUnsigned>
   inline __attribute__((always_inline)) __m512i codes16y(__m512 y, __mmask16 live,
                                                          __mmask16& near) const {
-    const __m512i u = _mm512_castps_si512(y);
     const __m512 one = _mm512_set1_ps(1.0f);
-    // inf -> 1 (y is not NaN); unsigned: y <= 0 (-0.0, -inf included) -> +0.0, code 0
-    const __m512 a =
-        kUnsigned ? _mm512_max_ps(_mm512_min_ps(y, one), _mm512_setzero_ps())
-                  : _mm512_min_ps(_mm512_castsi512_ps(
-                                      _mm512_and_si512(u, _mm512_set1_epi32(0x7fffffff))),
-                                  one);
+    // inf -> 1 (y is not NaN); unsigned: y <= 0 (-0.0, -inf included) -> +0.0, code 0;
+    // signed: the smaller magnitude of y and 1, sign cleared
+    const __m512 a = kUnsigned ? _mm512_max_ps(_mm512_min_ps(y, one), _mm512_setzero_ps())
+                               : _mm512_range_ps(y, one, 0x0a);
     const __m512i ab = _mm512_castps_si512(a);
-    const __m512i key = kUnsigned ? ab : _mm512_add_epi32(ab, _mm512_srai_epi32(u, 30));
     const __m512i pair = _mm512_srli_epi32(
         _mm512_subs_epu8(ab, _mm512_set1_epi32((kDynamicPieceBias / 2) << 24)), 24);
     const __m512i plo = _mm512_shuffle_epi8(binade_tab, pair);
-    const __m512i start = _mm512_permutexvar_epi32(plo, start_tab);
-    const __m512i piece = _mm512_mask_add_epi32(plo, _mm512_cmpgt_epi32_mask(key, start), plo,
-                                                _mm512_set1_epi32(1));
+    // ab - (start - guard): above guard in the next piece, in [0, 2 guard] near its start (the
+    // last piece's start, INT_MAX: negative)
+    const __m512i rel = _mm512_sub_epi32(ab, _mm512_permutexvar_epi32(plo, start_tab));
+    const __m512i piece =
+        _mm512_mask_add_epi32(plo, _mm512_cmpgt_epi32_mask(rel, _mm512_set1_epi32(kDynamicRecipGuard)),
+                              plo, _mm512_set1_epi32(1));
     const __m512i ti = _mm512_cvttps_epi32(_mm512_fmadd_ps(
         a, _mm512_permutexvar_ps(piece, scale_tab), _mm512_permutexvar_ps(piece, offset_tab)));
     near = _mm512_mask_testn_epi32_mask(live, ti,
-                                        _mm512_set1_epi32((1 << kDynamicPieceFracBits) - 2));
-    if constexpr (kGuard) {  // key - start in [-guard, guard] (the last piece's start: INT_MAX)
-      near |= _mm512_mask_cmple_epu32_mask(
-          live, _mm512_sub_epi32(key, _mm512_sub_epi32(start, _mm512_set1_epi32(kDynamicRecipGuard))),
-          _mm512_set1_epi32(2 * kDynamicRecipGuard));
-    }
+                                        _mm512_set1_epi32((1 << kDynamicPieceFracBits) - 2)) |
+           _mm512_mask_cmple_epu32_mask(live, rel, _mm512_set1_epi32(2 * kDynamicRecipGuard));
     const __m512i k = _mm512_min_epi32(_mm512_srai_epi32(ti, kDynamicPieceFracBits),
                                        _mm512_permutexvar_epi32(piece, top_tab));
     if constexpr (kUnsigned) {
       return k;
-    } else {  // 127 + k, 127 - k for negative y
-      const __m512i c127 = _mm512_set1_epi32(127);
-      return _mm512_mask_sub_epi32(_mm512_add_epi32(c127, k), _mm512_movepi32_mask(u), c127, k);
+    } else {  // k' = 127 + k; 127 - k = 254 - k' for negative y
+      return _mm512_mask_sub_epi32(k, _mm512_movepi32_mask(_mm512_castps_si512(y)),
+                                   _mm512_set1_epi32(254), k);
     }
   }
   // codes16y of the 16 values at p (live lanes read, the others 0) scaled by d: y = x * d
-  // (kRecip: d = dynamic_recip(div), see DynamicDivisor) or x / d (d = div, not NaN)
+  // (kRecip: d = 1 / div, see dynamic_recip_ok) or x / d (d = div, not NaN)
   template <bool kUnsigned, bool kRecip>
   inline __attribute__((always_inline)) __m512i codes16(const float* p, __mmask16 live,
                                                         __m512 d, __mmask16& near) const {
     const __m512 x = _mm512_maskz_loadu_ps(live, p);
-    return codes16y<kUnsigned, kRecip>(kRecip ? _mm512_mul_ps(x, d) : _mm512_div_ps(x, d), live,
-                                        near);
+    return codes16y<kUnsigned>(kRecip ? _mm512_mul_ps(x, d) : _mm512_div_ps(x, d), live, near);
   }
   // out[j] = dynamic_encode_scalar(in[j] / div) for the lanes set in lanes
   static void redo(const float* in, unsigned lanes, float div, const DynamicTables& t,
@@ -449,8 +453,9 @@ struct DynamicPieces8 {
   // B scaled by 2^bits exactly, B plus 1: kDynamicPieceFracBits). near = ti & (2^bits - 2) is 0
   // iff t lies within 2^-bits of an integer (the lane is flagged; otherwise ti >> bits =
   // floor(t)).
-  // kGuard: as DynamicPieces::codes16y.
-  template <bool kUnsigned, bool kGuard = false>
+  // Also flagged: the lanes whose a lies within kDynamicRecipGuard float32 steps of the next
+  // piece's start (as DynamicPieces::codes16y).
+  template <bool kUnsigned>
   inline __attribute__((always_inline)) __m256i codes8y(__m256 y, __m256i& near) const {
     const __m256 one = _mm256_set1_ps(1.0f);
     // inf -> 1 (y is not NaN); unsigned: y <= 0 (-0.0, -inf included) -> +0.0, code 0
@@ -461,25 +466,22 @@ struct DynamicPieces8 {
                         one);
     const __m256i ab = _mm256_castps_si256(a);
     const __m256i u = _mm256_castps_si256(y);
-    // the key: a's bits, less 2 for negative y (|y| < 2; else a = 1, the last piece either way)
-    const __m256i key = kUnsigned ? ab : _mm256_add_epi32(ab, _mm256_srai_epi32(u, 30));
     // the binade pair max(E - bias, 0) / 2 from a's top byte (E / 2, E <= 127): < 16; the
     // upper bytes are 0 and read table[0] = 0
     const __m256i pair = _mm256_srli_epi32(
         _mm256_subs_epu8(ab, _mm256_set1_epi32((kDynamicPieceBias / 2) << 24)), 24);
     const __m256i plo = _mm256_shuffle_epi8(binade_tab, pair);
     const __m256i start = _mm256_permutevar8x32_epi32(start_tab, plo);
-    const __m256i piece = _mm256_sub_epi32(plo, _mm256_cmpgt_epi32(key, start));
+    const __m256i piece = _mm256_sub_epi32(plo, _mm256_cmpgt_epi32(ab, start));
     const __m256i ti = _mm256_cvttps_epi32(
         _mm256_fmadd_ps(a, _mm256_permutevar8x32_ps(scale_tab, piece),
                         _mm256_permutevar8x32_ps(offset_tab, piece)));
     near = _mm256_and_si256(ti, _mm256_set1_epi32((1 << kDynamicPieceFracBits) - 2));
-    if constexpr (kGuard) {  // |key - start| <= guard: near = 0 (|INT_MIN| is INT_MIN: flagged)
-      near = _mm256_andnot_si256(
-          _mm256_cmpgt_epi32(_mm256_set1_epi32(kDynamicRecipGuard + 1),
-                             _mm256_abs_epi32(_mm256_sub_epi32(key, start))),
-          near);
-    }
+    // |a - start| <= guard: near = 0 (a >= 0: no overflow at the last piece's INT_MAX)
+    near = _mm256_andnot_si256(
+        _mm256_cmpgt_epi32(_mm256_set1_epi32(kDynamicRecipGuard + 1),
+                           _mm256_abs_epi32(_mm256_sub_epi32(ab, start))),
+        near);
     const __m256i k = _mm256_min_epi32(_mm256_srai_epi32(ti, kDynamicPieceFracBits),
                                        _mm256_permutevar8x32_epi32(top_tab, piece));
     if constexpr (kUnsigned) {
@@ -491,7 +493,7 @@ struct DynamicPieces8 {
 };
 #endif
 
-// out[i] = the code of in[i] / div for i < n (n <= kMomentBlock).
+// out[i] = the code of in[i] / div for i < n (n <= kMomentBlock); see dynamic_recip_ok.
 inline void dynamic_encode_block(const float* __restrict in, int64_t n, float div,
                                  const DynamicTables& t, uint8_t* __restrict out) {
   int64_t i = 0;
@@ -532,9 +534,9 @@ inline void dynamic_encode_block(const float* __restrict in, int64_t n, float di
   // min(floor(a A[p] + B[p]), hi[p]) on the piece p of a (kDynamicPiece*,
   // scripts/gen_dynamic_map.py --pieces, which checks the fit). The pieces start at the first
   // code of each decade, found exactly on the bits of a: a byte table by binade pair (vpshufb),
-  // then one compare with the next piece's start; the key is a's bits less 2 for negative y (a
-  // negative decade start lies 0-2 ulps from the positive one; where the key misplaces a lane,
-  // its t lies on an integer and the lane is flagged). t = a A[p] + B[p] crosses the integer j
+  // then one compare of a's bits with the next piece's start (a lane within kDynamicRecipGuard
+  // steps of it is flagged: a negative decade start lies 0-2 steps above the positive one, and
+  // y' may lie on the other side of it than y). t = a A[p] + B[p] crosses the integer j
   // within 2^-15 of the threshold of k >= j inside the piece; a lane whose t lies within 2^-12
   // of an integer (about 1 in 2000 of uniform t) is redone by dynamic_encode_scalar
   // (DynamicPieces8::codes8y). y = x * (1 / div) where dynamic_recip_ok(div), else x / div (IEEE
@@ -552,7 +554,7 @@ inline void dynamic_encode_block(const float* __restrict in, int64_t n, float di
     // lane is flagged)
     auto codes8 = [&](const float* p, __m256i& near) {
       const __m256 x = _mm256_loadu_ps(p);
-      return pieces.codes8y<kUnsigned, kRecip>(kRecip ? _mm256_mul_ps(x, d) : _mm256_div_ps(x, d),
+      return pieces.codes8y<kUnsigned>(kRecip ? _mm256_mul_ps(x, d) : _mm256_div_ps(x, d),
                                        near);
     };
     for (; i + 32 <= n; i += 32) {
