@@ -41,7 +41,7 @@ static void decode_vbmi(const uint8_t* c, float s, const DynamicTables& t, float
 #endif
 // The lane function of the capability's encode on 16 values y (not NaN): the code (before
 // any redo) and whether the lane is flagged (redone by division). false where the capability has
-// none (the scalar path divides).
+// none (AVX2 and the scalar path divide).
 static bool lane_codes(int u, const float* y, uint8_t* code, uint8_t* flag) {
 #if defined(CPU_CAPABILITY_AVX512)
   const DynamicPieces pieces(u != 0);
@@ -51,19 +51,6 @@ static bool lane_codes(int u, const float* y, uint8_t* code, uint8_t* flag) {
   c = _mm512_max_epi32(c, _mm512_setzero_si512());
   _mm512_mask_cvtepi32_storeu_epi8(code, 0xffff, c);
   for (int k = 0; k < 16; ++k) flag[k] = (near >> k) & 1u;
-  return true;
-#elif defined(CPU_CAPABILITY_AVX2)
-  const DynamicPieces8 pieces(u != 0);
-  for (int h = 0; h < 2; ++h) {
-    __m256i near;
-    const __m256 v = _mm256_loadu_ps(y + 8 * h);
-    __m256i c = u ? pieces.codes8y<true>(v, near) : pieces.codes8y<false>(v, near);
-    c = _mm256_max_epi32(c, _mm256_setzero_si256());
-    alignas(32) int32_t cc[8], nn[8];
-    _mm256_store_si256(reinterpret_cast<__m256i*>(cc), c);
-    _mm256_store_si256(reinterpret_cast<__m256i*>(nn), near);
-    for (int k = 0; k < 8; ++k) { code[8 * h + k] = uint8_t(cc[k]); flag[8 * h + k] = nn[k] == 0; }
-  }
   return true;
 #else
   (void)u; (void)y; (void)code; (void)flag;

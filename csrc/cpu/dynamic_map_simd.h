@@ -6,19 +6,21 @@
 // vectorizer turned the table search into scalar loads and inserts, 9 ns per element with
 // AVX-512; explicit 16-lane gathers cost ~3 ns per element on the AMD CPU measured.)
 //
-// Encode: the code of y = x / div (a float32 division, as torchao). The AVX-512 and AVX2 paths
-// compute y' = x * (1 / div) instead where 1 / div is a normal float32 (dynamic_recip_ok): y'
-// lies at most 2 float32 steps from y, and a lane whose y' lies within 3 steps of a threshold
-// (or within kDynamicRecipGuard of a decade piece's start) is flagged and redone by division.
+// Encode: the code of y = x / div (a float32 division, as torchao).
 // * AVX-512: the AVX2 arithmetic below on 16 lanes (DynamicPieces; 127 folded into the signed
-//   map's tables), 64 values a round; flagged lanes take the scalar path. 0.15 (signed map) /
-//   0.14 (unsigned) ns per element on the Zen 5 measured, the 8-level binary search on the
-//   thresholds' 16-bit key halves (kDynamicThreshold*) before it 0.21.
+//   map's tables), 64 values a round, on y' = x * (1 / div) where 1 / div is a normal float32
+//   (dynamic_recip_ok): y' lies at most 2 float32 steps from y, and a lane whose y' lies within
+//   3 steps of a threshold (or within kDynamicRecipGuard of a decade piece's start) is flagged
+//   and redone by division (the scalar path). 0.18 (signed map) / 0.18 (unsigned) ns per
+//   element on the Zen 5 measured (busy), the division and 24 operations per 16 values before
+//   it 0.21 / 0.18, the 8-level binary search on the thresholds' 16-bit key halves
+//   (kDynamicThreshold*) before that 0.21.
 // * AVX2: no table read per element: the map is linear within each decade, so the code is
 //   floor(a A[p] + B[p]) on the decade piece p of a = |y| (kDynamicPiece*, from
-//   scripts/gen_dynamic_map.py --pieces; see dynamic_encode_block, DynamicPieces8); a lane
-//   within 2^-12 of a threshold (in code units) takes the scalar path. 0.27 ns per element on
-//   the Zen 5 measured (one thread, block in L1), the keyed gather before it 0.40.
+//   scripts/gen_dynamic_map.py --pieces; see dynamic_encode_block); a lane within 2^-12 of a
+//   threshold (in code units) takes the scalar path. 0.33 ns per element on the Zen 5
+//   measured (one thread, block in L1), the keyed gather before it 0.40. (The reciprocal and
+//   the guard of the AVX-512 path cost more than the division here: 0.37 against 0.35.)
 // * scalar (and the AVX2 fallback): one read of a keyed table (kDynamicKeyed*, see
 //   dynamic_encode_scalar).
 // A NaN divisor (a block holding NaN; no y is NaN otherwise) takes the scalar loop, whose
@@ -87,7 +89,7 @@ inline uint32_t dynamic_encode_scalar(float y, const DynamicTables& t) {
   return (e & 0xffu) + (key >= (e >> 8) ? 1u : 0u);
 }
 
-// Whether dynamic_encode_block may compute y = x * r with r = 1 / div (float32 division, once)
+// Whether the AVX-512 dynamic_encode_block may compute y = x * r with r = 1 / div (float32 division, once)
 // instead of y = x / div: when r is a normal float32 (2^-126 <= div <= 2^126; not for NaN,
 // the saturated FLT_MAX of a block with inf, or a subnormal absmax). Then r = 1/div (1 +- 2^-24)
 // and x * r = (x / div)(1 + e), |e| <= 2^-24 + 2^-48; rounded, x * r lies at most 2 float32
@@ -320,25 +322,44 @@ inline void dynamic_decode_block(const uint8_t* __restrict in, int64_t n, float 
 // by dynamic_encode_scalar. About 21 vector operations per 16 values (signed; the 37 of the
 // binary search on the thresholds' 16-bit key halves before it: 0.21 ns per element on the Zen
 // 5 measured, scripts/bench_dynamic_map_block.cpp).
+// DynamicPieces' tables of one map, padded to 16 entries: the piece tables' offsets and top
+// codes with the signed map's 127 folded in (the offsets rounded to float32: ulp 2^-4 below
+// 2^20 in the fixed point; the exhaustive check covers the rounded tables), the starts less
+// kDynamicRecipGuard. Built once.
+struct DynamicPieceTables {
+  alignas(64) float offset[16];
+  alignas(64) int32_t top[16];
+  alignas(64) int32_t start[16];
+};
+
+inline const DynamicPieceTables& dynamic_piece_tables(bool is_unsigned) {
+  static const DynamicPieceTables* tabs = [] {
+    static DynamicPieceTables tb[2] = {};
+    for (int u = 0; u < 2; ++u) {
+      const int32_t fold = u ? 0 : 127;  // signed: k' = 127 + k
+      for (int p = 0; p < 8; ++p) {
+        tb[u].offset[p] = (u ? kDynamicPieceOffsetUnsigned : kDynamicPieceOffsetSigned)[p] +
+                          static_cast<float>(fold << kDynamicPieceFracBits);
+        tb[u].top[p] = (u ? kDynamicPieceTopUnsigned : kDynamicPieceTopSigned)[p] + fold;
+        tb[u].start[p] = (u ? kDynamicPieceStartUnsigned : kDynamicPieceStartSigned)[p] -
+                         kDynamicRecipGuard;
+      }
+    }
+    return tb;
+  }();
+  return tabs[is_unsigned ? 1 : 0];
+}
+
 struct DynamicPieces {
   __m512 scale_tab, offset_tab;
   __m512i top_tab, start_tab, binade_tab;
   explicit DynamicPieces(bool is_unsigned) {
-    alignas(64) float offset[16] = {};
-    alignas(64) int32_t top[16] = {}, start[16] = {};
-    const int32_t fold = is_unsigned ? 0 : 127;  // signed: k' = 127 + k
-    for (int p = 0; p < 8; ++p) {
-      offset[p] = (is_unsigned ? kDynamicPieceOffsetUnsigned : kDynamicPieceOffsetSigned)[p] +
-                  static_cast<float>(fold << kDynamicPieceFracBits);  // rounded: see the check
-      top[p] = (is_unsigned ? kDynamicPieceTopUnsigned : kDynamicPieceTopSigned)[p] + fold;
-      start[p] = (is_unsigned ? kDynamicPieceStartUnsigned : kDynamicPieceStartSigned)[p] -
-                 kDynamicRecipGuard;
-    }
+    const DynamicPieceTables& tb = dynamic_piece_tables(is_unsigned);
     scale_tab = _mm512_zextps256_ps512(
         _mm256_load_ps(is_unsigned ? kDynamicPieceScaleUnsigned : kDynamicPieceScaleSigned));
-    offset_tab = _mm512_load_ps(offset);
-    top_tab = _mm512_load_si512(top);
-    start_tab = _mm512_load_si512(start);
+    offset_tab = _mm512_load_ps(tb.offset);
+    top_tab = _mm512_load_si512(tb.top);
+    start_tab = _mm512_load_si512(tb.start);
     binade_tab = _mm512_broadcast_i32x4(_mm_load_si128(reinterpret_cast<const __m128i*>(
         is_unsigned ? kDynamicPieceBinadeUnsigned : kDynamicPieceBinadeSigned)));
   }
@@ -430,70 +451,7 @@ struct DynamicPieces {
 };
 #endif
 
-#if defined(CPU_CAPABILITY_AVX2)
-// The AVX2 encode's lane function (see the AVX2 branch of dynamic_encode_block) on 8 lanes, its
-// tables in registers.
-struct DynamicPieces8 {
-  __m256 scale_tab, offset_tab;
-  __m256i top_tab, start_tab, binade_tab;
-  explicit DynamicPieces8(bool is_unsigned) {
-    scale_tab = _mm256_load_ps(is_unsigned ? kDynamicPieceScaleUnsigned
-                                           : kDynamicPieceScaleSigned);
-    offset_tab = _mm256_load_ps(is_unsigned ? kDynamicPieceOffsetUnsigned
-                                            : kDynamicPieceOffsetSigned);
-    top_tab = _mm256_load_si256(reinterpret_cast<const __m256i*>(
-        is_unsigned ? kDynamicPieceTopUnsigned : kDynamicPieceTopSigned));
-    start_tab = _mm256_load_si256(reinterpret_cast<const __m256i*>(
-        is_unsigned ? kDynamicPieceStartUnsigned : kDynamicPieceStartSigned));
-    binade_tab = _mm256_load_si256(reinterpret_cast<const __m256i*>(
-        is_unsigned ? kDynamicPieceBinadeUnsigned : kDynamicPieceBinadeSigned));
-  }
-  // The codes of the 8 values y (not NaN) in 32-bit lanes (signed map: -1 for y <= -1,
-  // saturated to 0 by the pack), the piece's t in fixed point: ti = trunc(2^bits t + 1) (A and
-  // B scaled by 2^bits exactly, B plus 1: kDynamicPieceFracBits). near = ti & (2^bits - 2) is 0
-  // iff t lies within 2^-bits of an integer (the lane is flagged; otherwise ti >> bits =
-  // floor(t)).
-  // Also flagged: the lanes whose a lies within kDynamicRecipGuard float32 steps of the next
-  // piece's start (as DynamicPieces::codes16y).
-  template <bool kUnsigned>
-  inline __attribute__((always_inline)) __m256i codes8y(__m256 y, __m256i& near) const {
-    const __m256 one = _mm256_set1_ps(1.0f);
-    // inf -> 1 (y is not NaN); unsigned: y <= 0 (-0.0, -inf included) -> +0.0, code 0
-    const __m256 a =
-        kUnsigned ? _mm256_max_ps(_mm256_min_ps(y, one), _mm256_setzero_ps())
-                  : _mm256_min_ps(
-                        _mm256_and_ps(y, _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff))),
-                        one);
-    const __m256i ab = _mm256_castps_si256(a);
-    const __m256i u = _mm256_castps_si256(y);
-    // the binade pair max(E - bias, 0) / 2 from a's top byte (E / 2, E <= 127): < 16; the
-    // upper bytes are 0 and read table[0] = 0
-    const __m256i pair = _mm256_srli_epi32(
-        _mm256_subs_epu8(ab, _mm256_set1_epi32((kDynamicPieceBias / 2) << 24)), 24);
-    const __m256i plo = _mm256_shuffle_epi8(binade_tab, pair);
-    const __m256i start = _mm256_permutevar8x32_epi32(start_tab, plo);
-    const __m256i piece = _mm256_sub_epi32(plo, _mm256_cmpgt_epi32(ab, start));
-    const __m256i ti = _mm256_cvttps_epi32(
-        _mm256_fmadd_ps(a, _mm256_permutevar8x32_ps(scale_tab, piece),
-                        _mm256_permutevar8x32_ps(offset_tab, piece)));
-    near = _mm256_and_si256(ti, _mm256_set1_epi32((1 << kDynamicPieceFracBits) - 2));
-    // |a - start| <= guard: near = 0 (a >= 0: no overflow at the last piece's INT_MAX)
-    near = _mm256_andnot_si256(
-        _mm256_cmpgt_epi32(_mm256_set1_epi32(kDynamicRecipGuard + 1),
-                           _mm256_abs_epi32(_mm256_sub_epi32(ab, start))),
-        near);
-    const __m256i k = _mm256_min_epi32(_mm256_srai_epi32(ti, kDynamicPieceFracBits),
-                                       _mm256_permutevar8x32_epi32(top_tab, piece));
-    if constexpr (kUnsigned) {
-      return k;
-    } else {  // 127 - 128 = -1 (y <= -1) saturates to code 0 in the pack
-      return _mm256_add_epi32(_mm256_set1_epi32(127), _mm256_sign_epi32(k, u));
-    }
-  }
-};
-#endif
-
-// out[i] = the code of in[i] / div for i < n (n <= kMomentBlock); see dynamic_recip_ok.
+// out[i] = the code of in[i] / div for i < n (n <= kMomentBlock).
 inline void dynamic_encode_block(const float* __restrict in, int64_t n, float div,
                                  const DynamicTables& t, uint8_t* __restrict out) {
   int64_t i = 0;
@@ -534,33 +492,71 @@ inline void dynamic_encode_block(const float* __restrict in, int64_t n, float di
   // min(floor(a A[p] + B[p]), hi[p]) on the piece p of a (kDynamicPiece*,
   // scripts/gen_dynamic_map.py --pieces, which checks the fit). The pieces start at the first
   // code of each decade, found exactly on the bits of a: a byte table by binade pair (vpshufb),
-  // then one compare of a's bits with the next piece's start (a lane within kDynamicRecipGuard
-  // steps of it is flagged: a negative decade start lies 0-2 steps above the positive one, and
-  // y' may lie on the other side of it than y). t = a A[p] + B[p] crosses the integer j
+  // then one compare with the next piece's start; the key is a's bits less 2 for negative y (a
+  // negative decade start lies 0-2 ulps from the positive one; where the key misplaces a lane,
+  // its t lies on an integer and the lane is flagged). t = a A[p] + B[p] crosses the integer j
   // within 2^-15 of the threshold of k >= j inside the piece; a lane whose t lies within 2^-12
-  // of an integer (about 1 in 2000 of uniform t) is redone by dynamic_encode_scalar
-  // (DynamicPieces8::codes8y). y = x * (1 / div) where dynamic_recip_ok(div), else x / div (IEEE
-  // division); scripts/check_dynamic_map_exhaustive.cpp checks every float32 y (and its
-  // neighbours: dynamic_recip_ok), so every divisor.
+  // of an integer (about 1 in 2000 of uniform t) is redone by dynamic_encode_scalar. The code
+  // depends on y only and y = x / div is IEEE division, so
+  // scripts/check_dynamic_map_exhaustive.cpp (every float32 y) checks every divisor.
   const bool is_unsigned = t.map == kDynamicMapUnsigned;
-  const DynamicPieces8 pieces(is_unsigned);
+  const __m256 scale_tab = _mm256_load_ps(is_unsigned ? kDynamicPieceScaleUnsigned
+                                                      : kDynamicPieceScaleSigned);
+  const __m256 offset_tab = _mm256_load_ps(is_unsigned ? kDynamicPieceOffsetUnsigned
+                                                       : kDynamicPieceOffsetSigned);
+  const __m256i top_tab = _mm256_load_si256(reinterpret_cast<const __m256i*>(
+      is_unsigned ? kDynamicPieceTopUnsigned : kDynamicPieceTopSigned));
+  const __m256i start_tab = _mm256_load_si256(reinterpret_cast<const __m256i*>(
+      is_unsigned ? kDynamicPieceStartUnsigned : kDynamicPieceStartSigned));
+  const __m256i binade_tab = _mm256_load_si256(reinterpret_cast<const __m256i*>(
+      is_unsigned ? kDynamicPieceBinadeUnsigned : kDynamicPieceBinadeSigned));
+  const __m256 d = _mm256_set1_ps(div);
+  const __m256 abs_mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
+  const __m256 one = _mm256_set1_ps(1.0f);
+  const __m256i bias = _mm256_set1_epi32((kDynamicPieceBias / 2) << 24);
   const __m256i zero = _mm256_setzero_si256();
+  const __m256i c127 = _mm256_set1_epi32(127);
+  const __m256i frac_mask = _mm256_set1_epi32((1 << kDynamicPieceFracBits) - 2);
   const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
-  auto run = [&](auto unsigned_tag, auto recip_tag) {
+  // The codes of 8 values (32-bit lanes), the piece's t in fixed point: ti = trunc(2^bits t
+  // + 1) (A and B scaled by 2^bits exactly, B plus 1: kDynamicPieceFracBits). ti & (2^bits -
+  // 2) is 0 iff t lies within 2^-bits of an integer (the lane is flagged; otherwise ti >> bits
+  // = floor(t)); the minimum over a group of 32 says whether any lane is.
+  auto codes8 = [&](auto unsigned_tag, const float* p, __m256i& near) {  // near: per lane
     constexpr bool kUnsigned = decltype(unsigned_tag)::value;
-    constexpr bool kRecip = decltype(recip_tag)::value;
-    const __m256 d = _mm256_set1_ps(kRecip ? 1.0f / div : div);
-    // the codes of 8 values; near: per lane (the minimum over a group of 32 says whether any
-    // lane is flagged)
-    auto codes8 = [&](const float* p, __m256i& near) {
-      const __m256 x = _mm256_loadu_ps(p);
-      return pieces.codes8y<kUnsigned>(kRecip ? _mm256_mul_ps(x, d) : _mm256_div_ps(x, d),
-                                       near);
-    };
+    const __m256 y = _mm256_div_ps(_mm256_loadu_ps(p), d);
+    // inf -> 1 (y is not NaN); unsigned: y <= 0 (-0.0, -inf included) -> +0.0, code 0
+    const __m256 a = kUnsigned ? _mm256_max_ps(_mm256_min_ps(y, one), _mm256_setzero_ps())
+                               : _mm256_min_ps(_mm256_and_ps(y, abs_mask), one);
+    const __m256i ab = _mm256_castps_si256(a);
+    const __m256i u = _mm256_castps_si256(y);
+    // the key: a's bits, less 2 for negative y (|y| < 2; else a = 1, the last piece either way)
+    const __m256i key = kUnsigned ? ab : _mm256_add_epi32(ab, _mm256_srai_epi32(u, 30));
+    // the binade pair max(E - bias, 0) / 2 from a's top byte (E / 2, E <= 127): < 16; the
+    // upper bytes are 0 and read table[0] = 0
+    const __m256i pair = _mm256_srli_epi32(_mm256_subs_epu8(ab, bias), 24);
+    const __m256i plo = _mm256_shuffle_epi8(binade_tab, pair);
+    const __m256i piece = _mm256_sub_epi32(
+        plo, _mm256_cmpgt_epi32(key, _mm256_permutevar8x32_epi32(start_tab, plo)));
+    const __m256i ti = _mm256_cvttps_epi32(
+        _mm256_fmadd_ps(a, _mm256_permutevar8x32_ps(scale_tab, piece),
+                        _mm256_permutevar8x32_ps(offset_tab, piece)));
+    near = _mm256_and_si256(ti, frac_mask);
+    const __m256i k = _mm256_min_epi32(_mm256_srai_epi32(ti, kDynamicPieceFracBits),
+                                       _mm256_permutevar8x32_epi32(top_tab, piece));
+    if constexpr (kUnsigned) {
+      return k;
+    } else {  // 127 - 128 = -1 (y <= -1) saturates to code 0 in the pack
+      return _mm256_add_epi32(c127, _mm256_sign_epi32(k, u));
+    }
+  };
+  auto run = [&](auto unsigned_tag) {
     for (; i + 32 <= n; i += 32) {
       __m256i near[4];
-      const __m256i c0 = codes8(in + i, near[0]), c1 = codes8(in + i + 8, near[1]),
-                    c2 = codes8(in + i + 16, near[2]), c3 = codes8(in + i + 24, near[3]);
+      const __m256i c0 = codes8(unsigned_tag, in + i, near[0]),
+                    c1 = codes8(unsigned_tag, in + i + 8, near[1]),
+                    c2 = codes8(unsigned_tag, in + i + 16, near[2]),
+                    c3 = codes8(unsigned_tag, in + i + 24, near[3]);
       const __m256i any = _mm256_cmpeq_epi32(
           _mm256_min_epu32(_mm256_min_epu32(near[0], near[1]), _mm256_min_epu32(near[2], near[3])),
           zero);
@@ -581,16 +577,10 @@ inline void dynamic_encode_block(const float* __restrict in, int64_t n, float di
     }
   };
   if (div == div) {  // else NaN: every y is NaN, the scalar loop below
-    if (dynamic_recip_ok(div)) {  // y = x * (1 / div)
-      if (is_unsigned) {
-        run(std::true_type{}, std::true_type{});
-      } else {
-        run(std::false_type{}, std::true_type{});
-      }
-    } else if (is_unsigned) {
-      run(std::true_type{}, std::false_type{});
+    if (is_unsigned) {
+      run(std::true_type{});
     } else {
-      run(std::false_type{}, std::false_type{});
+      run(std::false_type{});
     }
   }
 #endif
