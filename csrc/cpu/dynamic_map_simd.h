@@ -463,7 +463,8 @@ inline void dynamic_encode_block(const float* __restrict in, int64_t n, float di
     const DynamicPieces pieces(is_unsigned);
     const bool recip = dynamic_recip_ok(div);
     const __m512 d = _mm512_set1_ps(recip ? 1.0f / div : div);
-    auto run = [&](auto unsigned_tag, auto recip_tag) {
+    // inlined: a call would read the captured locals (in, out, i, the tables) from memory
+    auto run = [&](auto unsigned_tag, auto recip_tag) __attribute__((always_inline)) {
       constexpr bool kUnsigned = decltype(unsigned_tag)::value;
       constexpr bool kRecip = decltype(recip_tag)::value;
       for (; i + 64 <= n; i += 64) {
