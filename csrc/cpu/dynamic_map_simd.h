@@ -89,17 +89,19 @@ inline uint32_t dynamic_encode_scalar(float y, const DynamicTables& t) {
   return (e & 0xffu) + (key >= (e >> 8) ? 1u : 0u);
 }
 
-// Whether the AVX-512 dynamic_encode_block may compute y = x * r with r = 1 / div (float32 division, once)
-// instead of y = x / div: when r is a normal float32 (2^-126 <= div <= 2^126; not for NaN,
-// the saturated FLT_MAX of a block with inf, or a subnormal absmax). Then r = 1/div (1 +- 2^-24)
-// and x * r = (x / div)(1 + e), |e| <= 2^-24 + 2^-48; rounded, x * r lies at most 2 float32
-// steps from the rounded x / div (a relative error below 2^-24 moves the exact quotient by less
-// than one step of its binade; each rounding by at most half of one, and a step of the binade
-// below is half as wide; a subnormal quotient moves by less than one step). The lane functions
-// give a code only where no threshold lies within 3 steps of the y they see (else the lane is
-// flagged, t within 2^-12 of an integer, and redone by division), so the codes are those of x /
-// div: scripts/check_dynamic_map_exhaustive.cpp checks this for every float32 y and map.
-constexpr int32_t kDynamicRecipGuard = 6;  // float32 steps around a piece's start (see below)
+// Whether the AVX-512 dynamic_encode_block may compute y' = x * r with r = 1 / div (one float32
+// division per block) instead of y = x / div: when r is a normal float32 (2^-126 <= div <=
+// 2^126; not for NaN, the saturated FLT_MAX of a block with inf, or a subnormal absmax). Then
+// r = (1 / div)(1 + e), |e| <= 2^-24, so the exact product x * r = v (1 + e) with v = x / div
+// lies less than one float32 step of v's binade from v (|v| < 2^(E+1), step 2^(E-23)); rounding
+// is monotone, so y' = RN(x * r) lies between RN(v - step) and RN(v + step), at most 2 float32
+// steps from y = RN(v) (a step of the binade below is half as wide; a subnormal v moves by less
+// than one step). The lane function gives a code only where every value within 3 steps of
+// its y' has that code (else the lane is flagged, t within 2^-12 of an integer or a within
+// kDynamicRecipGuard steps of a decade piece's start, and redone by division), so the codes
+// are those of x / div: scripts/check_dynamic_map_exhaustive.cpp checks this for every float32
+// y' and both maps.
+constexpr int32_t kDynamicRecipGuard = 6;  // float32 steps around a piece's start
 inline bool dynamic_recip_ok(float div) { return div >= 0x1p-126f && div <= 0x1p126f; }
 
 // The max |x| of a block's n values for its scale, as the caller's NaN-propagating reduction
@@ -383,9 +385,8 @@ struct DynamicPieces {
     // ab - (start - guard): above guard in the next piece, in [0, 2 guard] near its start (the
     // last piece's start, INT_MAX: negative)
     const __m512i rel = _mm512_sub_epi32(ab, _mm512_permutexvar_epi32(plo, start_tab));
-    const __m512i piece =
-        _mm512_mask_add_epi32(plo, _mm512_cmpgt_epi32_mask(rel, _mm512_set1_epi32(kDynamicRecipGuard)),
-                              plo, _mm512_set1_epi32(1));
+    const __mmask16 next = _mm512_cmpgt_epi32_mask(rel, _mm512_set1_epi32(kDynamicRecipGuard));
+    const __m512i piece = _mm512_mask_add_epi32(plo, next, plo, _mm512_set1_epi32(1));
     const __m512i ti = _mm512_cvttps_epi32(_mm512_fmadd_ps(
         a, _mm512_permutexvar_ps(piece, scale_tab), _mm512_permutexvar_ps(piece, offset_tab)));
     near = _mm512_mask_testn_epi32_mask(live, ti,
