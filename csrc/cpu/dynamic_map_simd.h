@@ -11,7 +11,7 @@
 //   map's tables), 64 values a round, on y' = x * (1 / div) where 1 / div is a normal float32
 //   (dynamic_recip_ok): y' lies at most 2 float32 steps from y, and a lane whose y' lies within
 //   3 steps of a threshold (or within kDynamicRecipGuard of a decade piece's start) is flagged
-//   and redone by division (the scalar path). 0.18 (signed map) / 0.18 (unsigned) ns per
+//   and redone by division (the scalar path). 0.16 (signed map) / 0.16 (unsigned) ns per
 //   element on the Zen 5 measured (busy), the division and 24 operations per 16 values before
 //   it 0.21 / 0.18, the 8-level binary search on the thresholds' 16-bit key halves
 //   (kDynamicThreshold*) before that 0.21.
