@@ -19,6 +19,7 @@
 #include <random>
 #include <cstring>
 #include <cmath>
+#include <algorithm>
 using namespace tpamp; using namespace tpamp::cpu;
 #include <time.h>
 static double cpu_now() { timespec ts; clock_gettime(CLOCK_THREAD_CPUTIME_ID, &ts); return ts.tv_sec + ts.tv_nsec * 1e-9; }
@@ -38,6 +39,27 @@ static void decode_vbmi(const uint8_t* c, float s, const DynamicTables& t, float
 }
 #pragma GCC pop_options
 #endif
+// The lane function of the capability's encode on 16 values y (not NaN): the code (before
+// any redo) and whether the lane is flagged (redone by division). false where the capability has
+// none (AVX2 and the scalar path divide).
+static bool lane_codes(int u, const float* y, uint8_t* code, uint8_t* flag) {
+#if defined(CPU_CAPABILITY_AVX512)
+  const DynamicPieces pieces(u != 0);
+  __mmask16 near;
+  const __m512 v = _mm512_loadu_ps(y);
+  __m512i c = u ? pieces.codes16y<true>(v, 0xffff, near) : pieces.codes16y<false>(v, 0xffff, near);
+  c = _mm512_max_epi32(c, _mm512_setzero_si512());
+  _mm512_mask_cvtepi32_storeu_epi8(code, 0xffff, c);
+  for (int k = 0; k < 16; ++k) flag[k] = (near >> k) & 1u;
+  return true;
+#else
+  (void)u; (void)y; (void)code; (void)flag;
+  return false;
+#endif
+}
+// float32 bits <-> a key ordered as the values (-0 and +0 both 0)
+static int64_t key_of(uint32_t b) { return (b >> 31) ? -int64_t(b & 0x7fffffffu) : int64_t(b); }
+static uint32_t bits_of(int64_t k) { return k < 0 ? 0x80000000u | uint32_t(-k) : uint32_t(k); }
 int main(int argc, char** argv) {
   for (int i = 0; i < 2 * kDynamicSlots; ++i) { wf[0][i] = kDynamicFloorSigned[i]; wf[1][i] = kDynamicFloorUnsigned[i]; }
   long bad = 0;
@@ -73,6 +95,70 @@ int main(int argc, char** argv) {
       dynamic_decode_block(codes, n, 0.37f, t, dec);
       for (int k = 0; k < 256; ++k) { float r = k < n ? t.map[codes[k]] * 0.37f : -7.0f; if (memcmp(&r, &dec[k], 4)) { ++bad; if (bad < 20) printf("dec n=%d k=%d\n", n, k);} }
     }
+  }
+  // The reciprocal encode (dynamic_recip_ok): the lane function sees y' = RN(x * RN(1/div)),
+  // at most 2 float32 steps from y = RN(x / div). Every float32 y' (NaN aside: the lanes never
+  // see one) whose lane is not flagged must have the code of every value within kSteps steps of
+  // it (the code is monotone in y: the values kSteps below and above suffice; their codes come
+  // from dynamic_encode_block with div 1, checked exactly above).
+  {
+    constexpr int64_t kSteps = 3;
+    long unflagged = 0;
+    alignas(64) float y[256], lo[256], hi[256];
+    alignas(64) uint8_t code[256], flag[256], clo[256], chi[256];
+    for (int u = 0; u < 2 && lane_codes(u, y, code, flag); ++u) {
+      const DynamicTables& t = dynamic_tables(u);
+      for (uint64_t base = 0; base < (1ull << 32); base += 256) {
+        for (int k = 0; k < 256; ++k) {
+          uint32_t b = uint32_t(base + k);
+          if ((b & 0x7fffffffu) > 0x7f800000u) b &= 0xff800000u;  // NaN -> inf of its sign
+          const int64_t key = key_of(b);
+          const int64_t kl = std::max<int64_t>(key - kSteps, -0x7f800000ll);
+          const int64_t kh = std::min<int64_t>(key + kSteps, 0x7f800000ll);
+          uint32_t bl = bits_of(kl), bh = bits_of(kh);
+          memcpy(&y[k], &b, 4); memcpy(&lo[k], &bl, 4); memcpy(&hi[k], &bh, 4);
+        }
+        for (int k = 0; k < 256; k += 16) lane_codes(u, y + k, code + k, flag + k);
+        dynamic_encode_block(lo, 256, 1.0f, t, clo);
+        dynamic_encode_block(hi, 256, 1.0f, t, chi);
+        for (int k = 0; k < 256; ++k) {
+          if (flag[k]) continue;
+          ++unflagged;
+          if (code[k] != clo[k] || code[k] != chi[k]) {
+            if (bad < 10) printf("recip u=%d bits=%08x code=%u lo=%u hi=%u\n", u, uint32_t(base + k), code[k], clo[k], chi[k]);
+            ++bad;
+          }
+        }
+      }
+    }
+    printf("reciprocal: %ld unflagged y checked against +-%ld steps\n", unflagged, long(kSteps));
+    // and blocks of random values and divisors against dynamic_encode_bits(x / div)
+    long pairs = 0;
+    alignas(64) float pin[256]; alignas(64) uint8_t pout[256];
+    for (int trial = 0; trial < 400000; ++trial) {
+      std::mt19937 g(trial + 7);
+      const int u = trial & 1;
+      const DynamicTables& t = dynamic_tables(u);
+      uint32_t db = (g() & 0x7fffffffu) % 0x7f800000u;
+      if (trial % 5 == 1) db = 0x3f800000u + (g() & 0x7fffffu);
+      if (trial % 5 == 2) db = (g() % 24 < 12) ? 0x00800000u + (g() % 4) - 2 : 0x7e800000u + (g() % 4) - 2;
+      float dv; memcpy(&dv, &db, 4);
+      if (dv == 0.0f) dv = 1.0f;
+      for (int k = 0; k < 256; ++k) {
+        // |x| <= div mostly (as the kernels: div is the block's absmax), some above
+        const float f = (g() % 8 == 0) ? 1.0f + float(g() % 100) : std::ldexp(float(g() % (1 << 24)) / float(1 << 24), -int(g() % 40));
+        pin[k] = ((g() & 1) ? -1.0f : 1.0f) * f * dv;
+        if (k == int(g() % 256)) pin[k] = dv;
+      }
+      const int n = 1 + int(g() % 256);
+      dynamic_encode_block(pin, n, dv, t, pout);
+      for (int k = 0; k < n; ++k) {
+        const uint32_t ref = dynamic_encode_bits(pin[k] / dv, t.map, floor_of(u));
+        ++pairs;
+        if (ref != pout[k]) { if (bad < 20) printf("pair div=%a x=%a ref=%u got=%u\n", dv, pin[k], ref, pout[k]); ++bad; }
+      }
+    }
+    printf("random divisors: %ld values\n", pairs);
   }
   // absmax
   for (int trial = 0; trial < 200000; ++trial) {

@@ -6,16 +6,21 @@
 // vectorizer turned the table search into scalar loads and inserts, 9 ns per element with
 // AVX-512; explicit 16-lane gathers cost ~3 ns per element on the AMD CPU measured.)
 //
-// Encode: y = x / div (a float32 division, as torchao), then the code:
-// * AVX-512: the AVX2 arithmetic below on 16 lanes (DynamicPieces: every lane computes what an
-//   AVX2 lane does), 64 values a round; flagged lanes take the scalar path. 0.17 (signed map) /
-//   0.14 (unsigned) ns per element on the Zen 5 measured, the 8-level binary search on the
-//   thresholds' 16-bit key halves (kDynamicThreshold*) it replaced 0.21.
+// Encode: the code of y = x / div (a float32 division, as torchao).
+// * AVX-512: the AVX2 arithmetic below on 16 lanes (DynamicPieces; 127 folded into the signed
+//   map's tables), 64 values a round, on y' = x * (1 / div) where 1 / div is a normal float32
+//   (dynamic_recip_ok): y' lies at most 2 float32 steps from y, and a lane whose y' lies within
+//   3 steps of a threshold (or within kDynamicRecipGuard of a decade piece's start) is flagged
+//   and redone by division (the scalar path). 0.16 (signed map) / 0.16 (unsigned) ns per
+//   element on the Zen 5 measured (busy), the division and 24 operations per 16 values before
+//   it 0.21 / 0.18, the 8-level binary search on the thresholds' 16-bit key halves
+//   (kDynamicThreshold*) before that 0.21.
 // * AVX2: no table read per element: the map is linear within each decade, so the code is
 //   floor(a A[p] + B[p]) on the decade piece p of a = |y| (kDynamicPiece*, from
 //   scripts/gen_dynamic_map.py --pieces; see dynamic_encode_block); a lane within 2^-12 of a
 //   threshold (in code units) takes the scalar path. 0.33 ns per element on the Zen 5
-//   measured (one thread, block in L1), the keyed gather before it 0.40.
+//   measured (one thread, block in L1), the keyed gather before it 0.40. (The reciprocal and
+//   the guard of the AVX-512 path cost more than the division here: 0.37 against 0.35.)
 // * scalar (and the AVX2 fallback): one read of a keyed table (kDynamicKeyed*, see
 //   dynamic_encode_scalar).
 // A NaN divisor (a block holding NaN; no y is NaN otherwise) takes the scalar loop, whose
@@ -83,6 +88,21 @@ inline uint32_t dynamic_encode_scalar(float y, const DynamicTables& t) {
   const uint32_t key = (u & 0xffffu) ^ ((u >> 31) != 0u ? 0xffffu : 0u);
   return (e & 0xffu) + (key >= (e >> 8) ? 1u : 0u);
 }
+
+// Whether the AVX-512 dynamic_encode_block may compute y' = x * r with r = 1 / div (one float32
+// division per block) instead of y = x / div: when r is a normal float32 (2^-126 <= div <=
+// 2^126; not for NaN, the saturated FLT_MAX of a block with inf, or a subnormal absmax). Then
+// r = (1 / div)(1 + e), |e| <= 2^-24, so the exact product x * r = v (1 + e) with v = x / div
+// lies less than one float32 step of v's binade from v (|v| < 2^(E+1), step 2^(E-23)); rounding
+// is monotone, so y' = RN(x * r) lies between RN(v - step) and RN(v + step), at most 2 float32
+// steps from y = RN(v) (a step of the binade below is half as wide; a subnormal v moves by less
+// than one step). The lane function gives a code only where every value within 3 steps of
+// its y' has that code (else the lane is flagged, t within 2^-12 of an integer or a within
+// kDynamicRecipGuard steps of a decade piece's start, and redone by division), so the codes
+// are those of x / div: scripts/check_dynamic_map_exhaustive.cpp checks this for every float32
+// y' and both maps.
+constexpr int32_t kDynamicRecipGuard = 6;  // float32 steps around a piece's start
+inline bool dynamic_recip_ok(float div) { return div >= 0x1p-126f && div <= 0x1p126f; }
 
 // The max |x| of a block's n values for its scale, as the caller's NaN-propagating reduction
 // (nan_path) computes it, without its serial chain of NaN-propagating maxima: the maximum of
@@ -292,67 +312,102 @@ inline void dynamic_decode_block(const uint8_t* __restrict in, int64_t n, float 
 }
 
 #if defined(CPU_CAPABILITY_AVX512)
-// The AVX-512 encode: the AVX2 encode's lane function (the map's decade pieces, kDynamicPiece*;
-// see the AVX2 branch of dynamic_encode_block) on 16 lanes. Every lane computes what an AVX2
-// lane computes (the same operations on the same 32-bit values: the binade pair by a byte
-// shuffle of the 16-byte table, the piece by one compare with the next piece's start, t = fma(a,
-// A[p], B[p]) in fixed point, the flag of a t within 2^-12 of an integer, the cap by the piece's
-// top code), so its codes are AVX2's (scripts/check_dynamic_map_exhaustive.cpp checks every
-// float32 y); the sign by a mask instead of vpsignd (k = 0 at y = +-0), and the saturating packs
-// with one dword permute that puts 64 codes back in order. Flagged lanes are redone by
-// dynamic_encode_scalar. About 24 vector operations per 16 values against the 37 of the binary
-// search on the thresholds' 16-bit key halves it replaced (0.17 (signed map) / 0.14 (unsigned)
-// against 0.21 ns per element on the Zen 5 measured, scripts/bench_dynamic_map_block.cpp).
+// The AVX-512 encode: the AVX2 encode's decade pieces (kDynamicPiece*; see the AVX2 branch of
+// dynamic_encode_block) on 16 lanes: a = min(|y|, 1) by one vrangeps, the binade pair by a byte
+// shuffle of the 16-byte table, the piece by one compare with the next piece's start (less
+// kDynamicRecipGuard, so that the same difference flags the lanes near it), t = fma(a, A[p],
+// B[p]) in fixed point, the flag of a t within 2^-12 of an integer, the cap by the piece's top
+// code; signed map: 127 folded into B and the top codes (k' = 127 + k; code k' or 254 - k' by a
+// mask on y's sign). Its codes are those of dynamic_encode_bits wherever a lane is not flagged
+// (scripts/check_dynamic_map_exhaustive.cpp: every float32 y and its neighbours); the
+// saturating packs with one dword permute put 64 codes back in order. Flagged lanes are redone
+// by dynamic_encode_scalar. About 21 vector operations per 16 values (signed; the 37 of the
+// binary search on the thresholds' 16-bit key halves before it: 0.21 ns per element on the Zen
+// 5 measured, scripts/bench_dynamic_map_block.cpp).
+// DynamicPieces' tables of one map, padded to 16 entries: the piece tables' offsets and top
+// codes with the signed map's 127 folded in (the offsets rounded to float32: ulp 2^-4 below
+// 2^20 in the fixed point; the exhaustive check covers the rounded tables), the starts less
+// kDynamicRecipGuard. Built once.
+struct DynamicPieceTables {
+  alignas(64) float offset[16];
+  alignas(64) int32_t top[16];
+  alignas(64) int32_t start[16];
+};
+
+inline const DynamicPieceTables& dynamic_piece_tables(bool is_unsigned) {
+  static const DynamicPieceTables* tabs = [] {
+    static DynamicPieceTables tb[2] = {};
+    for (int u = 0; u < 2; ++u) {
+      const int32_t fold = u ? 0 : 127;  // signed: k' = 127 + k
+      for (int p = 0; p < 8; ++p) {
+        tb[u].offset[p] = (u ? kDynamicPieceOffsetUnsigned : kDynamicPieceOffsetSigned)[p] +
+                          static_cast<float>(fold << kDynamicPieceFracBits);
+        tb[u].top[p] = (u ? kDynamicPieceTopUnsigned : kDynamicPieceTopSigned)[p] + fold;
+        tb[u].start[p] = (u ? kDynamicPieceStartUnsigned : kDynamicPieceStartSigned)[p] -
+                         kDynamicRecipGuard;
+      }
+    }
+    return tb;
+  }();
+  return tabs[is_unsigned ? 1 : 0];
+}
+
 struct DynamicPieces {
   __m512 scale_tab, offset_tab;
   __m512i top_tab, start_tab, binade_tab;
   explicit DynamicPieces(bool is_unsigned) {
+    const DynamicPieceTables& tb = dynamic_piece_tables(is_unsigned);
     scale_tab = _mm512_zextps256_ps512(
         _mm256_load_ps(is_unsigned ? kDynamicPieceScaleUnsigned : kDynamicPieceScaleSigned));
-    offset_tab = _mm512_zextps256_ps512(
-        _mm256_load_ps(is_unsigned ? kDynamicPieceOffsetUnsigned : kDynamicPieceOffsetSigned));
-    top_tab = _mm512_zextsi256_si512(_mm256_load_si256(reinterpret_cast<const __m256i*>(
-        is_unsigned ? kDynamicPieceTopUnsigned : kDynamicPieceTopSigned)));
-    start_tab = _mm512_zextsi256_si512(_mm256_load_si256(reinterpret_cast<const __m256i*>(
-        is_unsigned ? kDynamicPieceStartUnsigned : kDynamicPieceStartSigned)));
+    offset_tab = _mm512_load_ps(tb.offset);
+    top_tab = _mm512_load_si512(tb.top);
+    start_tab = _mm512_load_si512(tb.start);
     binade_tab = _mm512_broadcast_i32x4(_mm_load_si128(reinterpret_cast<const __m128i*>(
         is_unsigned ? kDynamicPieceBinadeUnsigned : kDynamicPieceBinadeSigned)));
   }
-  // The codes of the 16 values at p (live lanes read, the others 0) divided by d (not NaN) in
-  // 32-bit lanes (signed map: -1 for y <= -1, saturated to 0 by the caller), and in near the
-  // live lanes whose t lies within 2^-12 of an integer.
+  // The codes of the 16 values y (not NaN) in 32-bit lanes (signed map: -1 for y <= -1,
+  // saturated to 0 by the caller), and in near the live lanes whose t lies within 2^-12 of an
+  // integer or whose a lies within kDynamicRecipGuard float32 steps of the next piece's start
+  // (the piece is found exactly on a's bits, and t need not be near an integer at a piece's
+  // start; a negative y's boundary lies 0-2 steps below the positive one's).
   template <bool kUnsigned>
-  inline __attribute__((always_inline)) __m512i codes16(const float* p, __mmask16 live,
-                                                        __m512 d, __mmask16& near) const {
-    const __m512 y = _mm512_div_ps(_mm512_maskz_loadu_ps(live, p), d);
-    const __m512i u = _mm512_castps_si512(y);
+  inline __attribute__((always_inline)) __m512i codes16y(__m512 y, __mmask16 live,
+                                                         __mmask16& near) const {
     const __m512 one = _mm512_set1_ps(1.0f);
-    // inf -> 1 (y is not NaN); unsigned: y <= 0 (-0.0, -inf included) -> +0.0, code 0
-    const __m512 a =
-        kUnsigned ? _mm512_max_ps(_mm512_min_ps(y, one), _mm512_setzero_ps())
-                  : _mm512_min_ps(_mm512_castsi512_ps(
-                                      _mm512_and_si512(u, _mm512_set1_epi32(0x7fffffff))),
-                                  one);
+    // inf -> 1 (y is not NaN); unsigned: y <= 0 (-0.0, -inf included) -> +0.0, code 0;
+    // signed: the smaller magnitude of y and 1, sign cleared
+    const __m512 a = kUnsigned ? _mm512_max_ps(_mm512_min_ps(y, one), _mm512_setzero_ps())
+                               : _mm512_range_ps(y, one, 0x0a);
     const __m512i ab = _mm512_castps_si512(a);
-    const __m512i key = kUnsigned ? ab : _mm512_add_epi32(ab, _mm512_srai_epi32(u, 30));
     const __m512i pair = _mm512_srli_epi32(
         _mm512_subs_epu8(ab, _mm512_set1_epi32((kDynamicPieceBias / 2) << 24)), 24);
     const __m512i plo = _mm512_shuffle_epi8(binade_tab, pair);
-    const __m512i piece = _mm512_mask_add_epi32(
-        plo, _mm512_cmpgt_epi32_mask(key, _mm512_permutexvar_epi32(plo, start_tab)), plo,
-        _mm512_set1_epi32(1));
+    // ab - (start - guard): above guard in the next piece, in [0, 2 guard] near its start (the
+    // last piece's start, INT_MAX: negative)
+    const __m512i rel = _mm512_sub_epi32(ab, _mm512_permutexvar_epi32(plo, start_tab));
+    const __mmask16 next = _mm512_cmpgt_epi32_mask(rel, _mm512_set1_epi32(kDynamicRecipGuard));
+    const __m512i piece = _mm512_mask_add_epi32(plo, next, plo, _mm512_set1_epi32(1));
     const __m512i ti = _mm512_cvttps_epi32(_mm512_fmadd_ps(
         a, _mm512_permutexvar_ps(piece, scale_tab), _mm512_permutexvar_ps(piece, offset_tab)));
     near = _mm512_mask_testn_epi32_mask(live, ti,
-                                        _mm512_set1_epi32((1 << kDynamicPieceFracBits) - 2));
+                                        _mm512_set1_epi32((1 << kDynamicPieceFracBits) - 2)) |
+           _mm512_mask_cmple_epu32_mask(live, rel, _mm512_set1_epi32(2 * kDynamicRecipGuard));
     const __m512i k = _mm512_min_epi32(_mm512_srai_epi32(ti, kDynamicPieceFracBits),
                                        _mm512_permutexvar_epi32(piece, top_tab));
     if constexpr (kUnsigned) {
       return k;
-    } else {  // 127 + k, 127 - k for negative y
-      const __m512i c127 = _mm512_set1_epi32(127);
-      return _mm512_mask_sub_epi32(_mm512_add_epi32(c127, k), _mm512_movepi32_mask(u), c127, k);
+    } else {  // k' = 127 + k; 127 - k = 254 - k' for negative y
+      return _mm512_mask_sub_epi32(k, _mm512_movepi32_mask(_mm512_castps_si512(y)),
+                                   _mm512_set1_epi32(254), k);
     }
+  }
+  // codes16y of the 16 values at p (live lanes read, the others 0) scaled by d: y = x * d
+  // (kRecip: d = 1 / div, see dynamic_recip_ok) or x / d (d = div, not NaN)
+  template <bool kUnsigned, bool kRecip>
+  inline __attribute__((always_inline)) __m512i codes16(const float* p, __mmask16 live,
+                                                        __m512 d, __mmask16& near) const {
+    const __m512 x = _mm512_maskz_loadu_ps(live, p);
+    return codes16y<kUnsigned>(kRecip ? _mm512_mul_ps(x, d) : _mm512_div_ps(x, d), live, near);
   }
   // out[j] = dynamic_encode_scalar(in[j] / div) for the lanes set in lanes
   static void redo(const float* in, unsigned lanes, float div, const DynamicTables& t,
@@ -362,16 +417,16 @@ struct DynamicPieces {
       out[j] = static_cast<uint8_t>(dynamic_encode_scalar(in[j] / div, t));
     }
   }
-  // the codes of the 64 values at in (d = div broadcast, not NaN) to out
-  template <bool kUnsigned>
+  // the codes of the 64 values at in (d: see codes16) to out
+  template <bool kUnsigned, bool kRecip>
   inline __attribute__((always_inline)) void encode64(const float* in, __m512 d, float div,
                                                       const DynamicTables& t,
                                                       uint8_t* out) const {
     __mmask16 near[4];
-    const __m512i c0 = codes16<kUnsigned>(in, 0xffff, d, near[0]),
-                  c1 = codes16<kUnsigned>(in + 16, 0xffff, d, near[1]),
-                  c2 = codes16<kUnsigned>(in + 32, 0xffff, d, near[2]),
-                  c3 = codes16<kUnsigned>(in + 48, 0xffff, d, near[3]);
+    const __m512i c0 = codes16<kUnsigned, kRecip>(in, 0xffff, d, near[0]),
+                  c1 = codes16<kUnsigned, kRecip>(in + 16, 0xffff, d, near[1]),
+                  c2 = codes16<kUnsigned, kRecip>(in + 32, 0xffff, d, near[2]),
+                  c3 = codes16<kUnsigned, kRecip>(in + 48, 0xffff, d, near[3]);
     // 32 -> 16 -> 8 bits with unsigned saturation (codes <= 255, -1 -> 0); dword m of the
     // packs' result holds codes 4 (m % 4) + m / 4 .. + 3
     const __m512i order = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
@@ -384,12 +439,12 @@ struct DynamicPieces {
   }
   // the codes of the min(r, 16) values at in to out (a block's tail; nothing read or written
   // past them)
-  template <bool kUnsigned>
+  template <bool kUnsigned, bool kRecip>
   inline void encode16(const float* in, int64_t r, __m512 d, float div, const DynamicTables& t,
                        uint8_t* out) const {
     const __mmask16 live = r >= 16 ? __mmask16(0xffff) : static_cast<__mmask16>((1u << r) - 1u);
     __mmask16 near;
-    const __m512i c = _mm512_max_epi32(codes16<kUnsigned>(in, live, d, near),
+    const __m512i c = _mm512_max_epi32(codes16<kUnsigned, kRecip>(in, live, d, near),
                                        _mm512_setzero_si512());
     _mm512_mask_cvtepi32_storeu_epi8(out, live, c);
     if (__builtin_expect(near != 0, 0)) redo(in, near, div, t, out);
@@ -407,16 +462,29 @@ inline void dynamic_encode_block(const float* __restrict in, int64_t n, float di
   if (div == div) {  // else NaN: every y is NaN, the scalar loop below
     const bool is_unsigned = t.map == kDynamicMapUnsigned;
     const DynamicPieces pieces(is_unsigned);
-    const __m512 d = _mm512_set1_ps(div);
-    auto run = [&](auto unsigned_tag) {
+    const bool recip = dynamic_recip_ok(div);
+    const __m512 d = _mm512_set1_ps(recip ? 1.0f / div : div);
+    // inlined: a call would read the captured locals (in, out, i, the tables) from memory
+    auto run = [&](auto unsigned_tag, auto recip_tag) __attribute__((always_inline)) {
       constexpr bool kUnsigned = decltype(unsigned_tag)::value;
-      for (; i + 64 <= n; i += 64) pieces.encode64<kUnsigned>(in + i, d, div, t, out + i);
-      for (; i < n; i += 16) pieces.encode16<kUnsigned>(in + i, n - i, d, div, t, out + i);
+      constexpr bool kRecip = decltype(recip_tag)::value;
+      for (; i + 64 <= n; i += 64) {
+        pieces.encode64<kUnsigned, kRecip>(in + i, d, div, t, out + i);
+      }
+      for (; i < n; i += 16) {
+        pieces.encode16<kUnsigned, kRecip>(in + i, n - i, d, div, t, out + i);
+      }
     };
-    if (is_unsigned) {
-      run(std::true_type{});
+    if (recip) {  // y = x * (1 / div): see dynamic_recip_ok
+      if (is_unsigned) {
+        run(std::true_type{}, std::true_type{});
+      } else {
+        run(std::false_type{}, std::true_type{});
+      }
+    } else if (is_unsigned) {
+      run(std::true_type{}, std::false_type{});
     } else {
-      run(std::false_type{});
+      run(std::false_type{}, std::false_type{});
     }
   }
 #elif defined(CPU_CAPABILITY_AVX2)
