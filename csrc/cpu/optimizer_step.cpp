@@ -1002,17 +1002,19 @@ inline __attribute__((always_inline)) void dynamic_decode16(const uint8_t* c, co
 // The AVX2 twin of the AVX-512 adam_chunk_dynamic above (16 elements a step in two registers of
 // 8; the decode by scalar table loads into the lanes, dynamic_decode16; the tail's codes
 // through a zero-padded copy, its padding lanes left out of the maxima by a lane mask).
-template <typename G, typename M, typename Flags, bool kRem>
-__attribute__((noinline)) void adam_chunk_dynamic(const G* __restrict g, float* __restrict p,
-                                                  int16_t* __restrict rem, const MomentRef& mref,
-                                                  const MomentRef& vref, M* __restrict model,
-                                                  int64_t n, const AdamScalars& scalars,
-                                                  Flags flags) {
+// Instantiated per scalars.lerp2_small (kLerp2Small; adam_chunk_dynamic picks): read at run time,
+// g++ selected between exp_avg_sq and g * g through the stack in every step.
+template <typename G, typename M, typename Flags, bool kRem, bool kLerp2Small>
+__attribute__((noinline)) void adam_chunk_dynamic_avx2(
+    const G* __restrict g, float* __restrict p, int16_t* __restrict rem, const MomentRef& mref,
+    const MomentRef& vref, M* __restrict model, int64_t n, const AdamScalars& scalars,
+    Flags flags) {
   using L = Lanes32;
   constexpr bool kModel = !std::is_same_v<M, NoModel>;
   static_assert(!kRem || std::is_same_v<M, at::BFloat16>, "remainders go with bf16 params");
   static_assert(kVecStep == 16, "16 elements a step (two registers of 8)");
-  const AdamScalars s = scalars;  // in registers (see adam_chunk)
+  AdamScalars s = scalars;  // in registers (see adam_chunk)
+  s.lerp2_small = kLerp2Small;
   const DynamicTables& mt = dynamic_tables(false);
   const DynamicTables& vt = dynamic_tables(true);
   const float* const mmap = mt.map;
@@ -1036,7 +1038,14 @@ __attribute__((noinline)) void adam_chunk_dynamic(const G* __restrict g, float* 
                     __m256i live1) __attribute__((always_inline)) {
       FVec g0, g1, p0, p1;
       __m256 m0, m1, v0, v1;
-      VecIO<G>::load(gp, g0, g1);
+      if constexpr (std::is_same_v<G, at::BFloat16>) {  // widened exactly, in integer lanes
+        L::I a, c;
+        L::load_u16(reinterpret_cast<const uint16_t*>(gp), a, c);
+        g0 = L::from_bits(L::shl16(a));
+        g1 = L::from_bits(L::shl16(c));
+      } else {
+        VecIO<G>::load(gp, g0, g1);
+      }
       if constexpr (kRem) {
         L::I a, c, ra, rb;
         L::load_u16(reinterpret_cast<const uint16_t*>(modelp), a, c);
@@ -1128,6 +1137,19 @@ __attribute__((noinline)) void adam_chunk_dynamic(const G* __restrict g, float* 
     };
     finish(mref, mmax, mt, mbuf, mcodes);
     finish(vref, vmax, vt, vbuf, vcodes);
+  }
+}
+
+template <typename G, typename M, typename Flags, bool kRem>
+void adam_chunk_dynamic(const G* g, float* p, int16_t* rem, const MomentRef& mref,
+                        const MomentRef& vref, M* model, int64_t n, const AdamScalars& scalars,
+                        Flags flags) {
+  if (scalars.lerp2_small) {
+    adam_chunk_dynamic_avx2<G, M, Flags, kRem, true>(g, p, rem, mref, vref, model, n, scalars,
+                                                     flags);
+  } else {
+    adam_chunk_dynamic_avx2<G, M, Flags, kRem, false>(g, p, rem, mref, vref, model, n, scalars,
+                                                      flags);
   }
 }
 #else
