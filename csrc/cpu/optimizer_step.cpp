@@ -758,7 +758,7 @@ inline __attribute__((always_inline)) void dynamic_step32(
 }
 
 // The loop described above, with the decode of DynamicDecoder (word permutes; any AVX-512 CPU).
-template <typename G, typename M, typename Flags, bool kRem>
+template <typename G, typename M, typename Flags, bool kRem, bool kLerp2Small>
 __attribute__((noinline)) void adam_chunk_dynamic_words(
     const G* __restrict g, float* __restrict p, int16_t* __restrict rem, const MomentRef& mref,
     const MomentRef& vref, M* __restrict model, int64_t n, const AdamScalars& scalars,
@@ -766,7 +766,8 @@ __attribute__((noinline)) void adam_chunk_dynamic_words(
   constexpr bool kModel = !std::is_same_v<M, NoModel>;
   static_assert(!kRem || std::is_same_v<M, at::BFloat16>, "remainders go with bf16 params");
   static_assert(kVecStep == 32, "32 elements a step (two registers of 16)");
-  const AdamScalars s = scalars;  // in registers (see adam_chunk)
+  AdamScalars s = scalars;  // in registers (see adam_chunk)
+  s.lerp2_small = kLerp2Small;  // a constant (see adam_chunk_dynamic)
   const DynamicTables& mt = dynamic_tables(false);
   const DynamicTables& vt = dynamic_tables(true);
   const DynamicDecoder mdec(mt), vdec(vt);
@@ -852,7 +853,7 @@ __attribute__((noinline)) void adam_chunk_dynamic_words(
 // bit is adam_chunk_dynamic_words'.
 #pragma GCC push_options
 #pragma GCC target("avx512vbmi")
-template <typename G, typename M, typename Flags, bool kRem>
+template <typename G, typename M, typename Flags, bool kRem, bool kLerp2Small>
 __attribute__((noinline)) void adam_chunk_dynamic_vbmi(
     const G* __restrict g, float* __restrict p, int16_t* __restrict rem, const MomentRef& mref,
     const MomentRef& vref, M* __restrict model, int64_t n, const AdamScalars& scalars,
@@ -861,7 +862,8 @@ __attribute__((noinline)) void adam_chunk_dynamic_vbmi(
   static_assert(!kRem || std::is_same_v<M, at::BFloat16>, "remainders go with bf16 params");
   static_assert(kVecStep == 32, "32 elements a step (two registers of 16)");
   static_assert(kMomentBlock % 64 == 0, "whole rounds of 64 in a full block");
-  const AdamScalars s = scalars;  // in registers (see adam_chunk)
+  AdamScalars s = scalars;  // in registers (see adam_chunk)
+  s.lerp2_small = kLerp2Small;  // a constant (see adam_chunk_dynamic)
   const DynamicTables& mt = dynamic_tables(false);
   const DynamicTables& vt = dynamic_tables(true);
   const DynamicDecoderVbmi mdec(mt), vdec(vt);
@@ -954,7 +956,7 @@ __attribute__((noinline)) void adam_chunk_dynamic_vbmi(
       }
       const MomentRef mb{mref.kind, mcodes + o, mref.scales + b, mref.sqrt};
       const MomentRef vb{vref.kind, vcodes + o, vref.scales + b, vref.sqrt};
-      adam_chunk_dynamic_words<G, M, Flags, kRem>(
+      adam_chunk_dynamic_words<G, M, Flags, kRem, kLerp2Small>(
           g + o, kRem ? nullptr : p + o, kRem ? rem + o : nullptr, mb, vb,
           kModel ? model + o : nullptr, k, scalars, flags);
       continue;
@@ -974,10 +976,23 @@ template <typename G, typename M, typename Flags, bool kRem>
 void adam_chunk_dynamic(const G* g, float* p, int16_t* rem, const MomentRef& mref,
                         const MomentRef& vref, M* model, int64_t n, const AdamScalars& scalars,
                         Flags flags) {
-  if (dynamic_vbmi_enabled()) {
-    adam_chunk_dynamic_vbmi<G, M, Flags, kRem>(g, p, rem, mref, vref, model, n, scalars, flags);
+  // instantiated per scalars.lerp2_small: read at run time, g++ selected between exp_avg_sq and
+  // g * g through the stack in every step (as in the AVX2 loop below)
+  const bool vbmi = dynamic_vbmi_enabled();
+  if (scalars.lerp2_small) {
+    if (vbmi) {
+      adam_chunk_dynamic_vbmi<G, M, Flags, kRem, true>(g, p, rem, mref, vref, model, n, scalars,
+                                                       flags);
+    } else {
+      adam_chunk_dynamic_words<G, M, Flags, kRem, true>(g, p, rem, mref, vref, model, n,
+                                                        scalars, flags);
+    }
+  } else if (vbmi) {
+    adam_chunk_dynamic_vbmi<G, M, Flags, kRem, false>(g, p, rem, mref, vref, model, n, scalars,
+                                                      flags);
   } else {
-    adam_chunk_dynamic_words<G, M, Flags, kRem>(g, p, rem, mref, vref, model, n, scalars, flags);
+    adam_chunk_dynamic_words<G, M, Flags, kRem, false>(g, p, rem, mref, vref, model, n, scalars,
+                                                       flags);
   }
 }
 #elif defined(CPU_CAPABILITY_AVX2)
