@@ -1186,8 +1186,9 @@ class MixedPrecisionOptimizer(OptimizerWrapper):
         state_of = self.optimizer.state
         dicts = [state_of[m] for m in mains]
         cache = self.__dict__.setdefault("_adam_lists", {})
-        cache[key] = (state_of, mains, dicts, list(map(len, dicts)), exp_avgs, exp_avg_sqs,
-                      steps, [e[1] for e in part], models)
+        cache[key] = (state_of, list(state_of), list(state_of.values()), mains, dicts,
+                      list(map(len, dicts)), exp_avgs, exp_avg_sqs, steps,
+                      [e[1] for e in part], models)
 
     def _cached_adam_lists(self, key, part) -> Optional[tuple]:
         """(mains, exp_avgs, exp_avg_sqs, steps, models) of the last step when nothing they
@@ -1195,18 +1196,22 @@ class MixedPrecisionOptimizer(OptimizerWrapper):
         entry = self.__dict__.get("_adam_lists", {}).get(key)
         if entry is None:
             return None
-        state_of, mains, dicts, sizes, exp_avgs, exp_avg_sqs, steps, sources, models = entry
+        (state_of, keys, values, mains, dicts, sizes, exp_avgs, exp_avg_sqs, steps, sources,
+         models) = entry
         same = _same_objects
         if self.optimizer.state is not state_of or len(part) != len(mains):
             return None
         if not same([e[0] for e in part], mains):
             return None
-        now = list(map(state_of.__getitem__, mains))
-        if not same(now, dicts) or list(map(len, now)) != sizes:
+        # the same keys with the same dicts (no tensor hashed): each main's dict as kept
+        if not (same(state_of, keys) and same(state_of.values(), values)):
+            return None
+        if list(map(len, dicts)) != sizes:
             return None
         try:
-            if not (same(map(_EXP_AVG, now), exp_avgs) and same(map(_EXP_AVG_SQ, now), exp_avg_sqs)
-                    and same(map(_STEP, now), steps)):
+            if not (same(map(_EXP_AVG, dicts), exp_avgs)
+                    and same(map(_EXP_AVG_SQ, dicts), exp_avg_sqs)
+                    and same(map(_STEP, dicts), steps)):
                 return None
         except KeyError:
             return None
@@ -1378,7 +1383,10 @@ class MixedPrecisionOptimizer(OptimizerWrapper):
 
     def _convert_state(self) -> None:
         """Inner Adam state stored in this optimizer's moment dtypes (after a load that may
-        come from another configuration; torch.optim's load casts state to the param dtype)."""
+        come from another configuration; torch.optim's load casts state to the param dtype).
+        Every load calls it: the Adam lists kept from the last step are dropped here, so the
+        state tensors a load replaced are not held until the next step."""
+        self.__dict__.pop("_adam_lists", None)
         if self._fused_kind != "adam":
             return
         for group in self.optimizer.param_groups:
