@@ -100,7 +100,8 @@ void for_each_tensor_arg(const c10::OperatorHandle& op, const torch::jit::Stack*
     if (v.isTensor()) {
       fn(v.toTensor(), written);
     } else if (v.isTensorList()) {
-      for (const at::Tensor& t : v.toTensorList()) fn(t, written);
+      // the list's IValues as they are (iterating a c10::List<at::Tensor> copies each tensor)
+      for (const c10::IValue& e : v.toListRef()) fn(e.toTensor(), written);
     }
   }
 }
