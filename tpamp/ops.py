@@ -764,6 +764,23 @@ def fused_adam_step_(
     lr_tensor, lr_float = _lr_args(lr, device)
     hyper = (float(beta1), float(beta2), float(eps), float(weight_decay),
              bool(decoupled_weight_decay), bool(maximize))
+    kernels = _step_kernels(device, "fused_adam_step_")
+    # The op checks every argument itself (csrc/host/optimizer_step_checks.h) before it writes
+    # anything -- dtypes, devices, dense layouts. In eager mode it is called first: with no
+    # scales and no stochastic rounding the call is the one the checks below would make, and
+    # they run (naming the problem, or taking the PyTorch path for layouts the kernels do not
+    # take) only when it refuses. 1000 tensors: ~100 us of host time a step. While
+    # torch.compile traces, the fake kernel checks nothing: the checks come first.
+    eager = kernels is not None and not torch.compiler.is_compiling()
+    if eager and exp_avg_scales is None and exp_avg_sq_scales is None \
+            and stochastic_rounding is None:
+        try:
+            kernels.fused_adam_step_(
+                params, exp_avgs, exp_avg_sqs, steps, model_params or [], grads, grad_scale,
+                found_inf, lr_tensor, lr_float, *hyper, [], [], None)
+            return
+        except RuntimeError:
+            pass
     dtypes = set(map(_DTYPE_OF, params))
     dtypes.update(map(_DTYPE_OF, exp_avgs))
     dtypes.update(map(_DTYPE_OF, exp_avg_sqs))
@@ -776,13 +793,7 @@ def fused_adam_step_(
         narrow = _check_narrow_state(op, params, exp_avgs, exp_avg_sqs, model_params, scale_lists)
         sr_rows = _stochastic_rounding_rows(op, params, model_params, stochastic_rounding)
     lists = [params, grads, exp_avgs, exp_avg_sqs] + ([model_params] if model_params else [])
-    kernels = _step_kernels(device, "fused_adam_step_")
-    # The op checks every argument itself (csrc/host/optimizer_step_checks.h) before it writes
-    # anything, dense layouts included: in eager mode it is called first, and only when it
-    # refuses are the layouts looked at here (1000 tensors: ~70 us of host time a step) --
-    # tensors it cannot take go to the PyTorch path below, as before; its other errors rise.
-    # While torch.compile traces, the fake kernel checks nothing: the layouts are looked at first.
-    eager = kernels is not None and not torch.compiler.is_compiling()
+    # eager: the layouts are looked at only when the op refuses them (comment above)
     if kernels is not None and (eager or _kernel_layouts_ok(lists)):
         try:
             kernels.fused_adam_step_(
