@@ -126,3 +126,67 @@ def test_wrong_grad_dtype_on_a_later_step_raises_before_any_change():
     for p, m in zip(params, models):
         assert torch.equal(p.detach(), m)
     assert torch.equal(opt.get_loss_scale(), scale)
+
+
+def _adamw_reference(p, g, steps):
+    ref = torch.nn.Parameter(p.detach().double().clone())
+    opt = torch.optim.AdamW([ref], lr=LR, weight_decay=WD)
+    for _ in range(steps):
+        ref.grad = g.double()
+        opt.step()
+    return ref.detach()
+
+
+def test_fused_adam_step_kernel_first_still_falls_back_for_strided_tensors():
+    # ops.fused_adam_step_ calls the kernel before looking at layouts; a strided (not dense)
+    # tensor is refused by it and stepped by the PyTorch path, as before
+    from tpamp import ops
+
+    gen = torch.Generator().manual_seed(3)
+    base = torch.randn(40, generator=gen)
+    p_strided = base.clone()[::2]
+    p_dense = torch.randn(8, generator=gen)
+    grads = [torch.randn(20, generator=gen).half(), torch.randn(8, generator=gen).half()]
+    start = [p_strided.clone(), p_dense.clone()]
+    params = [p_strided, p_dense]
+    m = [torch.zeros_like(p) for p in params]
+    v = [torch.zeros_like(p) for p in params]
+    steps = [torch.zeros(()) for _ in params]
+    with torch.no_grad():
+        ops.fused_adam_step_(params, grads, m, v, steps, lr=LR, beta1=0.9, beta2=0.999,
+                             eps=1e-8, weight_decay=WD, decoupled_weight_decay=True)
+    for p, s, g in zip(params, start, grads):
+        torch.testing.assert_close(p.double(), _adamw_reference(s, g.float(), 1),
+                                   rtol=1e-5, atol=1e-6)
+    assert [float(s) for s in steps] == [1.0, 1.0]
+
+
+def test_fused_adam_step_kernel_first_keeps_the_python_errors():
+    from tpamp import ops
+
+    p = [torch.zeros(4)]
+    g = [torch.ones(4).half()]
+    with pytest.raises(TypeError, match=r"exp_avgs\[0\] has dtype torch.float64"):
+        ops.fused_adam_step_(p, g, [torch.zeros(4, dtype=torch.float64)], [torch.zeros(4)],
+                             [torch.zeros(())], lr=LR, beta1=0.9, beta2=0.999, eps=1e-8,
+                             weight_decay=WD, decoupled_weight_decay=True)
+    with pytest.raises(ValueError, match="scales"):
+        ops.fused_adam_step_(p, g, [torch.zeros(4, dtype=torch.uint8)], [torch.zeros(4)],
+                             [torch.zeros(())], lr=LR, beta1=0.9, beta2=0.999, eps=1e-8,
+                             weight_decay=WD, decoupled_weight_decay=True)
+    assert torch.equal(p[0], torch.zeros(4))
+
+
+def test_grad_stats_kernel_first_keeps_errors_and_strided_grads():
+    from tpamp import ops
+
+    g = torch.arange(12.0)[::3]  # not dense: the PyTorch path
+    h = torch.tensor([3.0, 0.0, -4.0]).half()
+    stats = ops.grad_stats([g, h], norm_type=2.0, count_zeros=True)
+    expect = sum(float(x) ** 2 for x in g) + 25.0
+    assert stats.norm_stat.item() == pytest.approx(expect)
+    assert int(stats.num_zeros) == 2 and float(stats.found_inf) == 0.0
+    with pytest.raises(TypeError, match=r"grads\[1\] has dtype torch.float64"):
+        ops.grad_stats([h, torch.zeros(3, dtype=torch.float64)], norm_type=2.0)
+    with pytest.raises(ValueError, match=r"grads\[1\] is on meta"):
+        ops.grad_stats([h, torch.empty(3, device="meta")], norm_type=2.0)

@@ -1186,6 +1186,8 @@ class MixedPrecisionOptimizer(OptimizerWrapper):
         state_of = self.optimizer.state
         dicts = [state_of[m] for m in mains]
         cache = self.__dict__.setdefault("_adam_lists", {})
+        if len(cache) >= 2 * len(self.optimizer.param_groups):  # parts of groups gone: drop
+            cache.clear()
         cache[key] = (state_of, list(state_of), list(state_of.values()), mains, dicts,
                       list(map(len, dicts)), exp_avgs, exp_avg_sqs, steps,
                       [e[1] for e in part], models)
