@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import operator
 import threading
 from typing import Dict, Iterator, List, NamedTuple, Optional, Sequence, Tuple
 
@@ -233,6 +234,10 @@ def grad_stats(
         :class:`GradStats`, all on the grads' device; nothing is read on the host.
     """
     grads = list(grads)
+    if out is None and not per_tensor_norms and grads:
+        stats = _grad_stats_kernel_first(grads, scale, norm_mask, norm_type, count_zeros)
+        if stats is not None:
+            return stats
     _check_list("grads", grads)
     if out is not None:
         out = list(out)
@@ -274,6 +279,48 @@ def grad_stats(
         grads, out, scale, norm_mask, norm_type, count_zeros, per_tensor_norms, check_finite,
         device, scale_at_most_one,
     )
+
+
+_DTYPE_OF = operator.attrgetter("dtype")
+_DEVICE_OF = operator.attrgetter("device")
+
+
+def _grad_stats_kernel_first(grads, scale, norm_mask, norm_type, count_zeros):
+    """The usual call of :func:`grad_stats` (no out, no per-tensor norms, the kernels built, in
+    eager mode) straight to the kernel, which checks every tensor itself (one device, float
+    dtypes, dense layouts) before it reads or writes anything: ~50 us of host time a step for
+    200 grads. None when this call is not such a call or the kernel refuses it: then the full
+    path runs as before (its own checks and errors, the PyTorch path for what the kernels
+    cannot take)."""
+    if norm_type not in (None, 2.0, math.inf) or torch.compiler.is_compiling():
+        return None
+    if norm_mask is None:
+        mask = [True] * len(grads)
+    else:
+        mask = list(map(bool, norm_mask))
+        if len(mask) != len(grads):
+            return None
+    if scale is not None and not (isinstance(scale, Tensor) and scale.numel() == 1
+                                  and scale.dtype == torch.float32):
+        return None
+    # one device (a tensor elsewhere could send the call to another key's kernel, e.g. the
+    # meta one, which checks nothing): the full path names the tensor elsewhere
+    try:
+        devices = set(map(_DEVICE_OF, grads))
+    except AttributeError:  # not a tensor: the full path's TypeError
+        return None
+    if len(devices) != 1 or (scale is not None and scale.device not in devices):
+        return None
+    kernels = _kernels(next(iter(devices)))
+    if kernels is None:
+        return None
+    try:
+        found_inf, sumsq, amax, zeros, _ = kernels.grad_stats_(
+            grads, scale, mask, bool(count_zeros), False)
+    except (RuntimeError, TypeError):
+        return None
+    stat = None if norm_type is None else (amax if norm_type == math.inf else sumsq)
+    return GradStats(found_inf, stat, zeros if count_zeros else None, None)
 
 
 def _grad_stats_torch(
@@ -717,9 +764,26 @@ def fused_adam_step_(
     lr_tensor, lr_float = _lr_args(lr, device)
     hyper = (float(beta1), float(beta2), float(eps), float(weight_decay),
              bool(decoupled_weight_decay), bool(maximize))
-    dtypes = {t.dtype for t in exp_avgs}
-    dtypes.update(t.dtype for t in exp_avg_sqs)
-    dtypes.update(p.dtype for p in params)
+    kernels = _step_kernels(device, "fused_adam_step_")
+    # The op checks every argument itself (csrc/host/optimizer_step_checks.h) before it writes
+    # anything -- dtypes, devices, dense layouts. In eager mode it is called first: with no
+    # scales and no stochastic rounding the call is the one the checks below would make, and
+    # they run (naming the problem, or taking the PyTorch path for layouts the kernels do not
+    # take) only when it refuses. 1000 tensors: ~100 us of host time a step. While
+    # torch.compile traces, the fake kernel checks nothing: the checks come first.
+    eager = kernels is not None and not torch.compiler.is_compiling()
+    if eager and exp_avg_scales is None and exp_avg_sq_scales is None \
+            and stochastic_rounding is None:
+        try:
+            kernels.fused_adam_step_(
+                params, exp_avgs, exp_avg_sqs, steps, model_params or [], grads, grad_scale,
+                found_inf, lr_tensor, lr_float, *hyper, [], [], None)
+            return
+        except RuntimeError:
+            pass
+    dtypes = set(map(_DTYPE_OF, params))
+    dtypes.update(map(_DTYPE_OF, exp_avgs))
+    dtypes.update(map(_DTYPE_OF, exp_avg_sqs))
     if dtypes == _FP32_ONLY and stochastic_rounding is None:
         # fp32 mains and moments: no narrow state, no scales, no bf16 param (fast path)
         scale_lists, narrow, sr_rows = [[], []], False, None
@@ -729,15 +793,18 @@ def fused_adam_step_(
         narrow = _check_narrow_state(op, params, exp_avgs, exp_avg_sqs, model_params, scale_lists)
         sr_rows = _stochastic_rounding_rows(op, params, model_params, stochastic_rounding)
     lists = [params, grads, exp_avgs, exp_avg_sqs] + ([model_params] if model_params else [])
-    kernels = _step_kernels(device, "fused_adam_step_")
-    if kernels is not None and _kernel_layouts_ok(lists):
-        # the op checks every argument itself (csrc/host/optimizer_step_checks.h)
-        kernels.fused_adam_step_(
-            params, exp_avgs, exp_avg_sqs, steps, model_params or [], grads, grad_scale,
-            found_inf, lr_tensor, lr_float, *hyper, *scale_lists,
-            _stochastic_rounding_tensor(sr_rows, device),
-        )
-        return
+    # eager: the layouts are looked at only when the op refuses them (comment above)
+    if kernels is not None and (eager or _kernel_layouts_ok(lists)):
+        try:
+            kernels.fused_adam_step_(
+                params, exp_avgs, exp_avg_sqs, steps, model_params or [], grads, grad_scale,
+                found_inf, lr_tensor, lr_float, *hyper, *scale_lists,
+                _stochastic_rounding_tensor(sr_rows, device),
+            )
+            return
+        except RuntimeError:
+            if not eager or _kernel_layouts_ok(lists):
+                raise
     if narrow:
         _check_step_lists(op, [_master_like(p) for p in params], grads, model_params,
                           exp_avgs=[_master_like(m) for m in exp_avgs],

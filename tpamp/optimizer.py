@@ -20,6 +20,7 @@ from __future__ import annotations
 import functools
 import math
 import numbers
+import operator
 from dataclasses import dataclass
 from typing import Dict, List, NamedTuple, Optional
 
@@ -600,20 +601,31 @@ class MixedPrecisionOptimizer(OptimizerWrapper):
         ``.grad``. The step guard (tpamp._validation.guard_step) checks their shape, dtype and
         device before the step changes anything, and that one changed since the last step."""
         out = []
-        for gi, (pairs, fp32s) in enumerate(zip(self._half_pairs, self._fp32_params)):
-            for i, (model, _) in enumerate(pairs):
-                grad = getattr(model, "main_grad", None)
-                if grad is None:
-                    grad = model.grad
-                if grad is not None:
-                    out.append((_source_name(model.dtype, i, gi), model, grad))
-            for i, p in enumerate(fp32s):
-                grad = getattr(p, "main_grad", None)
-                if grad is None:
-                    grad = p.grad
-                if grad is not None:
-                    out.append((_source_name(None, i, gi), p, grad))
+        append = out.append
+        for name, model in self._step_rows()[0]:
+            grad = getattr(model, "main_grad", None)
+            if grad is None:
+                grad = model.grad
+            if grad is not None:
+                append((name, model, grad))
         return out
+
+    def _step_rows(self) -> tuple:
+        """What every step walks, made once (the params are fixed after construction: the step
+        guard refuses changed param groups): ([(source name, model param)] in the order of
+        :meth:`grad_sources`, and per param group ([(main, model, counts toward the norm)] of
+        its fp16/bf16 params, [(param, counts)] of its fp32 params))."""
+        rows = self.__dict__.get("_rows_cache")
+        if rows is None or rows[0] is not self._half_pairs or rows[1] is not self._fp32_params:
+            sources, groups = [], []
+            for gi, (pairs, fp32s) in enumerate(zip(self._half_pairs, self._fp32_params)):
+                sources += [(_source_name(model.dtype, i, gi), model)
+                            for i, (model, _) in enumerate(pairs)]
+                sources += [(_source_name(None, i, gi), p) for i, p in enumerate(fp32s)]
+                groups.append(([(main, model, self._counts(main)) for model, main in pairs],
+                               [(p, self._counts(p)) for p in fp32s]))
+            rows = self._rows_cache = (self._half_pairs, self._fp32_params, (sources, groups))
+        return rows[2]
 
     def param_group_indices(self) -> Dict[int, int]:
         """id(model param) -> index of the inner optimizer's param group that steps it (through
@@ -842,27 +854,33 @@ class MixedPrecisionOptimizer(OptimizerWrapper):
         """Step 1 of the one-pass path: per param group, (main param, model param or None for
         an fp32 param, local grad, counts toward the norm) for every param with a gradient;
         nothing is copied, no fp32 main grad is made."""
-        entries = []
-        for pairs, fp32s in zip(self._half_pairs, self._fp32_params):
+        entries, grads, mask, mains = [], [], [], []
+        plain = torch.Tensor
+        for half_rows, fp32_rows in self._step_rows()[1]:
             group = []
-            for model, main in pairs:
-                main.grad = None
+            for main, model, counts in half_rows:
+                if main.grad is not None:
+                    main.grad = None
                 grad = getattr(model, "main_grad", None)  # _model_grad, a plain grad inline
                 if grad is None:
                     grad = model.grad
                 if grad is not None:
-                    if type(grad) is not torch.Tensor:  # a DTensor (or a subclass): placed
+                    if type(grad) is not plain:  # a DTensor (or a subclass): placed
                         grad = local_tensor(_placed_like(grad, model))
-                    group.append((main, model, grad, self._counts(main)))
-            for p in fp32s:
+                    group.append((main, model, grad, counts))
+                    grads.append(grad)
+                    mask.append(counts)
+                    mains.append(main)
+            for p, counts in fp32_rows:
                 grad = _model_grad(p)
                 if grad is not None:
-                    mask = self._counts(p)
-                    group.append((p, None, local_tensor(_fp32_grad(grad, p)), mask))
+                    grad = local_tensor(_fp32_grad(grad, p))
+                    group.append((p, None, grad, counts))
+                    grads.append(grad)
+                    mask.append(counts)
+                    mains.append(p)
             entries.append(group)
-        flat = [e for group in entries for e in group]
-        return StepGrads(True, scale, [e[2] for e in flat], [e[3] for e in flat],
-                          [e[0] for e in flat], entries=entries)
+        return StepGrads(True, scale, grads, mask, mains, entries=entries)
 
     def _nonfinite_grads(self, grads: StepGrads):
         """(names, local gradients) counted for ``last_nonfinite`` after a step with
@@ -1071,6 +1089,12 @@ class MixedPrecisionOptimizer(OptimizerWrapper):
         # tensors of torch.optim's layout takes the short branch below (no remainder, no
         # stochastic rounding, no 8-bit scales, not a DTensor); everything else the full one
         plain = not narrow and not remainders and sr_rows is None
+        key = (id(group), part[0][1] is None)
+        lists = self._cached_adam_lists(key, part) if plain else None
+        if lists is not None:  # the same params, state and tensors as the last step
+            self._adam_kernel(group, part, *lists, None, None, None, grad_scale, found_inf)
+            return
+        short = 0  # entries that took the short branch
         for main, _, _, _ in part:
             state = state_of[main]
             if plain and state and type(main) in _PLAIN_TENSORS:
@@ -1086,6 +1110,7 @@ class MixedPrecisionOptimizer(OptimizerWrapper):
                     exp_avgs.append(m_t)
                     exp_avg_sqs.append(v_t)
                     steps.append(step_t)
+                    short += 1
                     continue
             rem = rem_of(id(main))
             local = rem if rem is not None else local_tensor(main)  # what the kernel steps
@@ -1129,18 +1154,72 @@ class MixedPrecisionOptimizer(OptimizerWrapper):
         models = [local_tensor(e[1]) for e in part] if part[0][1] is not None else None
         if sr_rows is not None:
             models = None  # the bf16 params are stepped in place
+        if plain and short == len(part) and (models is None or all(
+                type(m) is torch.Tensor or type(m) is torch.nn.Parameter for m in models)):
+            self._keep_adam_lists(key, part, mains, exp_avgs, exp_avg_sqs, steps, models)
+        self._adam_kernel(group, part, mains, exp_avgs, exp_avg_sqs, steps, models,
+                          m_scales if narrow else None, v_scales if narrow else None, sr_rows,
+                          grad_scale, found_inf)
+
+    def _adam_kernel(self, group, part, mains, exp_avgs, exp_avg_sqs, steps, models, m_scales,
+                     v_scales, sr_rows, grad_scale, found_inf) -> None:
+        """One ``ops.fused_adam_step_`` call over one part of a param group."""
         beta1, beta2 = group["betas"]
         ops.fused_adam_step_(
             mains, [e[2] for e in part], exp_avgs, exp_avg_sqs, steps,
-            exp_avg_scales=m_scales if narrow else None,
-            exp_avg_sq_scales=v_scales if narrow else None, stochastic_rounding=sr_rows,
+            exp_avg_scales=m_scales, exp_avg_sq_scales=v_scales, stochastic_rounding=sr_rows,
             model_params=models, grad_scale=grad_scale, found_inf=found_inf,
             lr=group["lr"], beta1=beta1, beta2=beta2, eps=group["eps"],
             weight_decay=group["weight_decay"],
             decoupled_weight_decay=group.get("decoupled_weight_decay", False)
-            or isinstance(inner, torch.optim.AdamW),
+            or isinstance(self.optimizer, torch.optim.AdamW),
             maximize=group["maximize"],
         )
+
+    # The fp32-state lists of the last step, per (param group, part): a step over the same
+    # params whose state holds the same dicts of the same sizes with the same tensors
+    # (compared by identity, a few C-level passes) reuses them instead of looking at each
+    # param's state again; anything else -- a load (new state dict), a state or tensor
+    # replaced, a conversion, new params -- takes the full loop, which rebuilds them.
+
+    def _keep_adam_lists(self, key, part, mains, exp_avgs, exp_avg_sqs, steps, models) -> None:
+        state_of = self.optimizer.state
+        dicts = [state_of[m] for m in mains]
+        cache = self.__dict__.setdefault("_adam_lists", {})
+        if len(cache) >= 2 * len(self.optimizer.param_groups):  # parts of groups gone: drop
+            cache.clear()
+        cache[key] = (state_of, list(state_of), list(state_of.values()), mains, dicts,
+                      list(map(len, dicts)), exp_avgs, exp_avg_sqs, steps,
+                      [e[1] for e in part], models)
+
+    def _cached_adam_lists(self, key, part) -> Optional[tuple]:
+        """(mains, exp_avgs, exp_avg_sqs, steps, models) of the last step when nothing they
+        were built from changed (the comment above), else None."""
+        entry = self.__dict__.get("_adam_lists", {}).get(key)
+        if entry is None:
+            return None
+        (state_of, keys, values, mains, dicts, sizes, exp_avgs, exp_avg_sqs, steps, sources,
+         models) = entry
+        same = _same_objects
+        if self.optimizer.state is not state_of or len(part) != len(mains):
+            return None
+        if not same([e[0] for e in part], mains):
+            return None
+        # the same keys with the same dicts (no tensor hashed): each main's dict as kept
+        if not (same(state_of, keys) and same(state_of.values(), values)):
+            return None
+        if list(map(len, dicts)) != sizes:
+            return None
+        try:
+            if not (same(map(_EXP_AVG, dicts), exp_avgs)
+                    and same(map(_EXP_AVG_SQ, dicts), exp_avg_sqs)
+                    and same(map(_STEP, dicts), steps)):
+                return None
+        except KeyError:
+            return None
+        if models is not None and not same([e[1] for e in part], sources):
+            return None
+        return mains, exp_avgs, exp_avg_sqs, steps, models
 
     def _fused_sgd(self, group, part, grad_scale, found_inf):
         inner = self.optimizer
@@ -1306,7 +1385,10 @@ class MixedPrecisionOptimizer(OptimizerWrapper):
 
     def _convert_state(self) -> None:
         """Inner Adam state stored in this optimizer's moment dtypes (after a load that may
-        come from another configuration; torch.optim's load casts state to the param dtype)."""
+        come from another configuration; torch.optim's load casts state to the param dtype).
+        Every load calls it: the Adam lists kept from the last step are dropped here, so the
+        state tensors a load replaced are not held until the next step."""
+        self.__dict__.pop("_adam_lists", None)
         if self._fused_kind != "adam":
             return
         for group in self.optimizer.param_groups:
@@ -1615,6 +1697,15 @@ def _fused_group_supported(kind: str, group: dict) -> bool:
 
 # the classes of a plain (not DTensor) main param: _fused_adam's short branch
 _PLAIN_TENSORS = (torch.Tensor, torch.nn.Parameter)
+_EXP_AVG = operator.itemgetter("exp_avg")
+_EXP_AVG_SQ = operator.itemgetter("exp_avg_sq")
+_STEP = operator.itemgetter("step")
+
+
+def _same_objects(a, b) -> bool:
+    """Whether the iterables a and b hold the very same objects in the same order (b a list)."""
+    a = list(a)
+    return len(a) == len(b) and all(map(operator.is_, a, b))
 
 
 def _scalar_dtype() -> torch.dtype:

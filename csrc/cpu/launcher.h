@@ -48,15 +48,21 @@ inline ChunkPlan plan_chunks(const std::vector<int64_t>& numels) {
   return p;
 }
 
-// Whether a plan runs on the calling thread: no chunk, one chunk, or two of less than one
-// chunk's worth together (lists of less than about two chunks' worth).
+// Whether a plan runs on the calling thread: no chunk, one chunk, or any number of chunks of
+// less than one chunk's worth together (e.g. 200 small tensors: waking the intra-op threads
+// for them costs more than their elements; each slot's results are the same either way).
 inline bool runs_serially(const ChunkPlan& plan) {
-  const size_t slots = plan.chunks.size();
-  return slots <= 1 || (slots == 2 && plan.chunks[0].n + plan.chunks[1].n < kChunkSize);
+  if (plan.chunks.size() <= 1) return true;
+  int64_t total = 0;
+  for (const Chunk& c : plan.chunks) {
+    total += c.n;
+    if (total >= kChunkSize) return false;
+  }
+  return true;
 }
 
 // f(slot, chunk) for every chunk, in parallel. f must only write its own slot's results and its
-// chunk's elements. Lists of less than about two chunks' worth run on the calling thread
+// chunk's elements. Lists of less than one chunk's worth run on the calling thread
 // (runs_serially).
 template <typename F>
 void for_each_chunk(const ChunkPlan& plan, const F& f) {
