@@ -597,6 +597,21 @@ inline __attribute__((always_inline)) void store_split(int16_t* rp, void* modelp
 #endif
 }
 
+// The grads whose all-16-bit loops run in the unpacked lane order on AVX2 (adam_chunk_unpacked,
+// defined with its reasons below the stochastic rounding's loop)
+#if defined(CPU_CAPABILITY_AVX2)
+template <typename G>
+constexpr bool kUnpackedGrads = std::is_same_v<G, float> || std::is_same_v<G, at::BFloat16>;
+#else
+template <typename G>
+constexpr bool kUnpackedGrads = false;
+#endif
+template <typename G, typename P, typename Flags>
+inline __attribute__((always_inline)) void adam_chunk_unpacked(
+    const G* __restrict g, P* __restrict param, uint16_t* __restrict m, uint16_t* __restrict v,
+    at::BFloat16* __restrict model, int64_t n, const AdamScalars& scalars, Flags flags,
+    uint32_t lo0 = 0, uint32_t salt = 0);
+
 // The update of one chunk with bf16 moments m, v (bits) and either fp32 masters p (kRem false)
 // or bf16 model params with int16 remainders rem (kRem true, M = at::BFloat16).
 template <typename G, typename M, typename Flags, bool kRem>
@@ -608,6 +623,13 @@ __attribute__((noinline)) void adam_chunk_bf16(const G* __restrict g, float* __r
   using L = Lanes32;
   constexpr bool kModel = !std::is_same_v<M, NoModel>;
   static_assert(!kRem || std::is_same_v<M, at::BFloat16>, "remainders go with bf16 params");
+  if constexpr (kUnpackedGrads<G> && std::is_same_v<M, at::BFloat16>) {
+    if constexpr (kRem) {
+      return adam_chunk_unpacked(g, rem, m, v, model, n, scalars, flags);
+    } else {
+      return adam_chunk_unpacked(g, p, m, v, model, n, scalars, flags);
+    }
+  }
   const AdamScalars s = scalars;  // in registers (see adam_chunk)
   auto step = [&](const G* gp, float* pp, int16_t* rp, uint16_t* mp, uint16_t* vp, M* modelp) {
     FVec g0, g1, p0, p1, m0, m1, v0, v1;
@@ -1267,6 +1289,9 @@ __attribute__((noinline)) void adam_chunk_bf16_sr(const G* __restrict g,
   using L = Lanes32;
   static_assert(std::is_same_v<S, uint16_t> || std::is_same_v<S, float>, "bf16 or fp32 moments");
   constexpr bool kBf16Moments = std::is_same_v<S, uint16_t>;
+  if constexpr (kUnpackedGrads<G> && kBf16Moments) {
+    return adam_chunk_unpacked(g, param, m, v, nullptr, n, scalars, flags, lo0, salt);
+  }
   const AdamScalars s = scalars;  // in registers (see adam_chunk)
   const L::I vsalt = L::set1(salt);
   const L::I iota = SrLanes::iota();
@@ -1332,18 +1357,16 @@ void adam_chunk_bf16_sr(const G* g, uint16_t* param, S* m, S* v, int64_t n,
 
 // -- AVX2: the all-16-bit loops in the unpacked lane order --------------------------------------
 //
-// adam_chunk_bf16 with remainders and adam_chunk_bf16_sr with bf16 moments, for bf16 or float32
-// grads, on AVX2: every 16-bit array of a 16-element step (bf16 moments, param, remainders) is
-// widened from one 256-bit load by vpunpck{l,h}wd and narrowed by one vpackusdw, so the lanes
-// of the step's two float registers hold elements 0-3, 8-11 (register 0) and 4-7, 12-15
-// (register 1); the float32 grads are loaded in that order (two 128-bit halves a register). No
-// lane-crossing permute and no shift to widen: fewer instructions per element than the
-// in-order loops, whose vpmovzxwd loads and vpermq stores this loop spends on. The arithmetic
-// per element is theirs (the same functions lane for lane), so are the bits; the stochastic
-// rounding's random bits take each lane's own index.
+// adam_chunk_bf16 with bf16 model params and adam_chunk_bf16_sr with bf16 moments, for bf16 or
+// float32 grads (kUnpackedGrads), on AVX2, where they call adam_chunk_unpacked: every 16-bit array
+// of a 16-element step (bf16 moments, param, remainders) is widened from one 256-bit load by
+// vpunpck{l,h}wd and narrowed by one vpackusdw, so the lanes of the step's two float registers hold
+// elements 0-3, 8-11 (register 0) and 4-7, 12-15 (register 1); the float32 grads are loaded in that
+// order (two 128-bit halves a register). No lane-crossing permute and no shift to widen: fewer
+// instructions per element than the in-order loops, whose vpmovzxwd loads and vpermq stores this
+// loop spends on. The arithmetic per element is theirs (the same functions lane for lane), so are
+// the bits; the stochastic rounding's random bits take each lane's own index.
 #if defined(CPU_CAPABILITY_AVX2)
-constexpr bool kUnpackedPass = true;
-
 struct Unpacked {
   using I = __m256i;
   static inline __attribute__((always_inline)) I load(const void* p) {
@@ -1400,181 +1423,120 @@ struct Unpacked {
     store_low16(mp, bf16_rne_bits(m0), bf16_rne_bits(m1));
     store_low16(vp, bf16_rne_bits(v0), bf16_rne_bits(v1));
   }
-};
-
-// adam_chunk_bf16<G, at::BFloat16, Flags, true> in the unpacked order
-template <typename G, typename Flags>
-__attribute__((noinline)) void adam_chunk_bf16_rem_unpacked(
-    const G* __restrict g, int16_t* __restrict rem, uint16_t* __restrict m,
-    uint16_t* __restrict v, at::BFloat16* __restrict model, int64_t n,
-    const AdamScalars& scalars, Flags flags) {
-  using U = Unpacked;
-  const AdamScalars s = scalars;  // in registers (see adam_chunk)
-  auto step = [&](const G* gp, int16_t* rp, uint16_t* mp, uint16_t* vp, at::BFloat16* modelp)
-                  __attribute__((always_inline)) {
-    FVec g0, g1, p0, p1, m0, m1, v0, v1;
-    U::load_grad(gp, g0, g1);
-    U::load_join(modelp, rp, p0, p1);
-    U::load_bf16(mp, m0, m1);
-    U::load_bf16(vp, v0, v1);
-    adam_element_flags<FVec>(p0, m0, v0, g0, s, flags);
-    adam_element_flags<FVec>(p1, m1, v1, g1, s, flags);
-    U::store_moments(mp, m0, m1, vp, v0, v1);
-    // split_remainder: the low halves, and (u + 0x8000) >> 16
-    const U::I u0 = _mm256_castps_si256(p0), u1 = _mm256_castps_si256(p1);
-    const U::I half = _mm256_set1_epi32(0x8000);
-    U::store_low16(rp, u0, u1);
-    U::store_high16(modelp, _mm256_add_epi32(u0, half), _mm256_add_epi32(u1, half));
-  };
-  int64_t i = 0;
-  for (; i + kVecStep <= n; i += kVecStep) step(g + i, rem + i, m + i, v + i, model + i);
-  if (i < n) {  // through zero-padded copies, as adam_chunk
-    const int64_t r = n - i;
-    Tail<G> tg;
-    Tail<int16_t> trem;
-    Tail<uint16_t> tm, tv;
-    Tail<at::BFloat16> tmodel;
-    tg.in(g + i, r);
-    trem.in(rem + i, r);
-    tm.in(m + i, r);
-    tv.in(v + i, r);
-    tmodel.in(model + i, r);
-    step(tg.buf, trem.buf, tm.buf, tv.buf, tmodel.buf);
-    trem.out(rem + i, r);
-    tm.out(m + i, r);
-    tv.out(v + i, r);
-    tmodel.out(model + i, r);
-  }
-}
-
-// adam_chunk_bf16<G, at::BFloat16, Flags, false> (float32 masters, bf16 model params) in the
-// unpacked order: the masters loaded and stored in 128-bit halves
-template <typename G, typename Flags>
-__attribute__((noinline)) void adam_chunk_bf16_unpacked(const G* __restrict g,
-                                                        float* __restrict p,
-                                                        uint16_t* __restrict m,
-                                                        uint16_t* __restrict v,
-                                                        at::BFloat16* __restrict model, int64_t n,
-                                                        const AdamScalars& scalars, Flags flags) {
-  using U = Unpacked;
-  const AdamScalars s = scalars;  // in registers (see adam_chunk)
-  auto step = [&](const G* gp, float* pp, uint16_t* mp, uint16_t* vp, at::BFloat16* modelp)
-                  __attribute__((always_inline)) {
-    FVec g0, g1, p0, p1, m0, m1, v0, v1;
-    U::load_grad(gp, g0, g1);
-    U::load_grad(static_cast<const float*>(pp), p0, p1);
-    U::load_bf16(mp, m0, m1);
-    U::load_bf16(vp, v0, v1);
-    adam_element_flags<FVec>(p0, m0, v0, g0, s, flags);
-    adam_element_flags<FVec>(p1, m1, v1, g1, s, flags);
-    U::store_moments(mp, m0, m1, vp, v0, v1);
+  // the float32 masters p0, p1 at pp (in 128-bit halves: element order again) and their bf16 at
+  // modelp as at::vec's float32 -> bf16 (VecIO<at::BFloat16>::store): round to nearest even,
+  // NaN 0xffff
+  static inline __attribute__((always_inline)) void store_master(float* pp, void* modelp,
+                                                                 const FVec& p0, const FVec& p1) {
     _mm256_storeu2_m128(pp + 8, pp, p0);
     _mm256_storeu2_m128(pp + 12, pp + 4, p1);
-    // at::vec's float32 -> bf16 (VecIO<at::BFloat16>::store): round to nearest even, NaN 0xffff
     if (__builtin_expect(none_of(_mm256_cmp_ps(p0, p1, _CMP_UNORD_Q)), 1)) {
-      U::store_high16(modelp, bf16_rne_high(p0), bf16_rne_high(p1));
-    } else {
-      const U::I nan = _mm256_set1_epi32(0xffff);
-      auto bits = [&](const FVec& x) {
-        return _mm256_blendv_epi8(nan, _mm256_srli_epi32(bf16_rne_high(x), 16),
-                                  _mm256_castps_si256(_mm256_cmp_ps(x, x, _CMP_ORD_Q)));
-      };
-      U::store_low16(modelp, bits(p0), bits(p1));
+      store_high16(modelp, bf16_rne_high(p0), bf16_rne_high(p1));
+      return;
     }
-  };
-  int64_t i = 0;
-  for (; i + kVecStep <= n; i += kVecStep) step(g + i, p + i, m + i, v + i, model + i);
-  if (i < n) {  // through zero-padded copies, as adam_chunk
-    const int64_t r = n - i;
-    Tail<G> tg;
-    Tail<float> tp;
-    Tail<uint16_t> tm, tv;
-    Tail<at::BFloat16> tmodel;
-    tg.in(g + i, r);
-    tp.in(p + i, r);
-    tm.in(m + i, r);
-    tv.in(v + i, r);
-    step(tg.buf, tp.buf, tm.buf, tv.buf, tmodel.buf);
-    tp.out(p + i, r);
-    tm.out(m + i, r);
-    tv.out(v + i, r);
-    tmodel.out(model + i, r);
+    const I nan = _mm256_set1_epi32(0xffff);
+    auto bits = [&](const FVec& x) {
+      return _mm256_blendv_epi8(nan, _mm256_srli_epi32(bf16_rne_high(x), 16),
+                                _mm256_castps_si256(_mm256_cmp_ps(x, x, _CMP_ORD_Q)));
+    };
+    store_low16(modelp, bits(p0), bits(p1));
   }
-}
+  // split_remainder of p0, p1: the low halves at rp, and (u + 0x8000) >> 16 at modelp
+  static inline __attribute__((always_inline)) void store_split(void* rp, void* modelp,
+                                                                const FVec& p0, const FVec& p1) {
+    const I u0 = _mm256_castps_si256(p0), u1 = _mm256_castps_si256(p1);
+    const I half = _mm256_set1_epi32(0x8000);
+    store_low16(rp, u0, u1);
+    store_high16(modelp, _mm256_add_epi32(u0, half), _mm256_add_epi32(u1, half));
+  }
+  // store_bf16_sr's test and bits: float_to_bf16_sr_bits of p0, p1 with the random bits r0, r1
+  static inline __attribute__((always_inline)) void store_sr(void* pp, const FVec& p0,
+                                                             const FVec& p1, I r0, I r1) {
+    const I u0 = _mm256_castps_si256(p0), u1 = _mm256_castps_si256(p1);
+    const I magnitude = _mm256_set1_epi32(0x7fffffff);
+    const I a = _mm256_max_epi32(_mm256_and_si256(u0, magnitude), _mm256_and_si256(u1, magnitude));
+    if (__builtin_expect(_mm256_movemask_ps(_mm256_castsi256_ps(_mm256_cmpgt_epi32(
+                             a, _mm256_set1_epi32(0x7f7effff)))) == 0,
+                         1)) {
+      store_high16(pp, _mm256_add_epi32(u0, r0), _mm256_add_epi32(u1, r1));
+      return;
+    }
+    store_low16(pp, bf16_sr_bits(p0, r0), bf16_sr_bits(p1, r1));
+  }
+};
 
-// adam_chunk_bf16_sr<G, Flags, uint16_t> in the unpacked order
-template <typename G, typename Flags>
-__attribute__((noinline)) void adam_chunk_bf16_sr_unpacked(
-    const G* __restrict g, uint16_t* __restrict param, uint16_t* __restrict m,
-    uint16_t* __restrict v, int64_t n, const AdamScalars& scalars, Flags flags, uint32_t lo0,
-    uint32_t salt) {
+// The update of one chunk with bf16 moments m, v (bits) in the unpacked order; P, the param's
+// storage, picks the rest, each the twin of an in-order loop above (which calls this one):
+//   float     float32 masters param, bf16 model params model: adam_chunk_bf16, kRem false
+//   int16_t   remainders param of the bf16 params model: adam_chunk_bf16, kRem true
+//   uint16_t  bf16 params param (bits) written with stochastic rounding, the random bits of
+//             the low index words lo0 + i and salt (model unused): adam_chunk_bf16_sr
+template <typename G, typename P, typename Flags>
+inline __attribute__((always_inline)) void adam_chunk_unpacked(
+    const G* __restrict g, P* __restrict param, uint16_t* __restrict m, uint16_t* __restrict v,
+    at::BFloat16* __restrict model, int64_t n, const AdamScalars& scalars, Flags flags,
+    uint32_t lo0, uint32_t salt) {
   using U = Unpacked;
+  constexpr bool kRem = std::is_same_v<P, int16_t>;
+  constexpr bool kSr = std::is_same_v<P, uint16_t>;
+  static_assert(kRem || kSr || std::is_same_v<P, float>, "masters, remainders or bf16 params");
   const AdamScalars s = scalars;  // in registers (see adam_chunk)
+  // kSr: the salt, and the low index words of the lanes: lo0 + i + (0-3, 8-11) and (4-7, 12-15)
   const U::I vsalt = _mm256_set1_epi32(static_cast<int>(salt));
-  // the low index words of the lanes: lo0 + i + (0-3, 8-11) and (4-7, 12-15)
   U::I lanes0 = _mm256_add_epi32(_mm256_set1_epi32(static_cast<int>(lo0)),
                                  _mm256_setr_epi32(0, 1, 2, 3, 8, 9, 10, 11));
   U::I lanes1 = _mm256_add_epi32(lanes0, _mm256_set1_epi32(4));
   const U::I advance = _mm256_set1_epi32(static_cast<int>(kVecStep));
-  auto step = [&](const G* gp, uint16_t* pp, uint16_t* mp, uint16_t* vp)
+  auto step = [&](const G* gp, P* pp, uint16_t* mp, uint16_t* vp, at::BFloat16* modelp)
                   __attribute__((always_inline)) {
     FVec g0, g1, p0, p1, m0, m1, v0, v1;
     U::load_grad(gp, g0, g1);
-    U::load_bf16(pp, p0, p1);
+    if constexpr (kRem) {
+      U::load_join(modelp, pp, p0, p1);
+    } else if constexpr (kSr) {
+      U::load_bf16(pp, p0, p1);
+    } else {
+      U::load_grad(pp, p0, p1);
+    }
     U::load_bf16(mp, m0, m1);
     U::load_bf16(vp, v0, v1);
     adam_element_flags<FVec>(p0, m0, v0, g0, s, flags);
     adam_element_flags<FVec>(p1, m1, v1, g1, s, flags);
     U::store_moments(mp, m0, m1, vp, v0, v1);
-    const U::I r0 = sr_bits_lanes(lanes0, vsalt), r1 = sr_bits_lanes(lanes1, vsalt);
-    // store_bf16_sr's test and bits
-    const U::I u0 = _mm256_castps_si256(p0), u1 = _mm256_castps_si256(p1);
-    const U::I magnitude = _mm256_set1_epi32(0x7fffffff);
-    const U::I a = _mm256_max_epi32(_mm256_and_si256(u0, magnitude),
-                                    _mm256_and_si256(u1, magnitude));
-    if (__builtin_expect(_mm256_movemask_ps(_mm256_castsi256_ps(_mm256_cmpgt_epi32(
-                             a, _mm256_set1_epi32(0x7f7effff)))) == 0,
-                         1)) {
-      U::store_high16(pp, _mm256_add_epi32(u0, r0), _mm256_add_epi32(u1, r1));
+    if constexpr (kRem) {
+      U::store_split(pp, modelp, p0, p1);
+    } else if constexpr (kSr) {
+      U::store_sr(pp, p0, p1, sr_bits_lanes(lanes0, vsalt), sr_bits_lanes(lanes1, vsalt));
     } else {
-      U::store_low16(pp, bf16_sr_bits(p0, r0), bf16_sr_bits(p1, r1));
+      U::store_master(pp, modelp, p0, p1);
     }
   };
   int64_t i = 0;
   for (; i + kVecStep <= n; i += kVecStep) {
-    step(g + i, param + i, m + i, v + i);
-    lanes0 = _mm256_add_epi32(lanes0, advance);
-    lanes1 = _mm256_add_epi32(lanes1, advance);
+    step(g + i, param + i, m + i, v + i, kSr ? nullptr : model + i);
+    if constexpr (kSr) {
+      lanes0 = _mm256_add_epi32(lanes0, advance);
+      lanes1 = _mm256_add_epi32(lanes1, advance);
+    }
   }
   if (i < n) {  // through zero-padded copies, as adam_chunk
     const int64_t r = n - i;
     Tail<G> tg;
-    Tail<uint16_t> tp, tm, tv;
+    Tail<P> tp;
+    Tail<uint16_t> tm, tv;
+    Tail<at::BFloat16> tmodel;  // read in with remainders, written out but with kSr
     tg.in(g + i, r);
     tp.in(param + i, r);
     tm.in(m + i, r);
     tv.in(v + i, r);
-    step(tg.buf, tp.buf, tm.buf, tv.buf);
+    if constexpr (kRem) tmodel.in(model + i, r);
+    step(tg.buf, tp.buf, tm.buf, tv.buf, tmodel.buf);
     tp.out(param + i, r);
     tm.out(m + i, r);
     tv.out(v + i, r);
+    if constexpr (!kSr) tmodel.out(model + i, r);
   }
 }
-#else
-constexpr bool kUnpackedPass = false;
-// declared for the calls in fused_adam_step_, which discard them here (if constexpr)
-template <typename G, typename Flags>
-void adam_chunk_bf16_unpacked(const G* g, float* p, uint16_t* m, uint16_t* v,
-                              at::BFloat16* model, int64_t n, const AdamScalars& scalars,
-                              Flags flags);
-template <typename G, typename Flags>
-void adam_chunk_bf16_rem_unpacked(const G* g, int16_t* rem, uint16_t* m, uint16_t* v,
-                                  at::BFloat16* model, int64_t n, const AdamScalars& scalars,
-                                  Flags flags);
-template <typename G, typename Flags>
-void adam_chunk_bf16_sr_unpacked(const G* g, uint16_t* param, uint16_t* m, uint16_t* v,
-                                 int64_t n, const AdamScalars& scalars, Flags flags,
-                                 uint32_t lo0, uint32_t salt);
 #endif
 
 template <typename G, typename M, bool kMomentum>
@@ -1730,16 +1692,10 @@ void fused_adam_step_(at::TensorList params, at::TensorList exp_avgs, at::Tensor
       const bool one_word = (j0 & 0xffffffffull) + static_cast<uint64_t>(c.n) <= (1ull << 32);
       if (kBf16Pass && mk == Kind::kBFloat16 && vk == Kind::kBFloat16 && one_word) {
         using G = std::remove_const_t<std::remove_pointer_t<decltype(g)>>;
-        constexpr bool kUnpacked =
-            kUnpackedPass && (std::is_same_v<G, float> || std::is_same_v<G, at::BFloat16>);
         with_adam_flags(scalars[e], [&](auto flags) {
           uint16_t* m = static_cast<uint16_t*>(exp_avgs[e].data_ptr()) + c.offset;
           uint16_t* v = static_cast<uint16_t*>(exp_avg_sqs[e].data_ptr()) + c.offset;
-          if constexpr (kUnpacked) {
-            adam_chunk_bf16_sr_unpacked<G, decltype(flags)>(g, param, m, v, c.n, scalars[e],
-                                                            flags, static_cast<uint32_t>(j0),
-                                                            sr_salt(stream, j0 >> 32));
-          } else if constexpr (kBf16Pass) {
+          if constexpr (kBf16Pass) {
             adam_chunk_bf16_sr<G, decltype(flags)>(g, param, m, v, c.n, scalars[e], flags,
                                                    static_cast<uint32_t>(j0),
                                                    sr_salt(stream, j0 >> 32));
@@ -1771,24 +1727,10 @@ void fused_adam_step_(at::TensorList params, at::TensorList exp_avgs, at::Tensor
       uint16_t* v = static_cast<uint16_t*>(exp_avg_sqs[e].data_ptr()) + c.offset;
       with_adam_flags(scalars[e], [&](auto flags) {
         if constexpr (kBf16Pass) {
-          constexpr bool kUnpacked =
-              kUnpackedPass && std::is_same_v<M, at::BFloat16> &&
-              (std::is_same_v<G, float> || std::is_same_v<G, at::BFloat16>);
           if (!remainders) {
-            if constexpr (kUnpacked) {
-              adam_chunk_bf16_unpacked<G, decltype(flags)>(
-                  g, params[e].data_ptr<float>() + c.offset, m, v, model, c.n, scalars[e],
-                  flags);
-            } else {
-              adam_chunk_bf16<G, M, decltype(flags), false>(
-                  g, params[e].data_ptr<float>() + c.offset, nullptr, m, v, model, c.n,
-                  scalars[e], flags);
-            }
-          } else if constexpr (std::is_same_v<M, at::BFloat16> && kUnpackedPass &&
-                               (std::is_same_v<G, float> || std::is_same_v<G, at::BFloat16>)) {
-            adam_chunk_bf16_rem_unpacked<G, decltype(flags)>(
-                g, params[e].data_ptr<int16_t>() + c.offset, m, v, model, c.n, scalars[e],
-                flags);
+            adam_chunk_bf16<G, M, decltype(flags), false>(
+                g, params[e].data_ptr<float>() + c.offset, nullptr, m, v, model, c.n,
+                scalars[e], flags);
           } else if constexpr (std::is_same_v<M, at::BFloat16>) {
             adam_chunk_bf16<G, M, decltype(flags), true>(
                 g, nullptr, params[e].data_ptr<int16_t>() + c.offset, m, v, model, c.n,
