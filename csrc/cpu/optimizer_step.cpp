@@ -1642,6 +1642,19 @@ void for_each_step_chunk(at::TensorList params, at::TensorList grads, at::Tensor
   });
 }
 
+// f(kRem, p, rem) with the chunk c of a param: its float32 masters p (kRem: std::false_type,
+// rem null) or, for bf16 model params (M), their int16 remainders rem (std::true_type, p null).
+template <typename M, typename F>
+void with_masters_or_remainders(const at::Tensor& param, const Chunk& c, const F& f) {
+  if (param.scalar_type() != at::kShort) {
+    f(std::false_type{}, param.data_ptr<float>() + c.offset, nullptr);
+  } else if constexpr (std::is_same_v<M, at::BFloat16>) {
+    f(std::true_type{}, nullptr, param.data_ptr<int16_t>() + c.offset);
+  } else {
+    TORCH_CHECK(false, "tpamp: remainders without bf16 params");  // validated before
+  }
+}
+
 }  // namespace
 
 void fused_adam_step_(at::TensorList params, at::TensorList exp_avgs, at::TensorList exp_avg_sqs,
@@ -1726,19 +1739,12 @@ void fused_adam_step_(at::TensorList params, at::TensorList exp_avgs, at::Tensor
       uint16_t* m = static_cast<uint16_t*>(exp_avgs[e].data_ptr()) + c.offset;
       uint16_t* v = static_cast<uint16_t*>(exp_avg_sqs[e].data_ptr()) + c.offset;
       with_adam_flags(scalars[e], [&](auto flags) {
-        if constexpr (kBf16Pass) {
-          if (!remainders) {
-            adam_chunk_bf16<G, M, decltype(flags), false>(
-                g, params[e].data_ptr<float>() + c.offset, nullptr, m, v, model, c.n,
-                scalars[e], flags);
-          } else if constexpr (std::is_same_v<M, at::BFloat16>) {
-            adam_chunk_bf16<G, M, decltype(flags), true>(
-                g, nullptr, params[e].data_ptr<int16_t>() + c.offset, m, v, model, c.n,
-                scalars[e], flags);
-          } else {
-            TORCH_CHECK(false, "tpamp: remainders without bf16 params");  // validated before
+        with_masters_or_remainders<M>(params[e], c, [&](auto rem, float* p, int16_t* r) {
+          if constexpr (kBf16Pass) {
+            adam_chunk_bf16<G, M, decltype(flags), decltype(rem)::value>(g, p, r, m, v, model,
+                                                                         c.n, scalars[e], flags);
           }
-        }
+        });
       });
       return;
     }
@@ -1751,19 +1757,12 @@ void fused_adam_step_(at::TensorList params, at::TensorList exp_avgs, at::Tensor
       const MomentRef vref{vk, static_cast<uint8_t*>(exp_avg_sqs[e].data_ptr()) + c.offset,
                            exp_avg_sq_scales[e].data_ptr<float>() + first_block, true};
       with_adam_flags(scalars[e], [&](auto flags) {
-        if constexpr (kDynamicPass) {
-          if (!remainders) {
-            adam_chunk_dynamic<G, M, decltype(flags), false>(
-                g, params[e].data_ptr<float>() + c.offset, nullptr, mref, vref, model, c.n,
-                scalars[e], flags);
-          } else if constexpr (std::is_same_v<M, at::BFloat16>) {
-            adam_chunk_dynamic<G, M, decltype(flags), true>(
-                g, nullptr, params[e].data_ptr<int16_t>() + c.offset, mref, vref, model, c.n,
-                scalars[e], flags);
-          } else {
-            TORCH_CHECK(false, "tpamp: remainders without bf16 params");  // validated before
+        with_masters_or_remainders<M>(params[e], c, [&](auto rem, float* p, int16_t* r) {
+          if constexpr (kDynamicPass) {
+            adam_chunk_dynamic<G, M, decltype(flags), decltype(rem)::value>(
+                g, p, r, mref, vref, model, c.n, scalars[e], flags);
           }
-        }
+        });
       });
       return;
     }
