@@ -66,17 +66,21 @@ def test_rule_matches_torchaos_buffer_choice(cls_name, dtype):
         assert sf.param_moment_dtypes(n, dtype, dtype, sf.MIN_8BIT_SIZE)[0] == dtype
 
 
+def _bare_adamw():
+    return torch.optim.AdamW([torch.nn.Parameter(torch.zeros(300, dtype=torch.bfloat16))])
+
+
 def test_bad_values_are_refused_before_anything_changes():
     for bad, exc, words in [("4096", TypeError, "int or None"), (True, TypeError, "bool"),
                             (4096.0, TypeError, "float"), (-1, ValueError, ">= 0")]:
-        params = [torch.nn.Parameter(torch.zeros(300, dtype=torch.bfloat16))]
-        inner = torch.optim.AdamW(params)
+        inner = _bare_adamw()
+        param = inner.param_groups[0]["params"][0]
         with pytest.raises(exc, match=words):
             tpamp.MixedPrecisionOptimizer(inner, exp_avg_dtype=U8, exp_avg_sq_dtype=U8,
                                           min_8bit_size=bad)
-        assert inner.param_groups[0]["params"][0] is params[0]  # nothing wrapped
+        assert inner.param_groups[0]["params"][0] is param  # nothing wrapped
     for m, v in [(F32, F32), (torch.bfloat16, torch.bfloat16)]:
-        inner = torch.optim.AdamW([torch.nn.Parameter(torch.zeros(300, dtype=torch.bfloat16))])
+        inner = _bare_adamw()
         with pytest.raises(ValueError, match="not 8-bit.*leave it None"):
             tpamp.MixedPrecisionOptimizer(inner, exp_avg_dtype=m, exp_avg_sq_dtype=v,
                                           min_8bit_size=4096)
@@ -99,6 +103,21 @@ def _train(model, opt, steps, seed):
         for p in model.parameters():
             p.grad = (torch.randn(p.shape, generator=gen) * 1e-2).to(p.dtype)
         assert opt.step().update_successful
+
+
+def _built(cfg, seed, steps=0, grad_seed=None):
+    """_model(seed) wrapped with the configuration ``cfg``, trained ``steps`` steps on the grads
+    of ``grad_seed``."""
+    model = _model(seed)
+    opt = _wrap(model, **CONFIGS[cfg])
+    if steps:
+        _train(model, opt, steps, grad_seed)
+    return model, opt
+
+
+def _state(opt, i):
+    """The inner optimizer's state of the i-th main param."""
+    return opt.optimizer.state[opt.optimizer.param_groups[0]["params"][i]]
 
 
 CONFIGS = {
@@ -125,8 +144,8 @@ def _want(cfg, numel):
 
 def _stored(opt, model):
     out = []
-    for (_, p), main in zip(model.named_parameters(), opt.optimizer.param_groups[0]["params"]):
-        st = opt.optimizer.state[main]
+    for i, p in enumerate(model.parameters()):
+        st = _state(opt, i)
         out.append((p.numel(), st["exp_avg"].dtype, st["exp_avg_sq"].dtype,
                     sf.decode_moment(st["exp_avg"], st.get("exp_avg_scale")),
                     sf.decode_moment(st["exp_avg_sq"], st.get("exp_avg_sq_scale"), sqrt=True),
@@ -137,11 +156,9 @@ def _stored(opt, model):
 @needs_kernel
 @pytest.mark.parametrize("cfg", ["u8", "u8+rem", "e4m3", "u8-2000", "u8-all"])
 def test_small_params_keep_float32_moments_and_step_as_fp32_state(cfg):
-    ma, mf = _model(0), _model(0)
-    a, f = _wrap(ma, **CONFIGS[cfg]), _wrap(mf, **CONFIGS["fp32"])
+    ma, a = _built(cfg, 0, 4, 3)
+    mf, f = _built("fp32", 0, 4, 3)
     assert a.min_8bit_size == CONFIGS[cfg].get("min_8bit_size", 4096)
-    _train(ma, a, 4, 3)
-    _train(mf, f, 4, 3)
     sd = a.state_dict()["optimizer"]["state"]
     for i, ((n, m_dt, v_dt, *_rest, has_m, has_v), pa, pf) in enumerate(
             zip(_stored(a, ma), ma.parameters(), mf.parameters())):
@@ -150,8 +167,7 @@ def test_small_params_keep_float32_moments_and_step_as_fp32_state(cfg):
         assert sd[i]["exp_avg"].dtype == m_dt  # visible in the state dict
         if m_dt == F32:  # a float32 param: the fp32-state step, bit for bit
             assert torch.equal(pa, pf)
-            fs = f.optimizer.state[f.optimizer.param_groups[0]["params"][i]]
-            st = a.optimizer.state[a.optimizer.param_groups[0]["params"][i]]
+            fs, st = _state(f, i), _state(a, i)
             assert torch.equal(st["exp_avg"], fs["exp_avg"])
             assert torch.equal(st["exp_avg_sq"], fs["exp_avg_sq"])
     # bytes: 8-bit codes + scales for the big params, 8 bytes of moments for the others
@@ -183,13 +199,11 @@ def _check_converted(src_state, dst_state, dst):
 @needs_kernel
 @pytest.mark.parametrize("src,dst", PAIRS)
 def test_state_dict_converts_between_layouts(src, dst):
-    ms, md = _model(1), _model(2)
-    a = _wrap(ms, **CONFIGS[src])
-    _train(ms, a, 3, 7)
+    ms, a = _built(src, 1, 3, 7)
     buf = io.BytesIO()
     torch.save(a.state_dict(), buf)
     buf.seek(0)
-    b = _wrap(md, **CONFIGS[dst])
+    md, b = _built(dst, 2)
     b.load_state_dict(torch.load(buf, weights_only=False))
     _check_converted(_stored(a, ms), _stored(b, md), dst)
     _train(md, b, 2, 8)  # and it trains on, keeping its layout
@@ -203,11 +217,9 @@ def test_state_dict_converts_between_layouts(src, dst):
 def test_dcp_checkpoint_converts_between_layouts(tmp_path, src, dst):
     from tpamp.checkpoint import load_checkpoint, save_checkpoint
 
-    ms, md = _model(4), _model(5)
-    a = _wrap(ms, **CONFIGS[src])
-    _train(ms, a, 3, 12)
+    ms, a = _built(src, 4, 3, 12)
     save_checkpoint(str(tmp_path), dict(ms.named_parameters()), a)
-    b = _wrap(md, **CONFIGS[dst])
+    md, b = _built(dst, 5)
     load_checkpoint(str(tmp_path), dict(md.named_parameters()), b)
     for x, y in zip(a.state_dict()["fp32_from_fp16_params"][0],
                     b.state_dict()["fp32_from_fp16_params"][0]):
@@ -225,23 +237,32 @@ def test_dcp_checkpoint_converts_between_layouts(tmp_path, src, dst):
 
 # -- ZeRO-1 and FSDP2: the whole param decides, every DP rank alike -------------------------
 
-def _zero1_worker(rank, world_size, limit):
-    import torch.distributed as dist
-
-    dp = dist.new_group(list(range(world_size)))
-    torch.manual_seed(0)
-    # 6000 (3000 per rank at DP 2: under 4096 per shard, 8-bit as a whole), 150, 1050, 7
+def _zero1_built(dp, seed, limit):
+    """A bf16 model of 6000 (3000 per rank at DP 2: under 4096 per shard, 8-bit as a whole),
+    150, 1050 and 7 elements under the ZeRO-1 optimizer with uint8 moments; ``limit`` None:
+    min_8bit_size left at its default."""
+    torch.manual_seed(seed)
     m = torch.nn.Sequential(torch.nn.Linear(40, 150), torch.nn.Linear(150, 7)).to(torch.bfloat16)
     inner = torch.optim.AdamW(m.parameters(), lr=1e-2, betas=(0.9, 0.95), weight_decay=0.1)
     kw = {} if limit is None else dict(min_8bit_size=limit)
-    opt = tpamp.DistributedOptimizer(inner, data_parallel_group=dp, bucket_size=4000,
-                                     param_names=m.named_parameters(), exp_avg_dtype=U8,
-                                     exp_avg_sq_dtype=U8, **kw)
-    gen = torch.Generator().manual_seed(1)
-    for _ in range(2):
+    return m, tpamp.DistributedOptimizer(inner, data_parallel_group=dp, bucket_size=4000,
+                                         param_names=m.named_parameters(), exp_avg_dtype=U8,
+                                         exp_avg_sq_dtype=U8, **kw)
+
+
+def _zero1_train(m, opt, steps, seed):
+    gen = torch.Generator().manual_seed(seed)
+    for _ in range(steps):
         for p in m.parameters():
             p.main_grad.copy_((torch.randn(p.shape, generator=gen) * 1e-2).to(torch.bfloat16))
         assert opt.step().update_successful
+
+
+def _zero1_worker(rank, world_size, limit):
+    import torch.distributed as dist
+
+    m, opt = _zero1_built(dist.new_group(list(range(world_size))), 0, limit)
+    _zero1_train(m, opt, 2, 1)
     names = {id(p): n for n, p in m.named_parameters()}
     whole = {id(p): p.numel() for p in m.parameters()}
     rows = []
@@ -340,24 +361,10 @@ def _zero1_dcp_worker(rank, world_size, path, src, dst):
     from tpamp.checkpoint import load_checkpoint, save_checkpoint
 
     dp = dist.new_group(list(range(world_size)))
-
-    def build(seed, limit):
-        torch.manual_seed(seed)
-        m = torch.nn.Sequential(torch.nn.Linear(40, 150), torch.nn.Linear(150, 7)).to(
-            torch.bfloat16)
-        inner = torch.optim.AdamW(m.parameters(), lr=1e-2, betas=(0.9, 0.95), weight_decay=0.1)
-        return m, tpamp.DistributedOptimizer(
-            inner, data_parallel_group=dp, bucket_size=4000, param_names=m.named_parameters(),
-            exp_avg_dtype=U8, exp_avg_sq_dtype=U8, min_8bit_size=limit)
-
-    ma, a = build(0, src)
-    gen = torch.Generator().manual_seed(3)
-    for _ in range(3):
-        for p in ma.parameters():
-            p.main_grad.copy_((torch.randn(p.shape, generator=gen) * 1e-2).to(torch.bfloat16))
-        assert a.step().update_successful
+    ma, a = _zero1_built(dp, 0, src)
+    _zero1_train(ma, a, 3, 3)
     save_checkpoint(path, dict(ma.named_parameters()), a)
-    mb, b = build(1, dst)
+    mb, b = _zero1_built(dp, 1, dst)
     load_checkpoint(path, dict(mb.named_parameters()), b)
     rows = []
     sa, sb = a.optimizer.state, b.optimizer.state
