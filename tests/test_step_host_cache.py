@@ -40,6 +40,14 @@ def _step(params, opt, ref_params, ref, seed):
     ref.step()
 
 
+def _after_three_steps():
+    """_setup, then three steps of both (the lists are kept from the third step on)."""
+    params, opt, ref_params, ref = _setup()
+    for seed in range(3):
+        _step(params, opt, ref_params, ref, seed)
+    return params, opt, ref_params, ref
+
+
 def _check(opt, ref_params):
     mains = [m for group in opt.main_params_by_group() for m in group]
     for m, r in zip(mains, ref_params):
@@ -71,9 +79,7 @@ def test_load_state_dict_after_the_lists_were_kept():
 
 
 def test_state_tensor_and_state_dict_replaced():
-    params, opt, ref_params, ref = _setup()
-    for seed in range(3):
-        _step(params, opt, ref_params, ref, seed)
+    params, opt, ref_params, ref = _after_three_steps()
     mains = [m for group in opt.main_params_by_group() for m in group]
     # a moment replaced in place of the dict entry: the next step must use the new tensor
     opt.optimizer.state[mains[1]]["exp_avg"] = torch.zeros_like(mains[1])
@@ -94,9 +100,7 @@ def test_state_tensor_and_state_dict_replaced():
 
 
 def test_state_cleared_restarts_that_param():
-    params, opt, ref_params, ref = _setup()
-    for seed in range(3):
-        _step(params, opt, ref_params, ref, seed)
+    params, opt, ref_params, ref = _after_three_steps()
     mains = [m for group in opt.main_params_by_group() for m in group]
     opt.optimizer.state[mains[0]].clear()  # same dict object, now empty: a fresh state
     ref.state[ref_params[0]].clear()
@@ -105,9 +109,7 @@ def test_state_cleared_restarts_that_param():
 
 
 def test_wrong_grad_dtype_on_a_later_step_raises_before_any_change():
-    params, opt, ref_params, ref = _setup()
-    for seed in range(3):
-        _step(params, opt, ref_params, ref, seed)
+    params, opt, ref_params, ref = _after_three_steps()
     mains = [m.detach().clone() for group in opt.main_params_by_group() for m in group]
     models = [p.detach().clone() for p in params]
     scale = opt.get_loss_scale().clone()
