@@ -65,6 +65,36 @@ struct Tail {
   }
 };
 
+// The tail of a uint8-moment block (the loops of adam_chunk_dynamic): the r < kVecStep elements
+// from j through zero-padded copies (Tail) of the grad and of the fp32 params, or, with kRem, of
+// the remainders and the bf16 model params they are joined with; f(g, p, rem, model) runs one
+// step on the copies (p or rem unused as kRem says; model null without model params), then the
+// params / remainders and the model params are written back.
+template <bool kRem, typename G, typename M, typename F>
+inline __attribute__((always_inline)) void dynamic_tail(const G* g, float* p, int16_t* rem,
+                                                        M* model, int64_t j, int64_t r,
+                                                        const F& f) {
+  constexpr bool kModel = !std::is_same_v<M, NoModel>;
+  Tail<G> tg;
+  Tail<float> tp;
+  Tail<int16_t> trem;
+  Tail<std::conditional_t<kModel, M, float>> tmodel;
+  tg.in(g + j, r);
+  if constexpr (kRem) {
+    trem.in(rem + j, r);
+    tmodel.in(model + j, r);
+  } else {
+    tp.in(p + j, r);
+  }
+  f(tg.buf, tp.buf, trem.buf, kModel ? reinterpret_cast<M*>(tmodel.buf) : nullptr);
+  if constexpr (kRem) {
+    trem.out(rem + j, r);
+  } else {
+    tp.out(p + j, r);
+  }
+  if constexpr (kModel) tmodel.out(model + j, r);
+}
+
 // The model params' writes of the fp32-state loop bypass the cache (non-temporal stores) when
 // a step moves at least this many elements: the step streams far more than any cache holds, so
 // the write-allocate read of every model-param line would be memory traffic for nothing (2 of the
@@ -847,25 +877,11 @@ __attribute__((noinline)) void adam_chunk_dynamic_words(
       const int64_t r = k - i;
       const int64_t j = o + i;
       const __mmask32 live = static_cast<__mmask32>((1u << r) - 1u);
-      Tail<G> tg;
-      Tail<float> tp;
-      Tail<int16_t> trem;
-      Tail<std::conditional_t<kModel, M, float>> tmodel;
-      tg.in(g + j, r);
-      if constexpr (kRem) {
-        trem.in(rem + j, r);
-        tmodel.in(model + j, r);
-      } else {
-        tp.in(p + j, r);
-      }
-      step(tg.buf, tp.buf, trem.buf, kModel ? reinterpret_cast<M*>(tmodel.buf) : nullptr,
-           codes(mcodes + j, live), codes(vcodes + j, live), mbuf + i, vbuf + i, live);
-      if constexpr (kRem) {
-        trem.out(rem + j, r);
-      } else {
-        tp.out(p + j, r);
-      }
-      if constexpr (kModel) tmodel.out(model + j, r);
+      dynamic_tail<kRem>(g, p, rem, model, j, r,
+                         [&](const G* tg, float* tp, int16_t* trem, M* tmodel) {
+                           step(tg, tp, trem, tmodel, codes(mcodes + j, live),
+                                codes(vcodes + j, live), mbuf + i, vbuf + i, live);
+                         });
     }
     // the scales and codes (write_moment's, with the maxima found above)
     auto finish = [&](const MomentRef& ref, __m512i vm, const DynamicTables& t, const float* buf,
@@ -960,25 +976,11 @@ __attribute__((noinline)) void adam_chunk_dynamic_vbmi(
         const int64_t rr = k - i;
         const int64_t j = o + i;
         const __mmask32 live = static_cast<__mmask32>((1u << rr) - 1u);
-        Tail<G> tg;
-        Tail<float> tp;
-        Tail<int16_t> trem;
-        Tail<std::conditional_t<kModel, M, float>> tmodel;
-        tg.in(g + j, rr);
-        if constexpr (kRem) {
-          trem.in(rem + j, rr);
-          tmodel.in(model + j, rr);
-        } else {
-          tp.in(p + j, rr);
-        }
-        step(tg.buf, tp.buf, trem.buf, kModel ? reinterpret_cast<M*>(tmodel.buf) : nullptr,
-             md[h], md[h + 1], vd[h], vd[h + 1], mbuf + i, vbuf + i, psave + i, live);
-        if constexpr (kRem) {
-          trem.out(rem + j, rr);
-        } else {
-          tp.out(p + j, rr);
-        }
-        if constexpr (kModel) tmodel.out(model + j, rr);
+        dynamic_tail<kRem>(g, p, rem, model, j, rr,
+                           [&](const G* tg, float* tp, int16_t* trem, M* tmodel) {
+                             step(tg, tp, trem, tmodel, md[h], md[h + 1], vd[h], vd[h + 1],
+                                  mbuf + i, vbuf + i, psave + i, live);
+                           });
       }
     }
     const uint32_t mmx = static_cast<uint32_t>(_mm512_reduce_max_epi32(mmax));
@@ -1153,28 +1155,14 @@ __attribute__((noinline)) void adam_chunk_dynamic_avx2(
                            abs_mask);
       const __m256i live1 = _mm256_and_si256(
           _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(r) - 8), iota), abs_mask);
-      Tail<G> tg;
-      Tail<float> tp;
-      Tail<int16_t> trem;
-      Tail<std::conditional_t<kModel, M, float>> tmodel;
-      tg.in(g + j, r);
-      if constexpr (kRem) {
-        trem.in(rem + j, r);
-        tmodel.in(model + j, r);
-      } else {
-        tp.in(p + j, r);
-      }
       Tail<uint8_t> tmc, tvc;
       tmc.in(mcodes + j, r);
       tvc.in(vcodes + j, r);
-      step(tg.buf, tp.buf, trem.buf, kModel ? reinterpret_cast<M*>(tmodel.buf) : nullptr, tmc.buf,
-           tvc.buf, mbuf + i, vbuf + i, live0, live1);
-      if constexpr (kRem) {
-        trem.out(rem + j, r);
-      } else {
-        tp.out(p + j, r);
-      }
-      if constexpr (kModel) tmodel.out(model + j, r);
+      dynamic_tail<kRem>(g, p, rem, model, j, r,
+                         [&](const G* tg, float* tp, int16_t* trem, M* tmodel) {
+                           step(tg, tp, trem, tmodel, tmc.buf, tvc.buf, mbuf + i, vbuf + i, live0,
+                                live1);
+                         });
     }
     // the scales and codes (write_moment's, with the maxima found above)
     auto finish = [&](const MomentRef& ref, __m256i vm, const DynamicTables& t, const float* buf,
