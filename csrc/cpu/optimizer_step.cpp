@@ -70,6 +70,24 @@ struct Tail {
 // the remainders and the bf16 model params they are joined with; f(g, p, rem, model) runs one
 // step on the copies (p or rem unused as kRem says; model null without model params), then the
 // params / remainders and the model params are written back.
+// The uint8 loops' update of two registers of decoded moments (m, v: map[c] * scale) in place:
+// the moments rounded where they stand (the decode's products are not contracted into the
+// update), then adam_element_dynamic on each register. Raw is the capability's register type.
+template <typename Raw, typename Flags>
+inline __attribute__((always_inline)) void dynamic_update2(FVec& p0, FVec& p1, Raw& m0, Raw& m1,
+                                                           Raw& v0, Raw& v1, const FVec& g0,
+                                                           const FVec& g1, const AdamScalars& s,
+                                                           const Flags& flags) {
+  FVec fm0 = RoundedHere<FVec>::apply(FVec(m0)), fm1 = RoundedHere<FVec>::apply(FVec(m1));
+  FVec fv0 = RoundedHere<FVec>::apply(FVec(v0)), fv1 = RoundedHere<FVec>::apply(FVec(v1));
+  adam_element_dynamic<FVec>(p0, fm0, fv0, g0, s, flags);
+  adam_element_dynamic<FVec>(p1, fm1, fv1, g1, s, flags);
+  m0 = fm0;
+  m1 = fm1;
+  v0 = fv0;
+  v1 = fv1;
+}
+
 template <bool kRem, typename G, typename M, typename F>
 inline __attribute__((always_inline)) void dynamic_tail(const G* g, float* p, int16_t* rem,
                                                         M* model, int64_t j, int64_t r,
@@ -794,15 +812,7 @@ inline __attribute__((always_inline)) void dynamic_step32(
     _mm512_store_ps(ps, p0);
     _mm512_store_ps(ps + 16, p1);
   }
-  // rounded where they stand: the decode's products are not contracted into the update
-  FVec fm0 = RoundedHere<FVec>::apply(FVec(m0)), fm1 = RoundedHere<FVec>::apply(FVec(m1));
-  FVec fv0 = RoundedHere<FVec>::apply(FVec(v0)), fv1 = RoundedHere<FVec>::apply(FVec(v1));
-  adam_element_dynamic<FVec>(p0, fm0, fv0, g0, s, flags);
-  adam_element_dynamic<FVec>(p1, fm1, fv1, g1, s, flags);
-  m0 = fm0;
-  m1 = fm1;
-  v0 = fv0;
-  v1 = fv1;
+  dynamic_update2(p0, p1, m0, m1, v0, v1, g0, g1, s, flags);
   _mm512_store_ps(mo, m0);
   _mm512_store_ps(mo + 16, m1);
   _mm512_store_ps(vo, v0);
@@ -1115,15 +1125,7 @@ __attribute__((noinline)) void adam_chunk_dynamic_avx2(
       }
       dynamic_decode16(mc, mmap, mscale, m0, m1);
       dynamic_decode16(vc, vmap, vscale, v0, v1);
-      // rounded where they stand: the decode's products are not contracted into the update
-      FVec fm0 = RoundedHere<FVec>::apply(FVec(m0)), fm1 = RoundedHere<FVec>::apply(FVec(m1));
-      FVec fv0 = RoundedHere<FVec>::apply(FVec(v0)), fv1 = RoundedHere<FVec>::apply(FVec(v1));
-      adam_element_dynamic<FVec>(p0, fm0, fv0, g0, s, flags);
-      adam_element_dynamic<FVec>(p1, fm1, fv1, g1, s, flags);
-      m0 = fm0;
-      m1 = fm1;
-      v0 = fv0;
-      v1 = fv1;
+      dynamic_update2(p0, p1, m0, m1, v0, v1, g0, g1, s, flags);
       _mm256_store_ps(mo, m0);
       _mm256_store_ps(mo + 8, m1);
       _mm256_store_ps(vo, v0);
