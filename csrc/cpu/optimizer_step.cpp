@@ -151,11 +151,13 @@ inline __attribute__((always_inline)) void store_model_stream(M* p, FVec& a, FVe
 // one; at 20M, 6-12% on 1 and 2 threads; 1024 ahead (4 KB of fp32, the next page) lost it again.
 constexpr int64_t kPrefetchAhead = 256;
 
-template <typename T>
+// The lines of the kVecStep elements kAhead elements past q, for reading (kWrite: for writing,
+// prefetchw).
+template <typename T, int64_t kAhead = kPrefetchAhead, int kWrite = 0>
 inline __attribute__((always_inline)) void prefetch_step(const T* q) {
   constexpr int64_t kBytes = kVecStep * static_cast<int64_t>(sizeof(T));
   for (int64_t b = 0; b < kBytes; b += 64) {
-    __builtin_prefetch(reinterpret_cast<const char*>(q + kPrefetchAhead) + b, 0, 3);
+    __builtin_prefetch(reinterpret_cast<const char*>(q + kAhead) + b, kWrite, 3);
   }
 }
 
@@ -783,6 +785,14 @@ void adam_chunk_bf16(const G* g, float* p, int16_t* rem, uint16_t* m, uint16_t* 
 #if defined(CPU_CAPABILITY_AVX512)
 constexpr bool kDynamicPass = true;
 
+// How far ahead (elements) the uint8 loops ask for the lines of the grad, the params (or
+// remainders) and the model params (every step of 32), and of the codes of both moments (every
+// round of 64), on top of the hardware prefetchers. Measured on the 2-core Zen 5 (AVX-512
+// module, one thread, fp32 grads, alternating processes; one block ahead instead of two gained
+// less): see docs/benchmarks.md.
+constexpr int64_t kDynamicPrefetchAhead = 2 * kMomentBlock;
+constexpr int64_t kDynamicCodesAhead = 4 * kMomentBlock;
+
 // One step of 32 elements of the loops below on decoded moments (m0, m1, v0, v1: map[c] *
 // scale): read the params (remainders: joined with the bf16 params), update them and the
 // moments (adam_element_dynamic), store the new moments in the block buffers mo / vo, fold their
@@ -797,6 +807,15 @@ inline __attribute__((always_inline)) void dynamic_step32(
   using L = Lanes32;
   constexpr bool kModel = !std::is_same_v<M, NoModel>;
   const __m512i abs_mask = _mm512_set1_epi32(0x7fffffff);
+  // two blocks ahead (kDynamicPrefetchAhead); the model params, written only, for writing
+  prefetch_step<G, kDynamicPrefetchAhead>(gp);
+  if constexpr (kRem) {
+    prefetch_step<int16_t, kDynamicPrefetchAhead>(rp);
+    prefetch_step<M, kDynamicPrefetchAhead>(modelp);
+  } else {
+    prefetch_step<float, kDynamicPrefetchAhead>(pp);
+    if constexpr (kModel) prefetch_step<M, kDynamicPrefetchAhead, 1>(modelp);
+  }
   FVec g0, g1;
   VecIO<G>::load(gp, g0, g1);
   if constexpr (kRem) {
@@ -879,6 +898,8 @@ __attribute__((noinline)) void adam_chunk_dynamic_words(
     int64_t i = 0;
     for (; i + kVecStep <= k; i += kVecStep) {
       const int64_t j = o + i;
+      __builtin_prefetch(mcodes + j + kDynamicCodesAhead, 0, 3);
+      __builtin_prefetch(vcodes + j + kDynamicCodesAhead, 0, 3);
       step(g + j, kRem ? nullptr : p + j, kRem ? rem + j : nullptr,
            kModel ? model + j : nullptr, codes(mcodes + j, ~__mmask32(0)),
            codes(vcodes + j, ~__mmask32(0)), mbuf + i, vbuf + i, ~__mmask32(0));
@@ -965,6 +986,8 @@ __attribute__((noinline)) void adam_chunk_dynamic_vbmi(
     int64_t i = 0;
     for (; i + 64 <= k; i += 64) {
       __m512 md[4], vd[4];
+      __builtin_prefetch(mcodes + o + i + kDynamicCodesAhead, 0, 3);
+      __builtin_prefetch(vcodes + o + i + kDynamicCodesAhead, 0, 3);
       mdec.decode64(_mm512_loadu_si512(mcodes + o + i), mscale, md);
       vdec.decode64(_mm512_loadu_si512(vcodes + o + i), vscale, vd);
       full(i, md, vd);
