@@ -1,7 +1,9 @@
 """Benchmark the optimizer-state storage options (docs/spec.md section 9): bytes per parameter and step time.
 
 A benchmark, not a test. For DP = 1, 2, 4 (``--dps``), ranks are fork-started processes with a
-gloo group over tcp://127.0.0.1, one thread each. Every rank builds one bf16 model per
+gloo group over tcp://127.0.0.1, ``--threads`` intra-op threads each (default 1, so that 4 ranks
+fit 2 cores alike; ``--threads 2`` at DP 1 is what torch uses by default on such a machine).
+Every rank builds one bf16 model per
 configuration (``--numel`` elements in ``--tensors`` tensors of odd sizes, two param groups, as
 scripts/bench_distributed_optimizer.py) wrapped in ``tpamp.DistributedOptimizer`` (AdamW,
 clip_grad=1.0, zero count on, the one-pass fused step) with the state stored as:
@@ -25,7 +27,7 @@ Reported per DP size (rank 0; every rank holds the same amount up to padding):
   and the paired median of each configuration's ratio to fp32 in the same round.
 
 With ``--kernel``, only the one-pass kernel is timed: ``tpamp.ops.fused_adam_step_`` on one
-flat tensor of ``--numel`` bf16 params (bf16 grads, AdamW), one thread, no wrapper and no
+flat tensor of ``--numel`` bf16 params (bf16 grads, AdamW), ``--threads`` threads, no wrapper and no
 collective, the configurations interleaved over ``--reps`` rounds (median and paired ratio to
 fp32 as above). It isolates the cost of reading and writing each storage format.
 
@@ -83,9 +85,13 @@ def parse_args(argv=None):
                    help="reduce grads in bf16 (2-byte main_grad) instead of fp32")
     p.add_argument("--configs", default=",".join(CONFIGS))
     p.add_argument("--kernel", action="store_true",
-                   help="time the fused step op alone (one thread, one tensor, no DP; --dps is ignored)")
+                   help="time the fused step op alone (one tensor, no DP; --dps is ignored)")
+    p.add_argument("--threads", type=int, default=1,
+                   help="intra-op threads of each rank (and of --kernel); default 1")
     p.add_argument("--json", default=None)
     args = p.parse_args(argv)
+    if args.threads < 1:
+        p.error(f"--threads: expected a positive thread count, got {args.threads}")
     unknown = [c for c in args.configs.split(",") if c not in CONFIGS]
     if unknown:  # refused here: a worker's KeyError would leave its peers waiting
         p.error(f"--configs: unknown {unknown}; expected names from {sorted(CONFIGS)}")
@@ -100,8 +106,8 @@ def _sizes(numel, tensors):
 
 
 def _worker(rank, world, port, args, queue):
-    os.environ["OMP_NUM_THREADS"] = "1"
-    torch.set_num_threads(1)
+    os.environ["OMP_NUM_THREADS"] = str(args.threads)
+    torch.set_num_threads(args.threads)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                             world_size=world, timeout=datetime.timedelta(seconds=600))
     try:
@@ -160,7 +166,7 @@ def _kernel_bench(args):
     """The op alone: {config: {"median_ms", "min_ms", "paired_ratio_vs_fp32"}}."""
     from tpamp import ops
 
-    torch.set_num_threads(1)
+    torch.set_num_threads(args.threads)
     n = int(args.numel)
     gen = torch.Generator().manual_seed(0)
     master = torch.randn(n, generator=gen) * 0.02
@@ -226,7 +232,8 @@ def main(argv=None):
     results = {}
     if args.kernel:
         results["kernel"] = _kernel_bench(args)
-        _print_table(f"kernel: fused_adam_step_ on {int(args.numel):,} bf16 params, one thread",
+        _print_table(f"kernel: fused_adam_step_ on {int(args.numel):,} bf16 params, "
+                     f"{args.threads} thread(s)",
                      results["kernel"], with_bytes=False)
     dps = [] if args.kernel else [int(x) for x in args.dps.split(",")]
     ctx = mp.get_context("fork")
@@ -242,7 +249,8 @@ def main(argv=None):
             if p.exitcode != 0:
                 raise SystemExit(f"rank exited with {p.exitcode}")
         results[d] = out
-        _print_table(f"DP {d}: N = {int(args.numel):,} bf16 params per replica, rank 0", out,
+        _print_table(f"DP {d}: N = {int(args.numel):,} bf16 params per replica, rank 0, "
+                     f"{args.threads} thread(s) per rank", out,
                      with_bytes=True)
     meta = {
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
