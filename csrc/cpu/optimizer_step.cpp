@@ -1095,6 +1095,15 @@ inline __attribute__((always_inline)) void dynamic_decode16(const uint8_t* c, co
 // through a zero-padded copy, its padding lanes left out of the maxima by a lane mask).
 // Instantiated per scalars.lerp2_small (kLerp2Small; adam_chunk_dynamic picks): read at run time,
 // g++ selected between exp_avg_sq and g * g through the stack in every step.
+// Measured on the Zen 5 (u8, 4M elements, one thread; the kernel takes 1.25 ns per element in
+// and out of cache: compute-bound; the loop below ~55%, the two encodes ~45%, their divisions
+// ~8%), each against this loop in alternating processes, none kept: prefetch_step of the grad
+// and params and the next block's codes, about 1.00x; the decode by integer moves (map bits
+// through a general register) into L1 buffers a block ahead, 1.14-1.19x; the encode of one
+// block interleaved into the 16 steps of the next (a 32-value round per step), 1.05x, and with
+// the reciprocal and a piece-start guard instead of the division, 0.99x; the decode by
+// broadcasts and blends, 1.02x; the decode one step ahead (the next step's moments carried in
+// registers), 1.02x; g++'s -fschedule-insns -fsched-pressure on this function, 1.00x.
 template <typename G, typename M, typename Flags, bool kRem, bool kLerp2Small>
 __attribute__((noinline)) void adam_chunk_dynamic_avx2(
     const G* __restrict g, float* __restrict p, int16_t* __restrict rem, const MomentRef& mref,
