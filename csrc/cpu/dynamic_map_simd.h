@@ -607,6 +607,31 @@ inline void dynamic_encode_block(const float* __restrict in, int64_t n, float di
   for (; i < n; ++i) out[i] = static_cast<uint8_t>(dynamic_encode_scalar(in[i] / div, t));
 }
 
+// dynamic_encode_block of exp_avg's block (signed map) and exp_avg_sq's (unsigned), both of n
+// values: AVX-512, where both divisors take the reciprocal (dynamic_recip_ok) and n is a
+// multiple of 64, in one loop, 64 values of each a round (one set-up, two independent chains in
+// flight): 2.14 -> 2.07 ns per 8 elements of each moment against two dynamic_encode_block
+// calls (scripts/bench_dynamic_map_block.cpp, one thread, Zen 5), the same codes.
+inline void dynamic_encode_block2(const float* __restrict m, float mdiv, uint8_t* __restrict mout,
+                                  const float* __restrict v, float vdiv,
+                                  uint8_t* __restrict vout, int64_t n) {
+#if defined(CPU_CAPABILITY_AVX512)
+  if (n % 64 == 0 && dynamic_recip_ok(mdiv) && dynamic_recip_ok(vdiv)) {
+    const DynamicTables& mt = dynamic_tables(false);
+    const DynamicTables& vt = dynamic_tables(true);
+    const DynamicPieces mp(false), vp(true);
+    const __m512 md = _mm512_set1_ps(1.0f / mdiv), vd = _mm512_set1_ps(1.0f / vdiv);
+    for (int64_t i = 0; i < n; i += 64) {
+      mp.encode64<false, true>(m + i, md, mdiv, mt, mout + i);
+      vp.encode64<true, true>(v + i, vd, vdiv, vt, vout + i);
+    }
+    return;
+  }
+#endif
+  dynamic_encode_block(m, n, mdiv, dynamic_tables(false), mout);
+  dynamic_encode_block(v, n, vdiv, dynamic_tables(true), vout);
+}
+
 }  // namespace
 }  // namespace cpu
 }  // namespace tpamp

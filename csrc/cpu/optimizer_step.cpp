@@ -1014,13 +1014,13 @@ __attribute__((noinline)) void adam_chunk_dynamic_vbmi(
           kModel ? model + o : nullptr, k, scalars, flags);
       continue;
     }
-    // the scales and codes (write_moment's, with the maxima found above; none is NaN)
+    // the scales and codes (write_moment's, with the maxima found above; none is NaN), both
+    // moments' encodes in one loop (dynamic_encode_block2)
     const DynamicScale ms = dynamic_scale(bits_to_float(mmx));
     mref.scales[b] = ms.scale;
-    dynamic_encode_block(mbuf, k, ms.div, mt, mcodes + o);
     const DynamicScale vsc = dynamic_scale(bits_to_float(vmx));
     vref.scales[b] = vsc.scale;
-    dynamic_encode_block(vbuf, k, vsc.div, vt, vcodes + o);
+    dynamic_encode_block2(mbuf, ms.div, mcodes + o, vbuf, vsc.div, vcodes + o, k);
   }
 }
 #pragma GCC pop_options
