@@ -11,9 +11,10 @@
 //   map's tables), 64 values a round, on y' = x * (1 / div) where 1 / div is a normal float32
 //   (dynamic_recip_ok): y' lies at most 2 float32 steps from y, and a lane whose y' lies within
 //   3 steps of a threshold (or within kDynamicRecipGuard of a decade piece's start) is flagged
-//   and redone by division (the scalar path). 0.138 (signed map) / 0.137 (unsigned) ns per
-//   element on the Zen 5 measured (scripts/bench_dynamic_map_block.cpp), 0.147 / 0.147 with
-//   the piece found through the start of a piece by piece (below), the division and 24
+//   and redone by division (the scalar path). 0.131 (signed map) / 0.133 (unsigned) ns per
+//   element on the Zen 5 measured (scripts/bench_dynamic_map_block.cpp), 0.135 / 0.135 with
+//   two-register tables (pair + 16 past the start) and 0.147 / 0.147 with the piece found
+//   through the start of a piece by piece (see DynamicPieceTables), the division and 24
 //   operations per 16 values before it 0.21 / 0.18, the 8-level binary search on the
 //   thresholds' 16-bit key halves (kDynamicThreshold*) before that 0.21.
 // * AVX2: no table read per element: the map is linear within each decade, so the code is
@@ -324,23 +325,27 @@ inline void dynamic_decode_block(const uint8_t* __restrict in, int64_t n, float 
 // latency before the FMA counts on the Zen 5 measured (the loop runs ~10 cycles per 16 values,
 // its ports would allow ~6): indexing the tables by pair and past-the-start bit took the byte
 // shuffle to the piece (kDynamicPieceBinade*) off that path, and the arithmetic shift and
-// ternary logic (4 cycles) replaced a compare into a mask register and a masked add (~9
-// cycles): 6% off the encode. Its codes are those of dynamic_encode_bits wherever a lane is not flagged
+// subtraction (4 cycles) replaced a compare into a mask register and a masked add (~9
+// cycles): 6% off the encode; one-register tables (index pair + 1 past the start) instead of
+// two-register ones (pair + 16) another 1-3%. Its codes are those of dynamic_encode_bits wherever a lane is not flagged
 // (scripts/check_dynamic_map_exhaustive.cpp: every float32 y and its neighbours); the
 // saturating packs with one dword permute put 64 codes back in order. Flagged lanes are redone
 // by dynamic_encode_scalar. About 21 vector operations per 16 values (signed; the 37 of the
 // binary search on the thresholds' 16-bit key halves before it: 0.21 ns per element on the Zen
 // 5 measured, scripts/bench_dynamic_map_block.cpp).
-// DynamicPieces' tables of one map, by binade pair q (kDynamicPieceBinade*: piece p(q)) and
-// whether a lies past the next piece's start: entry q the piece p(q), entry 16 + q the piece
-// p(q) + 1 (two registers each, read by one two-register permute), the offsets and top codes with
-// the signed map's 127 folded in (the offsets rounded to float32: ulp 2^-4 below 2^20 in the
-// fixed point; the exhaustive check covers the rounded tables); the start of piece p(q) + 1 by
-// binade pair (the last piece's: INT_MAX). Built once.
+// DynamicPieces' tables of one map by binade pair q (kDynamicPieceBinade*: the piece p(q) at
+// the pair's bottom): the piece's A, B (the offsets with the signed map's 127 folded in, rounded
+// to float32: ulp 2^-4 below 2^20 in the fixed point; the exhaustive check covers the rounded
+// tables) and top code (127 folded in), and the start of piece p(q) + 1 (the last piece's:
+// INT_MAX). A pair holds at most one piece start, and where it holds one, the next pair's
+// bottom lies in the piece after it (p(q + 1) = p(q) + 1), so entry q + 1 serves the lanes
+// past the start in pair q: the index is q + (a past the start), and each table is one
+// register (a one-register dword permute, no copy of a table or index as two-register
+// permutes need). Built once.
 struct DynamicPieceTables {
-  alignas(64) float scale[32];
-  alignas(64) float offset[32];
-  alignas(64) int32_t top[32];
+  alignas(64) float scale[16];
+  alignas(64) float offset[16];
+  alignas(64) int32_t top[16];
   alignas(64) int32_t start[16];
 };
 
@@ -350,16 +355,13 @@ inline const DynamicPieceTables& dynamic_piece_tables(bool is_unsigned) {
     for (int u = 0; u < 2; ++u) {
       const int32_t fold = u ? 0 : 127;  // signed: k' = 127 + k
       const uint8_t* binade = u ? kDynamicPieceBinadeUnsigned : kDynamicPieceBinadeSigned;
-      for (int q = 0; q < 32; ++q) {
-        // the last piece (7) has no next one: its start, INT_MAX, is never passed
-        const int p = std::min(binade[q % 16] + q / 16, 7);
+      for (int q = 0; q < 16; ++q) {
+        const int p = binade[q];
         tb[u].scale[q] = (u ? kDynamicPieceScaleUnsigned : kDynamicPieceScaleSigned)[p];
         tb[u].offset[q] = (u ? kDynamicPieceOffsetUnsigned : kDynamicPieceOffsetSigned)[p] +
                           static_cast<float>(fold << kDynamicPieceFracBits);
         tb[u].top[q] = (u ? kDynamicPieceTopUnsigned : kDynamicPieceTopSigned)[p] + fold;
-      }
-      for (int q = 0; q < 16; ++q) {
-        tb[u].start[q] = (u ? kDynamicPieceStartUnsigned : kDynamicPieceStartSigned)[binade[q]];
+        tb[u].start[q] = (u ? kDynamicPieceStartUnsigned : kDynamicPieceStartSigned)[p];
       }
     }
     return tb;
@@ -368,16 +370,13 @@ inline const DynamicPieceTables& dynamic_piece_tables(bool is_unsigned) {
 }
 
 struct DynamicPieces {
-  __m512 scale_lo, scale_hi, offset_lo, offset_hi;
-  __m512i top_lo, top_hi, start_tab;
+  __m512 scale_tab, offset_tab;
+  __m512i top_tab, start_tab;
   explicit DynamicPieces(bool is_unsigned) {
     const DynamicPieceTables& tb = dynamic_piece_tables(is_unsigned);
-    scale_lo = _mm512_load_ps(tb.scale);
-    scale_hi = _mm512_load_ps(tb.scale + 16);
-    offset_lo = _mm512_load_ps(tb.offset);
-    offset_hi = _mm512_load_ps(tb.offset + 16);
-    top_lo = _mm512_load_si512(tb.top);
-    top_hi = _mm512_load_si512(tb.top + 16);
+    scale_tab = _mm512_load_ps(tb.scale);
+    offset_tab = _mm512_load_ps(tb.offset);
+    top_tab = _mm512_load_si512(tb.top);
     start_tab = _mm512_load_si512(tb.start);
   }
   // The codes of the 16 values y (not NaN) in 32-bit lanes (signed map: -1 for y <= -1,
@@ -398,20 +397,18 @@ struct DynamicPieces {
         _mm512_subs_epu8(ab, _mm512_set1_epi32((kDynamicPieceBias / 2) << 24)), 24);
     // start - ab: negative past the next piece's start, in [-guard, guard] near it
     const __m512i rel = _mm512_sub_epi32(_mm512_permutexvar_epi32(pair, start_tab), ab);
-    // the tables' index: pair, plus 16 past the start (no mask: a compare into a mask register
+    // the tables' index: pair, plus 1 past the start (no mask: a compare into a mask register
     // and its use cost ~9 cycles of latency on the Zen 5 measured, this 4)
-    const __m512i idx = _mm512_ternarylogic_epi32(pair, _mm512_srai_epi32(rel, 31),
-                                                  _mm512_set1_epi32(16), 0xf8);  // a | b & c
-    const __m512i ti = _mm512_cvttps_epi32(
-        _mm512_fmadd_ps(a, _mm512_permutex2var_ps(scale_lo, idx, scale_hi),
-                        _mm512_permutex2var_ps(offset_lo, idx, offset_hi)));
+    const __m512i idx = _mm512_sub_epi32(pair, _mm512_srai_epi32(rel, 31));
+    const __m512i ti = _mm512_cvttps_epi32(_mm512_fmadd_ps(
+        a, _mm512_permutexvar_ps(idx, scale_tab), _mm512_permutexvar_ps(idx, offset_tab)));
     near = _mm512_mask_testn_epi32_mask(live, ti,
                                         _mm512_set1_epi32((1 << kDynamicPieceFracBits) - 2)) |
            _mm512_mask_cmple_epu32_mask(
                live, _mm512_add_epi32(rel, _mm512_set1_epi32(kDynamicRecipGuard)),
                _mm512_set1_epi32(2 * kDynamicRecipGuard));
     const __m512i k = _mm512_min_epi32(_mm512_srai_epi32(ti, kDynamicPieceFracBits),
-                                       _mm512_permutex2var_epi32(top_lo, idx, top_hi));
+                                       _mm512_permutexvar_epi32(idx, top_tab));
     if constexpr (kUnsigned) {
       return k;
     } else {  // k' = 127 + k; 127 - k = 254 - k' for negative y
