@@ -11,9 +11,10 @@
 //   map's tables), 64 values a round, on y' = x * (1 / div) where 1 / div is a normal float32
 //   (dynamic_recip_ok): y' lies at most 2 float32 steps from y, and a lane whose y' lies within
 //   3 steps of a threshold (or within kDynamicRecipGuard of a decade piece's start) is flagged
-//   and redone by division (the scalar path). 0.131 (signed map) / 0.128 (unsigned) ns per
-//   element on the Zen 5 measured (scripts/bench_dynamic_map_block.cpp; unsigned 0.133 with
-//   a = max(min(y, 1), 0), see DynamicPieces::codes16y), 0.135 / 0.135 with
+//   and redone by division (the scalar path). 0.129 (signed map) / 0.121 (unsigned) ns per
+//   element on the Zen 5 measured (scripts/bench_dynamic_map_block.cpp; 0.135 / 0.128 with
+//   an addition for the flag near a piece's start, unsigned 0.133 with a = max(min(y, 1), 0):
+//   see DynamicPieces::codes16y), 0.135 / 0.135 with
 //   two-register tables (pair + 16 past the start) and 0.147 / 0.147 with the piece found
 //   through the start of a piece by piece (see DynamicPieceTables), the division and 24
 //   operations per 16 values before it 0.21 / 0.18, the 8-level binary search on the
@@ -337,8 +338,8 @@ inline void dynamic_decode_block(const uint8_t* __restrict in, int64_t n, float 
 // DynamicPieces' tables of one map by binade pair q (kDynamicPieceBinade*: the piece p(q) at
 // the pair's bottom): the piece's A, B (the offsets with the signed map's 127 folded in, rounded
 // to float32: ulp 2^-4 below 2^20 in the fixed point; the exhaustive check covers the rounded
-// tables) and top code (127 folded in), and the start of piece p(q) + 1 (the last piece's:
-// INT_MAX). A pair holds at most one piece start, and where it holds one, the next pair's
+// tables) and top code (127 folded in), and the start of piece p(q) + 1 plus
+// kDynamicRecipGuard (the last piece's: INT_MAX). A pair holds at most one piece start, and where it holds one, the next pair's
 // bottom lies in the piece after it (p(q + 1) = p(q) + 1), so entry q + 1 serves the lanes
 // past the start in pair q: the index is q + (a past the start), and each table is one
 // register (a one-register dword permute, no copy of a table or index as two-register
@@ -362,7 +363,8 @@ inline const DynamicPieceTables& dynamic_piece_tables(bool is_unsigned) {
         tb[u].offset[q] = (u ? kDynamicPieceOffsetUnsigned : kDynamicPieceOffsetSigned)[p] +
                           static_cast<float>(fold << kDynamicPieceFracBits);
         tb[u].top[q] = (u ? kDynamicPieceTopUnsigned : kDynamicPieceTopSigned)[p] + fold;
-        tb[u].start[q] = (u ? kDynamicPieceStartUnsigned : kDynamicPieceStartSigned)[p];
+        const int32_t start = (u ? kDynamicPieceStartUnsigned : kDynamicPieceStartSigned)[p];
+        tb[u].start[q] = start == INT32_MAX ? start : start + kDynamicRecipGuard;
       }
     }
     return tb;
@@ -396,18 +398,19 @@ struct DynamicPieces {
     const __m512i ab = _mm512_castps_si512(a);
     const __m512i pair = _mm512_srli_epi32(
         _mm512_subs_epu8(ab, _mm512_set1_epi32((kDynamicPieceBias / 2) << 24)), 24);
-    // start - ab: negative past the next piece's start, in [-guard, guard] near it
+    // start + guard - ab: in [0, 2 guard] near the next piece's start (the lane is flagged),
+    // negative past start + guard
     const __m512i rel = _mm512_sub_epi32(_mm512_permutexvar_epi32(pair, start_tab), ab);
-    // the tables' index: pair, plus 1 past the start (no mask: a compare into a mask register
-    // and its use cost ~9 cycles of latency on the Zen 5 measured, this 4)
+    // the tables' index: pair, plus 1 past start + guard (a lane in (start, start + guard] is
+    // flagged, so the lower piece may serve it: no addition for the flag, 5% off the encode);
+    // no mask: a compare into a mask register and its use cost ~9 cycles of latency on the
+    // Zen 5 measured, this 4
     const __m512i idx = _mm512_sub_epi32(pair, _mm512_srai_epi32(rel, 31));
     const __m512i ti = _mm512_cvttps_epi32(_mm512_fmadd_ps(
         a, _mm512_permutexvar_ps(idx, scale_tab), _mm512_permutexvar_ps(idx, offset_tab)));
     near = _mm512_mask_testn_epi32_mask(live, ti,
                                         _mm512_set1_epi32((1 << kDynamicPieceFracBits) - 2)) |
-           _mm512_mask_cmple_epu32_mask(
-               live, _mm512_add_epi32(rel, _mm512_set1_epi32(kDynamicRecipGuard)),
-               _mm512_set1_epi32(2 * kDynamicRecipGuard));
+           _mm512_mask_cmple_epu32_mask(live, rel, _mm512_set1_epi32(2 * kDynamicRecipGuard));
     const __m512i kt = _mm512_srai_epi32(ti, kDynamicPieceFracBits);
     const __m512i top = _mm512_permutexvar_epi32(idx, top_tab);
     if constexpr (kUnsigned) {
