@@ -11,8 +11,9 @@
 //   map's tables), 64 values a round, on y' = x * (1 / div) where 1 / div is a normal float32
 //   (dynamic_recip_ok): y' lies at most 2 float32 steps from y, and a lane whose y' lies within
 //   3 steps of a threshold (or within kDynamicRecipGuard of a decade piece's start) is flagged
-//   and redone by division (the scalar path). 0.129 (signed map) / 0.121 (unsigned) ns per
-//   element on the Zen 5 measured (scripts/bench_dynamic_map_block.cpp; 0.135 / 0.128 with
+//   and redone by division (the scalar path). 0.121 (signed map) / 0.121 (unsigned) ns per
+//   element on the Zen 5 measured (scripts/bench_dynamic_map_block.cpp; signed 0.126 with the
+//   sign applied per 16 values, see DynamicPieces::encode64; 0.135 / 0.128 with
 //   an addition for the flag near a piece's start, unsigned 0.133 with a = max(min(y, 1), 0):
 //   see DynamicPieces::codes16y), 0.135 / 0.135 with
 //   two-register tables (pair + 16 past the start) and 0.147 / 0.147 with the piece found
@@ -383,11 +384,11 @@ struct DynamicPieces {
     start_tab = _mm512_load_si512(tb.start);
   }
   // The codes of the 16 values y (not NaN) in 32-bit lanes (signed map: -1 for y <= -1,
-  // saturated to 0 by the caller), and in near the live lanes whose t lies within 2^-12 of an
+  // saturated to 0 by the caller; !kFlip: k', the sign not applied), and in near the live lanes whose t lies within 2^-12 of an
   // integer or whose a lies within kDynamicRecipGuard float32 steps of the next piece's start
   // (the piece is found exactly on a's bits, and t need not be near an integer at a piece's
   // start; a negative y's boundary lies 0-2 steps below the positive one's).
-  template <bool kUnsigned>
+  template <bool kUnsigned, bool kFlip = true>
   inline __attribute__((always_inline)) __m512i codes16y(__m512 y, __mmask16 live,
                                                          __mmask16& near) const {
     // a: the smaller magnitude of y and 1, sign cleared (inf -> 1; y is not NaN); unsigned:
@@ -417,6 +418,8 @@ struct DynamicPieces {
       const __mmask16 positive = _mm512_testn_epi32_mask(_mm512_castps_si512(y),
                                                          _mm512_set1_epi32(INT32_MIN));
       return _mm512_maskz_min_epi32(positive, kt, top);
+    } else if constexpr (!kFlip) {
+      return _mm512_min_epi32(kt, top);
     } else {  // k' = 127 + k; 127 - k = 254 - k' for negative y
       const __m512i k = _mm512_min_epi32(kt, top);
       return _mm512_mask_sub_epi32(k, _mm512_movepi32_mask(_mm512_castps_si512(y)),
@@ -445,16 +448,39 @@ struct DynamicPieces {
                                                       const DynamicTables& t,
                                                       uint8_t* out) const {
     __mmask16 near[4];
-    const __m512i c0 = codes16<kUnsigned, kRecip>(in, 0xffff, d, near[0]),
-                  c1 = codes16<kUnsigned, kRecip>(in + 16, 0xffff, d, near[1]),
-                  c2 = codes16<kUnsigned, kRecip>(in + 32, 0xffff, d, near[2]),
-                  c3 = codes16<kUnsigned, kRecip>(in + 48, 0xffff, d, near[3]);
     // 32 -> 16 -> 8 bits with unsigned saturation (codes <= 255, -1 -> 0); dword m of the
     // packs' result holds codes 4 (m % 4) + m / 4 .. + 3
     const __m512i order = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
-    _mm512_storeu_si512(out, _mm512_permutexvar_epi32(
-                                 order, _mm512_packus_epi16(_mm512_packus_epi32(c0, c1),
-                                                            _mm512_packus_epi32(c2, c3))));
+    if constexpr (!kUnsigned) {
+      // signed: the sign applied to 64 codes at once after the packs (254 - k' with unsigned
+      // byte saturation, -1 -> 0 as the packs' saturation of codes16y's dword codes), the
+      // mask from y's sign bits packed with signed saturation (the codes' lane order): per 64
+      // values 3 packs and one byte mask for 4 dword masks and 4 masked subtractions, 6% off
+      // the signed map's encode on the Zen 5 measured
+      __m512 y[4];
+      __m512i c[4];
+      for (int v = 0; v < 4; ++v) {
+        const __m512 x = _mm512_loadu_ps(in + 16 * v);
+        y[v] = kRecip ? _mm512_mul_ps(x, d) : _mm512_div_ps(x, d);
+        c[v] = codes16y<false, false>(y[v], 0xffff, near[v]);
+      }
+      const __m512i k = _mm512_packus_epi16(_mm512_packus_epi32(c[0], c[1]),
+                                            _mm512_packus_epi32(c[2], c[3]));
+      auto bits = [](__m512 v) { return _mm512_castps_si512(v); };
+      const __mmask64 neg = _mm512_movepi8_mask(
+          _mm512_packs_epi16(_mm512_packs_epi32(bits(y[0]), bits(y[1])),
+                             _mm512_packs_epi32(bits(y[2]), bits(y[3]))));
+      const __m512i code = _mm512_mask_subs_epu8(k, neg, _mm512_set1_epi8(char(254)), k);
+      _mm512_storeu_si512(out, _mm512_permutexvar_epi32(order, code));
+    } else {
+      const __m512i c0 = codes16<kUnsigned, kRecip>(in, 0xffff, d, near[0]),
+                    c1 = codes16<kUnsigned, kRecip>(in + 16, 0xffff, d, near[1]),
+                    c2 = codes16<kUnsigned, kRecip>(in + 32, 0xffff, d, near[2]),
+                    c3 = codes16<kUnsigned, kRecip>(in + 48, 0xffff, d, near[3]);
+      _mm512_storeu_si512(out, _mm512_permutexvar_epi32(
+                                   order, _mm512_packus_epi16(_mm512_packus_epi32(c0, c1),
+                                                              _mm512_packus_epi32(c2, c3))));
+    }
     if (__builtin_expect((near[0] | near[1] | near[2] | near[3]) != 0, 0)) {
       for (int v = 0; v < 4; ++v) redo(in + 16 * v, near[v], div, t, out + 16 * v);
     }
