@@ -11,9 +11,10 @@
 //   map's tables), 64 values a round, on y' = x * (1 / div) where 1 / div is a normal float32
 //   (dynamic_recip_ok): y' lies at most 2 float32 steps from y, and a lane whose y' lies within
 //   3 steps of a threshold (or within kDynamicRecipGuard of a decade piece's start) is flagged
-//   and redone by division (the scalar path). 0.121 (signed map) / 0.121 (unsigned) ns per
-//   element on the Zen 5 measured (scripts/bench_dynamic_map_block.cpp; signed 0.126 with the
-//   sign applied per 16 values, see DynamicPieces::encode64; 0.135 / 0.128 with
+//   and redone by division (the scalar path). 0.116 (signed map) / 0.112 (unsigned) ns per
+//   element on the Zen 5 measured (scripts/bench_dynamic_map_block.cpp; 0.124 / 0.122 with
+//   the codes packed from the low bits, signed 0.126 with the sign applied per 16 values: see
+//   DynamicPieces::encode64; 0.135 / 0.128 with
 //   an addition for the flag near a piece's start, unsigned 0.133 with a = max(min(y, 1), 0):
 //   see DynamicPieces::codes16y), 0.135 / 0.135 with
 //   two-register tables (pair + 16 past the start) and 0.147 / 0.147 with the piece found
@@ -319,30 +320,36 @@ inline void dynamic_decode_block(const uint8_t* __restrict in, int64_t n, float 
 
 #if defined(CPU_CAPABILITY_AVX512)
 // The AVX-512 encode: the AVX2 encode's decade pieces (kDynamicPiece*; see the AVX2 branch of
-// dynamic_encode_block) on 16 lanes: a = min(|y|, 1) by one vrangeps, the binade pair q, the
-// next piece's start by q (one dword permute) and its difference to a's bits (its sign: past
-// the start; near 0: the lane is flagged), t = fma(a, A[p], B[p]) in fixed point with the
-// piece's A, B and top code read by two-register permutes on q + 16 (past the start), the flag
-// of a t within 2^-12 of an integer, the cap by the piece's top code; signed map: 127 folded
-// into B and the top codes (k' = 127 + k; code k' or 254 - k' by a mask on y's sign). The
-// latency before the FMA counts on the Zen 5 measured (the loop runs ~10 cycles per 16 values,
-// its ports would allow ~6): indexing the tables by pair and past-the-start bit took the byte
-// shuffle to the piece (kDynamicPieceBinade*) off that path, and the arithmetic shift and
-// subtraction (4 cycles) replaced a compare into a mask register and a masked add (~9
-// cycles): 6% off the encode; one-register tables (index pair + 1 past the start) instead of
-// two-register ones (pair + 16) another 1-3%. Its codes are those of dynamic_encode_bits wherever a lane is not flagged
-// (scripts/check_dynamic_map_exhaustive.cpp: every float32 y and its neighbours); the
-// saturating packs with one dword permute put 64 codes back in order. Flagged lanes are redone
-// by dynamic_encode_scalar. About 21 vector operations per 16 values (signed; the 37 of the
-// binary search on the thresholds' 16-bit key halves before it: 0.21 ns per element on the Zen
-// 5 measured, scripts/bench_dynamic_map_block.cpp).
+// dynamic_encode_block) on 16 lanes: a = min(|y|, 1) by one vrangeps, the binade pair q of a,
+// the next piece's start (plus kDynamicRecipGuard) by q and its difference to a's bits (its
+// sign: past the start; small: the lane is flagged), t = fma(a, A[p], B[p]) in fixed point
+// (16 bits below the point) with the piece's A, B and top code read by one-register permutes
+// on q + (past the start), the flag of a t within 2^-12 of an integer, the cap by the piece's
+// top code; signed map: 127 folded into B and the top codes (k' = 127 + k; code k' or 254 -
+// k' by y's sign, applied to 64 codes at once), unsigned: code 0 where y's sign bit is set.
+// Its codes are those of dynamic_encode_bits wherever a lane is not flagged
+// (scripts/check_dynamic_map_exhaustive.cpp: every float32 y and its neighbours, and the block
+// encode against the lane function); word permutes, a saturating pack and one qword permute
+// put 64 codes in order. Flagged lanes are redone by dynamic_encode_scalar. About 18 vector
+// operations per 16 values (signed; the 37 of the binary search on the thresholds' 16-bit key
+// halves before it: 0.21 ns per element on the Zen 5 measured,
+// scripts/bench_dynamic_map_block.cpp). On the Zen 5 measured (a 16-value group's chain ~45
+// cycles long, the loop ~8 cycles per 16 values) both the operations and the latency before
+// the FMA count: indexing the tables by pair and past-the-start bit took the byte shuffle to
+// the piece (kDynamicPieceBinade*) off that path, an arithmetic shift and subtraction (4
+// cycles) replaced a compare into a mask register and a masked add (~9 cycles; mask-register
+// logic and masked merges are slow there too): 6% off the encode; one-register tables
+// instead of two-register ones (index q + 16) 1-3%; the guard folded into the start table 5%;
+// each operation fewer per 16 values ~3-5%, each extra permute or vector operation as much
+// slower (both tables of a pair selected by the sign, or the flag as a vector: 5-15%).
 // DynamicPieces' tables of one map by binade pair q (kDynamicPieceBinade*: the piece p(q) at
 // the pair's bottom): the piece's A, B (the offsets with the signed map's 127 folded in, rounded
-// to float32: ulp 2^-4 below 2^20 in the fixed point; the exhaustive check covers the rounded
-// tables) and top code (127 folded in), and the start of piece p(q) + 1 plus
-// kDynamicRecipGuard (the last piece's: INT_MAX). A pair holds at most one piece start, and where it holds one, the next pair's
-// bottom lies in the piece after it (p(q + 1) = p(q) + 1), so entry q + 1 serves the lanes
-// past the start in pair q: the index is q + (a past the start), and each table is one
+// to float32: ulp 2^-4 below 2^20 in the kDynamicPieceFracBits fixed point; the exhaustive
+// check covers the rounded tables; both times 2^4, exactly) and top code (127 folded in; in the
+// high half, 0xffff below), and the start of piece p(q) + 1 plus kDynamicRecipGuard (the last
+// piece's: INT_MAX). A pair holds at most one piece start, and where it holds one, the next
+// pair's bottom lies in the piece after it (p(q + 1) = p(q) + 1), so entry q + 1 serves the
+// lanes past the start in pair q: the index is q + (a past the start), and each table is one
 // register (a one-register dword permute, no copy of a table or index as two-register
 // permutes need). Built once.
 struct DynamicPieceTables {
@@ -360,10 +367,12 @@ inline const DynamicPieceTables& dynamic_piece_tables(bool is_unsigned) {
       const uint8_t* binade = u ? kDynamicPieceBinadeUnsigned : kDynamicPieceBinadeSigned;
       for (int q = 0; q < 16; ++q) {
         const int p = binade[q];
-        tb[u].scale[q] = (u ? kDynamicPieceScaleUnsigned : kDynamicPieceScaleSigned)[p];
-        tb[u].offset[q] = (u ? kDynamicPieceOffsetUnsigned : kDynamicPieceOffsetSigned)[p] +
-                          static_cast<float>(fold << kDynamicPieceFracBits);
-        tb[u].top[q] = (u ? kDynamicPieceTopUnsigned : kDynamicPieceTopSigned)[p] + fold;
+        // times 2^4, exactly: t in fixed point with 16 bits below the point
+        tb[u].scale[q] = (u ? kDynamicPieceScaleUnsigned : kDynamicPieceScaleSigned)[p] * 16.0f;
+        tb[u].offset[q] = ((u ? kDynamicPieceOffsetUnsigned : kDynamicPieceOffsetSigned)[p] +
+                           static_cast<float>(fold << kDynamicPieceFracBits)) * 16.0f;
+        const int32_t top = (u ? kDynamicPieceTopUnsigned : kDynamicPieceTopSigned)[p] + fold;
+        tb[u].top[q] = (top << 16) | 0xffff;
         const int32_t start = (u ? kDynamicPieceStartUnsigned : kDynamicPieceStartSigned)[p];
         tb[u].start[q] = start == INT32_MAX ? start : start + kDynamicRecipGuard;
       }
@@ -384,12 +393,24 @@ struct DynamicPieces {
     start_tab = _mm512_load_si512(tb.start);
   }
   // The codes of the 16 values y (not NaN) in 32-bit lanes (signed map: -1 for y <= -1,
-  // saturated to 0 by the caller; !kFlip: k', the sign not applied), and in near the live lanes whose t lies within 2^-12 of an
+  // saturated to 0 by the caller), and in near the live lanes whose t lies within 2^-12 of an
   // integer or whose a lies within kDynamicRecipGuard float32 steps of the next piece's start
   // (the piece is found exactly on a's bits, and t need not be near an integer at a piece's
   // start; a negative y's boundary lies 0-2 steps below the positive one's).
-  template <bool kUnsigned, bool kFlip = true>
+  template <bool kUnsigned>
   inline __attribute__((always_inline)) __m512i codes16y(__m512 y, __mmask16 live,
+                                                         __mmask16& near) const {
+    const __m512i k = _mm512_srli_epi32(codes16w<kUnsigned>(y, live, near), 16);
+    if constexpr (kUnsigned) {
+      return k;
+    } else {  // k' = 127 + k; 127 - k = 254 - k' for negative y
+      return _mm512_mask_sub_epi32(k, _mm512_movepi32_mask(_mm512_castps_si512(y)),
+                                   _mm512_set1_epi32(254), k);
+    }
+  }
+  // codes16y's codes (signed: k', the sign not applied) in the high 16 bits of each lane
+  template <bool kUnsigned>
+  inline __attribute__((always_inline)) __m512i codes16w(__m512 y, __mmask16 live,
                                                          __mmask16& near) const {
     // a: the smaller magnitude of y and 1, sign cleared (inf -> 1; y is not NaN); unsigned:
     // code 0 where y's sign bit is set (-0.0 and -inf included), the lane zeroed at the end
@@ -409,21 +430,19 @@ struct DynamicPieces {
     const __m512i idx = _mm512_sub_epi32(pair, _mm512_srai_epi32(rel, 31));
     const __m512i ti = _mm512_cvttps_epi32(_mm512_fmadd_ps(
         a, _mm512_permutexvar_ps(idx, scale_tab), _mm512_permutexvar_ps(idx, offset_tab)));
-    near = _mm512_mask_testn_epi32_mask(live, ti,
-                                        _mm512_set1_epi32((1 << kDynamicPieceFracBits) - 2)) |
+    // ti = trunc(2^16 t): 16 times the kDynamicPieceFracBits fixed point's (the tables' 2^4
+    // is exact), so its bits 4-15 are the 12 bits below that point
+    near = _mm512_mask_testn_epi32_mask(
+               live, ti, _mm512_set1_epi32(((1 << kDynamicPieceFracBits) - 2) << 4)) |
            _mm512_mask_cmple_epu32_mask(live, rel, _mm512_set1_epi32(2 * kDynamicRecipGuard));
-    const __m512i kt = _mm512_srai_epi32(ti, kDynamicPieceFracBits);
+    // the cap: top code in the high half, 0xffff below
     const __m512i top = _mm512_permutexvar_epi32(idx, top_tab);
     if constexpr (kUnsigned) {
       const __mmask16 positive = _mm512_testn_epi32_mask(_mm512_castps_si512(y),
                                                          _mm512_set1_epi32(INT32_MIN));
-      return _mm512_maskz_min_epi32(positive, kt, top);
-    } else if constexpr (!kFlip) {
-      return _mm512_min_epi32(kt, top);
-    } else {  // k' = 127 + k; 127 - k = 254 - k' for negative y
-      const __m512i k = _mm512_min_epi32(kt, top);
-      return _mm512_mask_sub_epi32(k, _mm512_movepi32_mask(_mm512_castps_si512(y)),
-                                   _mm512_set1_epi32(254), k);
+      return _mm512_maskz_min_epi32(positive, ti, top);
+    } else {
+      return _mm512_min_epi32(ti, top);
     }
   }
   // codes16y of the 16 values at p (live lanes read, the others 0) scaled by d: y = x * d
@@ -448,39 +467,40 @@ struct DynamicPieces {
                                                       const DynamicTables& t,
                                                       uint8_t* out) const {
     __mmask16 near[4];
-    // 32 -> 16 -> 8 bits with unsigned saturation (codes <= 255, -1 -> 0); dword m of the
-    // packs' result holds codes 4 (m % 4) + m / 4 .. + 3
-    const __m512i order = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
-    if constexpr (!kUnsigned) {
-      // signed: the sign applied to 64 codes at once after the packs (254 - k' with unsigned
-      // byte saturation, -1 -> 0 as the packs' saturation of codes16y's dword codes), the
-      // mask from y's sign bits packed with signed saturation (the codes' lane order): per 64
-      // values 3 packs and one byte mask for 4 dword masks and 4 masked subtractions, 6% off
-      // the signed map's encode on the Zen 5 measured
-      __m512 y[4];
-      __m512i c[4];
-      for (int v = 0; v < 4; ++v) {
-        const __m512 x = _mm512_loadu_ps(in + 16 * v);
-        y[v] = kRecip ? _mm512_mul_ps(x, d) : _mm512_div_ps(x, d);
-        c[v] = codes16y<false, false>(y[v], 0xffff, near[v]);
-      }
-      const __m512i k = _mm512_packus_epi16(_mm512_packus_epi32(c[0], c[1]),
-                                            _mm512_packus_epi32(c[2], c[3]));
-      auto bits = [](__m512 v) { return _mm512_castps_si512(v); };
-      const __mmask64 neg = _mm512_movepi8_mask(
-          _mm512_packs_epi16(_mm512_packs_epi32(bits(y[0]), bits(y[1])),
-                             _mm512_packs_epi32(bits(y[2]), bits(y[3]))));
-      const __m512i code = _mm512_mask_subs_epu8(k, neg, _mm512_set1_epi8(char(254)), k);
-      _mm512_storeu_si512(out, _mm512_permutexvar_epi32(order, code));
-    } else {
-      const __m512i c0 = codes16<kUnsigned, kRecip>(in, 0xffff, d, near[0]),
-                    c1 = codes16<kUnsigned, kRecip>(in + 16, 0xffff, d, near[1]),
-                    c2 = codes16<kUnsigned, kRecip>(in + 32, 0xffff, d, near[2]),
-                    c3 = codes16<kUnsigned, kRecip>(in + 48, 0xffff, d, near[3]);
-      _mm512_storeu_si512(out, _mm512_permutexvar_epi32(
-                                   order, _mm512_packus_epi16(_mm512_packus_epi32(c0, c1),
-                                                              _mm512_packus_epi32(c2, c3))));
+    __m512 y[4];
+    __m512i c[4];
+    for (int v = 0; v < 4; ++v) {
+      const __m512 x = _mm512_loadu_ps(in + 16 * v);
+      y[v] = kRecip ? _mm512_mul_ps(x, d) : _mm512_div_ps(x, d);
+      c[v] = codes16w<kUnsigned>(y[v], 0xffff, near[v]);
     }
+    // the high halves of two registers' lanes in order (word j: word 2 j + 1 of the pair)
+    const __m512i high = _mm512_setr_epi32(
+        0x00030001, 0x00070005, 0x000b0009, 0x000f000d, 0x00130011, 0x00170015, 0x001b0019,
+        0x001f001d, 0x00230021, 0x00270025, 0x002b0029, 0x002f002d, 0x00330031, 0x00370035,
+        0x003b0039, 0x003f003d);
+    auto highs = [&](__m512i lo, __m512i hi) __attribute__((always_inline)) {
+      return _mm512_permutex2var_epi16(lo, high, hi);
+    };
+    // codes 0-31 and 32-63 in words, packed to bytes (codes <= 255): qword 2 m of the pack
+    // holds codes 8 m .. 8 m + 7, qword 2 m + 1 codes 32 + 8 m ..; one qword permute puts
+    // them in order. 4 operations per 64 codes where codes in the low bits took 8 (4 shifts,
+    // 3 packs with saturation, a dword permute): 6% (signed) / 9% (unsigned) off the encode
+    // on the Zen 5 measured
+    __m512i k = _mm512_packus_epi16(highs(c[0], c[1]), highs(c[2], c[3]));
+    if constexpr (!kUnsigned) {
+      // signed: the sign applied to 64 codes at once (254 - k' with unsigned byte
+      // saturation, -1 -> 0 as the packs' saturation of codes16y's codes), the mask from the
+      // high halves of y's bits in the codes' order (the sign kept by the signed saturation):
+      // per 64 values 2 word permutes, a pack and one byte mask for 4 dword masks and 4
+      // masked subtractions (~4% off the signed map's encode on the Zen 5 measured)
+      auto bits = [](__m512 v) { return _mm512_castps_si512(v); };
+      const __mmask64 neg = _mm512_movepi8_mask(_mm512_packs_epi16(
+          highs(bits(y[0]), bits(y[1])), highs(bits(y[2]), bits(y[3]))));
+      k = _mm512_mask_subs_epu8(k, neg, _mm512_set1_epi8(static_cast<char>(254)), k);
+    }
+    _mm512_storeu_si512(out, _mm512_permutexvar_epi64(_mm512_setr_epi64(0, 2, 4, 6, 1, 3, 5, 7),
+                                                      k));
     if (__builtin_expect((near[0] | near[1] | near[2] | near[3]) != 0, 0)) {
       for (int v = 0; v < 4; ++v) redo(in + 16 * v, near[v], div, t, out + 16 * v);
     }
