@@ -11,15 +11,15 @@
 //   map's tables), 64 values a round, on y' = x * (1 / div) where 1 / div is a normal float32
 //   (dynamic_recip_ok): y' lies at most 2 float32 steps from y, and a lane whose y' lies within
 //   3 steps of a threshold (or within kDynamicRecipGuard of a decade piece's start) is flagged
-//   and redone by division (the scalar path). 0.116 (signed map) / 0.112 (unsigned) ns per
-//   element on the Zen 5 measured (scripts/bench_dynamic_map_block.cpp; 0.124 / 0.122 with
-//   the codes packed from the low bits, signed 0.126 with the sign applied per 16 values: see
-//   DynamicPieces::encode64; 0.135 / 0.128 with
-//   an addition for the flag near a piece's start, unsigned 0.133 with a = max(min(y, 1), 0):
-//   see DynamicPieces::codes16y), 0.135 / 0.135 with
-//   two-register tables (pair + 16 past the start) and 0.147 / 0.147 with the piece found
-//   through the start of a piece by piece (see DynamicPieceTables), the division and 24
-//   operations per 16 values before it 0.21 / 0.18, the 8-level binary search on the
+//   and redone by division (the scalar path). 0.114 (signed map) / 0.109 (unsigned) ns per
+//   element on the Zen 5 measured (scripts/bench_dynamic_map_block.cpp), both maps' blocks
+//   in one loop (dynamic_encode_block2) 0.22 ns per element of each; the steps before (see
+//   DynamicPieces): 0.124 / 0.122 with the codes packed from the low bits (signed 0.126 with
+//   the sign applied per 16 values), 0.135 / 0.128 with an addition for the flag near a
+//   piece's start (unsigned 0.133 with a = max(min(y, 1), 0)), 0.135 / 0.135 with
+//   two-register tables, 0.147 / 0.147 with the piece found through a byte shuffle and the
+//   start of a piece by piece (both maps' blocks 0.29 ns per element of each), the division
+//   and 24 operations per 16 values before it 0.21 / 0.18, the 8-level binary search on the
 //   thresholds' 16-bit key halves (kDynamicThreshold*) before that 0.21.
 // * AVX2: no table read per element: the map is linear within each decade, so the code is
 //   floor(a A[p] + B[p]) on the decade piece p of a = |y| (kDynamicPiece*, from
