@@ -100,12 +100,15 @@ int main(int argc, char** argv) {
   // at most 2 float32 steps from y = RN(x / div). Every float32 y' (NaN aside: the lanes never
   // see one) whose lane is not flagged must have the code of every value within kSteps steps of
   // it (the code is monotone in y: the values kSteps below and above suffice; their codes come
-  // from dynamic_encode_block with div 1, checked exactly above).
+  // from dynamic_encode_block with div 1, checked exactly above). The block encode's 64-value
+  // rounds (AVX-512: the signed map's sign applied after the packs) must give the lane
+  // function's code in every lane it does not flag: dynamic_encode_block of y' with div 1
+  // (1 / div = 1: the same y') against lane_codes.
   {
     constexpr int64_t kSteps = 3;
     long unflagged = 0;
     alignas(64) float y[256], lo[256], hi[256];
-    alignas(64) uint8_t code[256], flag[256], clo[256], chi[256];
+    alignas(64) uint8_t code[256], flag[256], clo[256], chi[256], cblk[256];
     for (int u = 0; u < 2 && lane_codes(u, y, code, flag); ++u) {
       const DynamicTables& t = dynamic_tables(u);
       for (uint64_t base = 0; base < (1ull << 32); base += 256) {
@@ -121,11 +124,12 @@ int main(int argc, char** argv) {
         for (int k = 0; k < 256; k += 16) lane_codes(u, y + k, code + k, flag + k);
         dynamic_encode_block(lo, 256, 1.0f, t, clo);
         dynamic_encode_block(hi, 256, 1.0f, t, chi);
+        dynamic_encode_block(y, 256, 1.0f, t, cblk);
         for (int k = 0; k < 256; ++k) {
           if (flag[k]) continue;
           ++unflagged;
-          if (code[k] != clo[k] || code[k] != chi[k]) {
-            if (bad < 10) printf("recip u=%d bits=%08x code=%u lo=%u hi=%u\n", u, uint32_t(base + k), code[k], clo[k], chi[k]);
+          if (code[k] != clo[k] || code[k] != chi[k] || code[k] != cblk[k]) {
+            if (bad < 10) printf("recip u=%d bits=%08x code=%u lo=%u hi=%u block=%u\n", u, uint32_t(base + k), code[k], clo[k], chi[k], cblk[k]);
             ++bad;
           }
         }

@@ -11,10 +11,16 @@
 //   map's tables), 64 values a round, on y' = x * (1 / div) where 1 / div is a normal float32
 //   (dynamic_recip_ok): y' lies at most 2 float32 steps from y, and a lane whose y' lies within
 //   3 steps of a threshold (or within kDynamicRecipGuard of a decade piece's start) is flagged
-//   and redone by division (the scalar path). 0.16 (signed map) / 0.16 (unsigned) ns per
-//   element on the Zen 5 measured (busy), the division and 24 operations per 16 values before
-//   it 0.21 / 0.18, the 8-level binary search on the thresholds' 16-bit key halves
-//   (kDynamicThreshold*) before that 0.21.
+//   and redone by division (the scalar path). 0.114 (signed map) / 0.109 (unsigned) ns per
+//   element on the Zen 5 measured (scripts/bench_dynamic_map_block.cpp), both maps' blocks
+//   in one loop (dynamic_encode_block2) 0.22 ns per element of each; the steps before (see
+//   DynamicPieces): 0.124 / 0.122 with the codes packed from the low bits (signed 0.126 with
+//   the sign applied per 16 values), 0.135 / 0.128 with an addition for the flag near a
+//   piece's start (unsigned 0.133 with a = max(min(y, 1), 0)), 0.135 / 0.135 with
+//   two-register tables, 0.147 / 0.147 with the piece found through a byte shuffle and the
+//   start of a piece by piece (both maps' blocks 0.29 ns per element of each), the division
+//   and 24 operations per 16 values before it 0.21 / 0.18, the 8-level binary search on the
+//   thresholds' 16-bit key halves (kDynamicThreshold*) before that 0.21.
 // * AVX2: no table read per element: the map is linear within each decade, so the code is
 //   floor(a A[p] + B[p]) on the decade piece p of a = |y| (kDynamicPiece*, from
 //   scripts/gen_dynamic_map.py --pieces; see dynamic_encode_block); a lane within 2^-12 of a
@@ -48,6 +54,7 @@
 #include "../kernels/optimizer_step.h"
 #include "dynamic_map_pieces.h"
 
+#include <algorithm>
 #include <cstdint>
 #include <cstdlib>
 #include <type_traits>
@@ -324,22 +331,40 @@ inline void dynamic_decode_block(const uint8_t* __restrict in, int64_t n, float 
 
 #if defined(CPU_CAPABILITY_AVX512)
 // The AVX-512 encode: the AVX2 encode's decade pieces (kDynamicPiece*; see the AVX2 branch of
-// dynamic_encode_block) on 16 lanes: a = min(|y|, 1) by one vrangeps, the binade pair by a byte
-// shuffle of the 16-byte table, the piece by one compare with the next piece's start (less
-// kDynamicRecipGuard, so that the same difference flags the lanes near it), t = fma(a, A[p],
-// B[p]) in fixed point, the flag of a t within 2^-12 of an integer, the cap by the piece's top
-// code; signed map: 127 folded into B and the top codes (k' = 127 + k; code k' or 254 - k' by a
-// mask on y's sign). Its codes are those of dynamic_encode_bits wherever a lane is not flagged
-// (scripts/check_dynamic_map_exhaustive.cpp: every float32 y and its neighbours); the
-// saturating packs with one dword permute put 64 codes back in order. Flagged lanes are redone
-// by dynamic_encode_scalar. About 21 vector operations per 16 values (signed; the 37 of the
-// binary search on the thresholds' 16-bit key halves before it: 0.21 ns per element on the Zen
-// 5 measured, scripts/bench_dynamic_map_block.cpp).
-// DynamicPieces' tables of one map, padded to 16 entries: the piece tables' offsets and top
-// codes with the signed map's 127 folded in (the offsets rounded to float32: ulp 2^-4 below
-// 2^20 in the fixed point; the exhaustive check covers the rounded tables), the starts less
-// kDynamicRecipGuard. Built once.
+// dynamic_encode_block) on 16 lanes: a = min(|y|, 1) by one vrangeps, the binade pair q of a,
+// the next piece's start (plus kDynamicRecipGuard) by q and its difference to a's bits (its
+// sign: past the start; small: the lane is flagged), t = fma(a, A[p], B[p]) in fixed point
+// (16 bits below the point) with the piece's A, B and top code read by one-register permutes
+// on q + (past the start), the flag of a t within 2^-12 of an integer, the cap by the piece's
+// top code; signed map: 127 folded into B and the top codes (k' = 127 + k; code k' or 254 -
+// k' by y's sign, applied to 64 codes at once), unsigned: code 0 where y's sign bit is set.
+// Its codes are those of dynamic_encode_bits wherever a lane is not flagged
+// (scripts/check_dynamic_map_exhaustive.cpp: every float32 y and its neighbours, and the block
+// encode against the lane function); word permutes, a saturating pack and one qword permute
+// put 64 codes in order. Flagged lanes are redone by dynamic_encode_scalar. About 18 vector
+// operations per 16 values (signed; the 37 of the binary search on the thresholds' 16-bit key
+// halves before it: 0.21 ns per element on the Zen 5 measured,
+// scripts/bench_dynamic_map_block.cpp). On the Zen 5 measured (a 16-value group's chain ~45
+// cycles long, the loop ~8 cycles per 16 values) both the operations and the latency before
+// the FMA count: indexing the tables by pair and past-the-start bit took the byte shuffle to
+// the piece (kDynamicPieceBinade*) off that path, an arithmetic shift and subtraction (4
+// cycles) replaced a compare into a mask register and a masked add (~9 cycles; mask-register
+// logic and masked merges are slow there too): 6% off the encode; one-register tables
+// instead of two-register ones (index q + 16) 1-3%; the guard folded into the start table 5%;
+// each operation fewer per 16 values ~3-5%, each extra permute or vector operation as much
+// slower (both tables of a pair selected by the sign, or the flag as a vector: 5-15%).
+// DynamicPieces' tables of one map by binade pair q (kDynamicPieceBinade*: the piece p(q) at
+// the pair's bottom): the piece's A, B (the offsets with the signed map's 127 folded in, rounded
+// to float32: ulp 2^-4 below 2^20 in the kDynamicPieceFracBits fixed point; the exhaustive
+// check covers the rounded tables; both times 2^4, exactly) and top code (127 folded in; in the
+// high half, 0xffff below), and the start of piece p(q) + 1 plus kDynamicRecipGuard (the last
+// piece's: INT_MAX). A pair holds at most one piece start, and where it holds one, the next
+// pair's bottom lies in the piece after it (p(q + 1) = p(q) + 1), so entry q + 1 serves the
+// lanes past the start in pair q: the index is q + (a past the start), and each table is one
+// register (a one-register dword permute, no copy of a table or index as two-register
+// permutes need). Built once.
 struct DynamicPieceTables {
+  alignas(64) float scale[16];
   alignas(64) float offset[16];
   alignas(64) int32_t top[16];
   alignas(64) int32_t start[16];
@@ -350,12 +375,17 @@ inline const DynamicPieceTables& dynamic_piece_tables(bool is_unsigned) {
     static DynamicPieceTables tb[2] = {};
     for (int u = 0; u < 2; ++u) {
       const int32_t fold = u ? 0 : 127;  // signed: k' = 127 + k
-      for (int p = 0; p < 8; ++p) {
-        tb[u].offset[p] = (u ? kDynamicPieceOffsetUnsigned : kDynamicPieceOffsetSigned)[p] +
-                          static_cast<float>(fold << kDynamicPieceFracBits);
-        tb[u].top[p] = (u ? kDynamicPieceTopUnsigned : kDynamicPieceTopSigned)[p] + fold;
-        tb[u].start[p] = (u ? kDynamicPieceStartUnsigned : kDynamicPieceStartSigned)[p] -
-                         kDynamicRecipGuard;
+      const uint8_t* binade = u ? kDynamicPieceBinadeUnsigned : kDynamicPieceBinadeSigned;
+      for (int q = 0; q < 16; ++q) {
+        const int p = binade[q];
+        // times 2^4, exactly: t in fixed point with 16 bits below the point
+        tb[u].scale[q] = (u ? kDynamicPieceScaleUnsigned : kDynamicPieceScaleSigned)[p] * 16.0f;
+        tb[u].offset[q] = ((u ? kDynamicPieceOffsetUnsigned : kDynamicPieceOffsetSigned)[p] +
+                           static_cast<float>(fold << kDynamicPieceFracBits)) * 16.0f;
+        const int32_t top = (u ? kDynamicPieceTopUnsigned : kDynamicPieceTopSigned)[p] + fold;
+        tb[u].top[q] = (top << 16) | 0xffff;
+        const int32_t start = (u ? kDynamicPieceStartUnsigned : kDynamicPieceStartSigned)[p];
+        tb[u].start[q] = start == INT32_MAX ? start : start + kDynamicRecipGuard;
       }
     }
     return tb;
@@ -365,16 +395,13 @@ inline const DynamicPieceTables& dynamic_piece_tables(bool is_unsigned) {
 
 struct DynamicPieces {
   __m512 scale_tab, offset_tab;
-  __m512i top_tab, start_tab, binade_tab;
+  __m512i top_tab, start_tab;
   explicit DynamicPieces(bool is_unsigned) {
     const DynamicPieceTables& tb = dynamic_piece_tables(is_unsigned);
-    scale_tab = _mm512_zextps256_ps512(
-        _mm256_load_ps(is_unsigned ? kDynamicPieceScaleUnsigned : kDynamicPieceScaleSigned));
+    scale_tab = _mm512_load_ps(tb.scale);
     offset_tab = _mm512_load_ps(tb.offset);
     top_tab = _mm512_load_si512(tb.top);
     start_tab = _mm512_load_si512(tb.start);
-    binade_tab = _mm512_broadcast_i32x4(_mm_load_si128(reinterpret_cast<const __m128i*>(
-        is_unsigned ? kDynamicPieceBinadeUnsigned : kDynamicPieceBinadeSigned)));
   }
   // The codes of the 16 values y (not NaN) in 32-bit lanes (signed map: -1 for y <= -1,
   // saturated to 0 by the caller), and in near the live lanes whose t lies within 2^-12 of an
@@ -384,32 +411,49 @@ struct DynamicPieces {
   template <bool kUnsigned>
   inline __attribute__((always_inline)) __m512i codes16y(__m512 y, __mmask16 live,
                                                          __mmask16& near) const {
-    const __m512 one = _mm512_set1_ps(1.0f);
-    // inf -> 1 (y is not NaN); unsigned: y <= 0 (-0.0, -inf included) -> +0.0, code 0;
-    // signed: the smaller magnitude of y and 1, sign cleared
-    const __m512 a = kUnsigned ? _mm512_max_ps(_mm512_min_ps(y, one), _mm512_setzero_ps())
-                               : _mm512_range_ps(y, one, 0x0a);
-    const __m512i ab = _mm512_castps_si512(a);
-    const __m512i pair = _mm512_srli_epi32(
-        _mm512_subs_epu8(ab, _mm512_set1_epi32((kDynamicPieceBias / 2) << 24)), 24);
-    const __m512i plo = _mm512_shuffle_epi8(binade_tab, pair);
-    // ab - (start - guard): above guard in the next piece, in [0, 2 guard] near its start (the
-    // last piece's start, INT_MAX: negative)
-    const __m512i rel = _mm512_sub_epi32(ab, _mm512_permutexvar_epi32(plo, start_tab));
-    const __mmask16 next = _mm512_cmpgt_epi32_mask(rel, _mm512_set1_epi32(kDynamicRecipGuard));
-    const __m512i piece = _mm512_mask_add_epi32(plo, next, plo, _mm512_set1_epi32(1));
-    const __m512i ti = _mm512_cvttps_epi32(_mm512_fmadd_ps(
-        a, _mm512_permutexvar_ps(piece, scale_tab), _mm512_permutexvar_ps(piece, offset_tab)));
-    near = _mm512_mask_testn_epi32_mask(live, ti,
-                                        _mm512_set1_epi32((1 << kDynamicPieceFracBits) - 2)) |
-           _mm512_mask_cmple_epu32_mask(live, rel, _mm512_set1_epi32(2 * kDynamicRecipGuard));
-    const __m512i k = _mm512_min_epi32(_mm512_srai_epi32(ti, kDynamicPieceFracBits),
-                                       _mm512_permutexvar_epi32(piece, top_tab));
+    const __m512i k = _mm512_srli_epi32(codes16w<kUnsigned>(y, live, near), 16);
     if constexpr (kUnsigned) {
       return k;
     } else {  // k' = 127 + k; 127 - k = 254 - k' for negative y
       return _mm512_mask_sub_epi32(k, _mm512_movepi32_mask(_mm512_castps_si512(y)),
                                    _mm512_set1_epi32(254), k);
+    }
+  }
+  // codes16y's codes (signed: k', the sign not applied) in the high 16 bits of each lane
+  template <bool kUnsigned>
+  inline __attribute__((always_inline)) __m512i codes16w(__m512 y, __mmask16 live,
+                                                         __mmask16& near) const {
+    // a: the smaller magnitude of y and 1, sign cleared (inf -> 1; y is not NaN); unsigned:
+    // code 0 where y's sign bit is set (-0.0 and -inf included), the lane zeroed at the end
+    // (one operation and 2 cycles less before the piece search than a = max(min(y, 1), 0):
+    // 3-6% off the unsigned map's encode on the Zen 5 measured)
+    const __m512 a = _mm512_range_ps(y, _mm512_set1_ps(1.0f), 0x0a);
+    const __m512i ab = _mm512_castps_si512(a);
+    const __m512i pair = _mm512_srli_epi32(
+        _mm512_subs_epu8(ab, _mm512_set1_epi32((kDynamicPieceBias / 2) << 24)), 24);
+    // start + guard - ab: in [0, 2 guard] near the next piece's start (the lane is flagged),
+    // negative past start + guard
+    const __m512i rel = _mm512_sub_epi32(_mm512_permutexvar_epi32(pair, start_tab), ab);
+    // the tables' index: pair, plus 1 past start + guard (a lane in (start, start + guard] is
+    // flagged, so the lower piece may serve it: no addition for the flag, 5% off the encode);
+    // no mask: a compare into a mask register and its use cost ~9 cycles of latency on the
+    // Zen 5 measured, this 4
+    const __m512i idx = _mm512_sub_epi32(pair, _mm512_srai_epi32(rel, 31));
+    const __m512i ti = _mm512_cvttps_epi32(_mm512_fmadd_ps(
+        a, _mm512_permutexvar_ps(idx, scale_tab), _mm512_permutexvar_ps(idx, offset_tab)));
+    // ti = trunc(2^16 t): 16 times the kDynamicPieceFracBits fixed point's (the tables' 2^4
+    // is exact), so its bits 4-15 are the 12 bits below that point
+    near = _mm512_mask_testn_epi32_mask(
+               live, ti, _mm512_set1_epi32(((1 << kDynamicPieceFracBits) - 2) << 4)) |
+           _mm512_mask_cmple_epu32_mask(live, rel, _mm512_set1_epi32(2 * kDynamicRecipGuard));
+    // the cap: top code in the high half, 0xffff below
+    const __m512i top = _mm512_permutexvar_epi32(idx, top_tab);
+    if constexpr (kUnsigned) {
+      const __mmask16 positive = _mm512_testn_epi32_mask(_mm512_castps_si512(y),
+                                                         _mm512_set1_epi32(INT32_MIN));
+      return _mm512_maskz_min_epi32(positive, ti, top);
+    } else {
+      return _mm512_min_epi32(ti, top);
     }
   }
   // codes16y of the 16 values at p (live lanes read, the others 0) scaled by d: y = x * d
@@ -434,16 +478,40 @@ struct DynamicPieces {
                                                       const DynamicTables& t,
                                                       uint8_t* out) const {
     __mmask16 near[4];
-    const __m512i c0 = codes16<kUnsigned, kRecip>(in, 0xffff, d, near[0]),
-                  c1 = codes16<kUnsigned, kRecip>(in + 16, 0xffff, d, near[1]),
-                  c2 = codes16<kUnsigned, kRecip>(in + 32, 0xffff, d, near[2]),
-                  c3 = codes16<kUnsigned, kRecip>(in + 48, 0xffff, d, near[3]);
-    // 32 -> 16 -> 8 bits with unsigned saturation (codes <= 255, -1 -> 0); dword m of the
-    // packs' result holds codes 4 (m % 4) + m / 4 .. + 3
-    const __m512i order = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
-    _mm512_storeu_si512(out, _mm512_permutexvar_epi32(
-                                 order, _mm512_packus_epi16(_mm512_packus_epi32(c0, c1),
-                                                            _mm512_packus_epi32(c2, c3))));
+    __m512 y[4];
+    __m512i c[4];
+    for (int v = 0; v < 4; ++v) {
+      const __m512 x = _mm512_loadu_ps(in + 16 * v);
+      y[v] = kRecip ? _mm512_mul_ps(x, d) : _mm512_div_ps(x, d);
+      c[v] = codes16w<kUnsigned>(y[v], 0xffff, near[v]);
+    }
+    // the high halves of two registers' lanes in order (word j: word 2 j + 1 of the pair)
+    const __m512i high = _mm512_setr_epi32(
+        0x00030001, 0x00070005, 0x000b0009, 0x000f000d, 0x00130011, 0x00170015, 0x001b0019,
+        0x001f001d, 0x00230021, 0x00270025, 0x002b0029, 0x002f002d, 0x00330031, 0x00370035,
+        0x003b0039, 0x003f003d);
+    auto highs = [&](__m512i lo, __m512i hi) __attribute__((always_inline)) {
+      return _mm512_permutex2var_epi16(lo, high, hi);
+    };
+    // codes 0-31 and 32-63 in words, packed to bytes (codes <= 255): qword 2 m of the pack
+    // holds codes 8 m .. 8 m + 7, qword 2 m + 1 codes 32 + 8 m ..; one qword permute puts
+    // them in order. 4 operations per 64 codes where codes in the low bits took 8 (4 shifts,
+    // 3 packs with saturation, a dword permute): 6% (signed) / 9% (unsigned) off the encode
+    // on the Zen 5 measured
+    __m512i k = _mm512_packus_epi16(highs(c[0], c[1]), highs(c[2], c[3]));
+    if constexpr (!kUnsigned) {
+      // signed: the sign applied to 64 codes at once (254 - k' with unsigned byte
+      // saturation, -1 -> 0 as the packs' saturation of codes16y's codes), the mask from the
+      // high halves of y's bits in the codes' order (the sign kept by the signed saturation):
+      // per 64 values 2 word permutes, a pack and one byte mask for 4 dword masks and 4
+      // masked subtractions (~4% off the signed map's encode on the Zen 5 measured)
+      auto bits = [](__m512 v) { return _mm512_castps_si512(v); };
+      const __mmask64 neg = _mm512_movepi8_mask(_mm512_packs_epi16(
+          highs(bits(y[0]), bits(y[1])), highs(bits(y[2]), bits(y[3]))));
+      k = _mm512_mask_subs_epu8(k, neg, _mm512_set1_epi8(static_cast<char>(254)), k);
+    }
+    _mm512_storeu_si512(out, _mm512_permutexvar_epi64(_mm512_setr_epi64(0, 2, 4, 6, 1, 3, 5, 7),
+                                                      k));
     if (__builtin_expect((near[0] | near[1] | near[2] | near[3]) != 0, 0)) {
       for (int v = 0; v < 4; ++v) redo(in + 16 * v, near[v], div, t, out + 16 * v);
     }
@@ -608,6 +676,31 @@ inline void dynamic_encode_block(const float* __restrict in, int64_t n, float di
   }
 #endif
   for (; i < n; ++i) out[i] = static_cast<uint8_t>(dynamic_encode_scalar(in[i] / div, t));
+}
+
+// dynamic_encode_block of exp_avg's block (signed map) and exp_avg_sq's (unsigned), both of n
+// values: AVX-512, where both divisors take the reciprocal (dynamic_recip_ok) and n is a
+// multiple of 64, in one loop, 64 values of each a round (one set-up, two independent chains in
+// flight): 2.14 -> 2.07 ns per 8 elements of each moment against two dynamic_encode_block
+// calls (scripts/bench_dynamic_map_block.cpp, one thread, Zen 5), the same codes.
+inline void dynamic_encode_block2(const float* __restrict m, float mdiv, uint8_t* __restrict mout,
+                                  const float* __restrict v, float vdiv,
+                                  uint8_t* __restrict vout, int64_t n) {
+#if defined(CPU_CAPABILITY_AVX512)
+  if (n % 64 == 0 && dynamic_recip_ok(mdiv) && dynamic_recip_ok(vdiv)) {
+    const DynamicTables& mt = dynamic_tables(false);
+    const DynamicTables& vt = dynamic_tables(true);
+    const DynamicPieces mp(false), vp(true);
+    const __m512 md = _mm512_set1_ps(1.0f / mdiv), vd = _mm512_set1_ps(1.0f / vdiv);
+    for (int64_t i = 0; i < n; i += 64) {
+      mp.encode64<false, true>(m + i, md, mdiv, mt, mout + i);
+      vp.encode64<true, true>(v + i, vd, vdiv, vt, vout + i);
+    }
+    return;
+  }
+#endif
+  dynamic_encode_block(m, n, mdiv, dynamic_tables(false), mout);
+  dynamic_encode_block(v, n, vdiv, dynamic_tables(true), vout);
 }
 
 }  // namespace

@@ -914,10 +914,12 @@ __attribute__((noinline)) void adam_chunk_dynamic_words(
                                 codes(vcodes + j, live), mbuf + i, vbuf + i, live);
                          });
     }
-    // the scales and codes (write_moment's, with the maxima found above)
-    auto finish = [&](const MomentRef& ref, __m512i vm, const DynamicTables& t, const float* buf,
+    // the scales and codes (write_moment's, with the maxima found above; both moments'
+    // encodes in one loop where neither holds NaN, dynamic_encode_block2)
+    const uint32_t mmx = static_cast<uint32_t>(_mm512_reduce_max_epi32(mmax));
+    const uint32_t vmx = static_cast<uint32_t>(_mm512_reduce_max_epi32(vmax));
+    auto finish = [&](const MomentRef& ref, uint32_t mx, const DynamicTables& t, const float* buf,
                       uint8_t* out) {
-      const uint32_t mx = static_cast<uint32_t>(_mm512_reduce_max_epi32(vm));
       if (mx > 0x7f800000u) {  // NaN: write_moment's NaN path
         write_moment(ref, b, k, buf);
         return;
@@ -926,8 +928,16 @@ __attribute__((noinline)) void adam_chunk_dynamic_words(
       ref.scales[b] = sc.scale;
       dynamic_encode_block(buf, k, sc.div, t, out + o);
     };
-    finish(mref, mmax, mt, mbuf, mcodes);
-    finish(vref, vmax, vt, vbuf, vcodes);
+    if (mmx > 0x7f800000u || vmx > 0x7f800000u) {
+      finish(mref, mmx, mt, mbuf, mcodes);
+      finish(vref, vmx, vt, vbuf, vcodes);
+    } else {
+      const DynamicScale ms = dynamic_scale(bits_to_float(mmx));
+      mref.scales[b] = ms.scale;
+      const DynamicScale vsc = dynamic_scale(bits_to_float(vmx));
+      vref.scales[b] = vsc.scale;
+      dynamic_encode_block2(mbuf, ms.div, mcodes + o, vbuf, vsc.div, vcodes + o, k);
+    }
   }
 }
 
@@ -1037,13 +1047,13 @@ __attribute__((noinline)) void adam_chunk_dynamic_vbmi(
           kModel ? model + o : nullptr, k, scalars, flags);
       continue;
     }
-    // the scales and codes (write_moment's, with the maxima found above; none is NaN)
+    // the scales and codes (write_moment's, with the maxima found above; none is NaN), both
+    // moments' encodes in one loop (dynamic_encode_block2)
     const DynamicScale ms = dynamic_scale(bits_to_float(mmx));
     mref.scales[b] = ms.scale;
-    dynamic_encode_block(mbuf, k, ms.div, mt, mcodes + o);
     const DynamicScale vsc = dynamic_scale(bits_to_float(vmx));
     vref.scales[b] = vsc.scale;
-    dynamic_encode_block(vbuf, k, vsc.div, vt, vcodes + o);
+    dynamic_encode_block2(mbuf, ms.div, mcodes + o, vbuf, vsc.div, vcodes + o, k);
   }
 }
 #pragma GCC pop_options
