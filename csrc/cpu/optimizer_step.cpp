@@ -65,11 +65,6 @@ struct Tail {
   }
 };
 
-// The tail of a uint8-moment block (the loops of adam_chunk_dynamic): the r < kVecStep elements
-// from j through zero-padded copies (Tail) of the grad and of the fp32 params, or, with kRem, of
-// the remainders and the bf16 model params they are joined with; f(g, p, rem, model) runs one
-// step on the copies (p or rem unused as kRem says; model null without model params), then the
-// params / remainders and the model params are written back.
 // The uint8 loops' update of two registers of decoded moments (m, v: map[c] * scale) in place:
 // the moments rounded where they stand (the decode's products are not contracted into the
 // update), then adam_element_dynamic on each register. Raw is the capability's register type.
@@ -88,8 +83,14 @@ inline __attribute__((always_inline)) void dynamic_update2(FVec& p0, FVec& p1, R
   v1 = fv1;
 }
 
+// The tail of a one-pass loop (the bf16-moment loop, the uint8 loops): the r < kVecStep elements
+// from j through zero-padded copies (Tail) of the grad and of the fp32 params, or, with kRem, of
+// the remainders and the bf16 model params they are joined with; f(g, p, rem, model) runs one
+// step on the copies (p or rem unused as kRem says; model null without model params; a loop
+// with moments of its own copies them inside f), then the params / remainders and the model
+// params are written back.
 template <bool kRem, typename G, typename M, typename F>
-inline __attribute__((always_inline)) void dynamic_tail(const G* g, float* p, int16_t* rem,
+inline __attribute__((always_inline)) void step_tail(const G* g, float* p, int16_t* rem,
                                                         M* model, int64_t j, int64_t r,
                                                         const F& f) {
   constexpr bool kModel = !std::is_same_v<M, NoModel>;
@@ -736,30 +737,14 @@ __attribute__((noinline)) void adam_chunk_bf16(const G* __restrict g, float* __r
   }
   if (i < n) {  // through zero-padded copies, as adam_chunk
     const int64_t r = n - i;
-    Tail<G> tg;
-    Tail<float> tp;
-    Tail<int16_t> trem;
-    Tail<uint16_t> tm, tv;
-    Tail<std::conditional_t<kModel, M, float>> tmodel;
-    tg.in(g + i, r);
-    tm.in(m + i, r);
-    tv.in(v + i, r);
-    if constexpr (kRem) {
-      trem.in(rem + i, r);
-      tmodel.in(model + i, r);
-    } else {
-      tp.in(p + i, r);
-    }
-    step(tg.buf, tp.buf, trem.buf, tm.buf, tv.buf,
-         kModel ? reinterpret_cast<M*>(tmodel.buf) : nullptr);
-    tm.out(m + i, r);
-    tv.out(v + i, r);
-    if constexpr (kRem) {
-      trem.out(rem + i, r);
-    } else {
-      tp.out(p + i, r);
-    }
-    if constexpr (kModel) tmodel.out(model + i, r);
+    step_tail<kRem>(g, p, rem, model, i, r, [&](const G* tg, float* tp, int16_t* trem, M* tmodel) {
+      Tail<uint16_t> tm, tv;
+      tm.in(m + i, r);
+      tv.in(v + i, r);
+      step(tg, tp, trem, tm.buf, tv.buf, tmodel);
+      tm.out(m + i, r);
+      tv.out(v + i, r);
+    });
   }
 }
 #else
@@ -908,7 +893,7 @@ __attribute__((noinline)) void adam_chunk_dynamic_words(
       const int64_t r = k - i;
       const int64_t j = o + i;
       const __mmask32 live = static_cast<__mmask32>((1u << r) - 1u);
-      dynamic_tail<kRem>(g, p, rem, model, j, r,
+      step_tail<kRem>(g, p, rem, model, j, r,
                          [&](const G* tg, float* tp, int16_t* trem, M* tmodel) {
                            step(tg, tp, trem, tmodel, codes(mcodes + j, live),
                                 codes(vcodes + j, live), mbuf + i, vbuf + i, live);
@@ -1019,7 +1004,7 @@ __attribute__((noinline)) void adam_chunk_dynamic_vbmi(
         const int64_t rr = k - i;
         const int64_t j = o + i;
         const __mmask32 live = static_cast<__mmask32>((1u << rr) - 1u);
-        dynamic_tail<kRem>(g, p, rem, model, j, rr,
+        step_tail<kRem>(g, p, rem, model, j, rr,
                            [&](const G* tg, float* tp, int16_t* trem, M* tmodel) {
                              step(tg, tp, trem, tmodel, md[h], md[h + 1], vd[h], vd[h + 1],
                                   mbuf + i, vbuf + i, psave + i, live);
@@ -1202,7 +1187,7 @@ __attribute__((noinline)) void adam_chunk_dynamic_avx2(
       Tail<uint8_t> tmc, tvc;
       tmc.in(mcodes + j, r);
       tvc.in(vcodes + j, r);
-      dynamic_tail<kRem>(g, p, rem, model, j, r,
+      step_tail<kRem>(g, p, rem, model, j, r,
                          [&](const G* tg, float* tp, int16_t* trem, M* tmodel) {
                            step(tg, tp, trem, tmodel, tmc.buf, tvc.buf, mbuf + i, vbuf + i, live0,
                                 live1);
