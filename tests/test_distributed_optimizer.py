@@ -103,6 +103,8 @@ def _vs_reference_one(rank, world, dtype, bucket_size, reduce_in_fp32, kind, ste
 # (model dtype, bucket_size, grad_reduce_in_fp32, inner optimizer) per DP size; each case runs
 # with fused_step True and False
 CASES = {
+    1: [(torch.float16, None, True, "adamw"), (torch.bfloat16, 30, False, "adamw"),
+        (torch.bfloat16, None, True, "sgd")],
     2: [(torch.float16, None, True, "adamw"), (torch.float32, 25, True, "adamw"),
         (torch.bfloat16, 30, True, "sgd")],
     4: [(torch.float16, 40, False, "adamw"), (torch.bfloat16, 40, True, "adamw")],
@@ -132,6 +134,57 @@ def _check_vs_reference(dtype, out):
             torch.testing.assert_close(got, want, rtol=EPS[dtype], atol=1e-30)
     for k in SHAPES:  # every DP rank holds the same model params after the all-gather
         assert all((o[2][k] == out[0][2][k]).all() for o in out)
+
+
+def _one_rank(rank, world, reduce_in_fp32, fused, transposed):
+    """DP 1, bf16 params (with ``transposed``, w1 a transposed, non-contiguous view): the step
+    of main_grad, which it must leave as accumulated, against torch.optim's AdamW through
+    MixedPrecisionOptimizer (the reference), and the params stepped where they are."""
+    vals = _values(torch.bfloat16)
+    vals["w1"] = vals["w1"].t().contiguous()  # (5, 7)
+    mine = {k: torch.nn.Parameter(v.clone()) for k, v in vals.items()}
+    if transposed:  # strides (1, 5)
+        mine["w1"] = torch.nn.Parameter(vals["w1"].t().contiguous().t())
+    ref = {k: torch.nn.Parameter(v.clone()) for k, v in vals.items()}
+    ptrs = {k: p.data_ptr() for k, p in mine.items()}
+    opt = tpamp.DistributedOptimizer(
+        _inner("adamw", mine), data_parallel_group=dist.group.WORLD, clip_grad=4.0,
+        grad_reduce_in_fp32=reduce_in_fp32, fused_step=fused)
+    ref_opt = tpamp.MixedPrecisionOptimizer(_inner("adamw", ref), clip_grad=4.0,
+                                            fused_step=False)
+    kept = []
+    for step in range(3):
+        for k in mine:
+            g = _grad(k, SHAPES[k], rank, step)
+            g = g.t() if k == "w1" else g
+            mine[k].main_grad.copy_(g)  # exact in bf16 and fp32
+            ref[k].main_grad = g.float()
+        fed = {k: p.main_grad.double().clone() for k, p in mine.items()}
+        ok_mine, ok_ref = opt.step()[0], ref_opt.step()[0]
+        assert ok_mine and ok_ref
+        kept.append(all(torch.equal(mine[k].main_grad.double(), fed[k]) for k in mine))
+        opt.zero_grad()
+        ref_opt.zero_grad()
+    assert mine["w1"].is_contiguous() != transposed
+    return (kept, all(p.data_ptr() == ptrs[k] for k, p in mine.items()),
+            {k: _np(p) for k, p in mine.items()}, {k: _np(p) for k, p in ref.items()})
+
+
+@pytest.mark.parametrize("transposed", [False, True])
+@pytest.mark.parametrize("reduce_in_fp32", [True, False])
+@pytest.mark.parametrize("fused", [True, False])
+def test_one_dp_rank_steps_params_in_place_and_leaves_main_grad_as_accumulated(
+        reduce_in_fp32, fused, transposed):
+    kept, in_place, params, ref_params = run_workers(_one_rank, 1, reduce_in_fp32, fused,
+                                                     transposed)[0]
+    assert kept == [True, True, True]
+    assert in_place
+    init = _values(torch.bfloat16)
+    init["w1"] = init["w1"].t()
+    for k in SHAPES:
+        got, want = torch.from_numpy(params[k]), torch.from_numpy(ref_params[k])
+        assert not torch.equal(got, init[k].double()), k  # the step moved every param
+        torch.testing.assert_close(got, want, rtol=EPS[torch.bfloat16], atol=1e-30)
 
 
 def _layout_norm(rank, world, tp, pp, styles):

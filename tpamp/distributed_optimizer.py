@@ -88,7 +88,9 @@ class _Bucket:
     grad_data: Tensor  # [numel], fp32 or the model dtype: main_grad views of the params
     main_shard: Tensor  # [shard_size] fp32 main params of this rank's range
     grad_shard: Tensor  # [shard_size] fp32 main grads (the reduce-scatter's output)
-    reduce_out: Tensor  # [shard_size] grad_shard, or a model-dtype buffer that is cast into it
+    # [shard_size] grad_shard, or a model-dtype buffer that is cast into it; grad_data itself
+    # when the bucket's group has one rank
+    reduce_out: Tensor
     pieces: List[_Piece] = field(default_factory=list)
     param_data: Optional[Tensor] = None  # [numel] model dtype: the all-gather's output
     param_shard: Optional[Tensor] = None  # [shard_size] model dtype: its input
@@ -98,6 +100,10 @@ class _Bucket:
     index: int = 0  # position in the optimizer's bucket list (the ring collectives' tag)
     written: set = field(default_factory=set)  # params whose main_grad was written since zeroed
     scratch: Optional[Tensor] = None  # [shard_size] partial sums (gloo ring, d > 2)
+    # one rank: (data_ptr of each param's local tensor, flat views of them) that the one-pass
+    # step writes in place of param_shard (see _direct_model_views); model_direct: it did
+    model_views: Optional[tuple] = None
+    model_direct: bool = False
     # the group this bucket is reduced and sharded over: DP, or expert-DP for expert params
     group: Optional[object] = None
     size: int = 1  # its number of ranks
@@ -514,8 +520,11 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
         grad_data = torch.zeros(numel, dtype=grad_dtype, device=dev)
         remainders = self.store_param_remainders and dtype == torch.bfloat16
         grad_shard = torch.zeros(shard, dtype=torch.float32, device=dev)
-        reduce_out = grad_shard if grad_dtype == torch.float32 else torch.zeros(
-            shard, dtype=grad_dtype, device=dev)
+        if d == 1:  # one rank: the buffer is its own reduce-scatter output (no copy)
+            reduce_out = grad_data
+        else:
+            reduce_out = grad_shard if grad_dtype == torch.float32 else torch.zeros(
+                shard, dtype=grad_dtype, device=dev)
         bucket = _Bucket(
             dtype=dtype, params=list(params), offsets=offsets, numel=numel, shard_size=shard,
             grad_data=grad_data,
@@ -789,13 +798,16 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
         entries: List[list] = [[] for _ in self.optimizer.param_groups]
         grads, mask, mains = [], [], []
         for b in self._buckets:
-            half = self._gather_buffers(b) is not b.main_shard
-            for q in b.pieces:
+            views = self._direct_model_views(b)
+            b.model_direct = views is not None
+            # (no all-gather buffer is made for a bucket whose params are written directly)
+            half = b.model_direct or self._gather_buffers(b) is not b.main_shard
+            for i, q in enumerate(b.pieces):
                 s, t = q.shard_range
                 q.main.grad = None  # no fp32 main grads on this path
                 g = b.reduce_out[s:t]
-                entries[q.group_index].append(
-                    (q.main, b.param_shard[s:t] if half else None, g, q.counts))
+                out = views[i] if views is not None else b.param_shard[s:t] if half else None
+                entries[q.group_index].append((q.main, out, g, q.counts))
                 grads.append(g)
                 mask.append(q.counts)
                 mains.append(q.main)
@@ -816,9 +828,32 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
 
     def _finish_params(self, grads: StepGrads, updated: bool) -> None:
         """Step 8's second half: the main shards (cast to the model dtype, unless the one-pass
-        kernel wrote it) all-gathered over DP into the model params; nothing after a skip."""
+        kernel wrote it) all-gathered over DP into the model params; nothing after a skip
+        (nor for buckets whose params the one-pass kernel wrote itself)."""
         if updated:
             self._gather_model_params(cast=not grads.fused)
+
+    def _direct_model_views(self, b: _Bucket) -> Optional[List[Tensor]]:
+        """The model params themselves (flat views, one per piece, in piece order) as the
+        one-pass kernel's model-dtype output, where the bucket's group has one rank: there the
+        all-gather moves nothing and its buffer would only be copied into the params
+        (Megatron-LM's params are views of that buffer, so it copies nothing either). None
+        (the kernel writes ``param_shard``) for more ranks, for buckets whose bf16 shard is
+        state (remainders, stochastic rounding), for fp32 params (no model-dtype output), or
+        when a param is not contiguous. The views
+        are kept while every param's local tensor keeps its storage."""
+        if b.size != 1 or b.dtype == torch.float32 or b.main_shard.dtype != torch.float32:
+            return None
+        locals_ = [local_tensor(q.param) for q in b.pieces]
+        ptrs = tuple(t.data_ptr() for t in locals_)
+        if b.model_views is not None and b.model_views[0] == ptrs:
+            return b.model_views[1]
+        if not all(t.is_contiguous() for t in locals_):
+            return None
+        views = [t.detach().view(-1)[q.param_range[0]:q.param_range[1]]
+                 for t, q in zip(locals_, b.pieces)]
+        b.model_views = (ptrs, views)
+        return views
 
     def _gather_buffers(self, b: _Bucket) -> Tensor:
         """The bucket's all-gather output and input (kept between steps: no allocation, no
@@ -835,15 +870,17 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
     def _gather_model_params(self, cast: bool = True) -> None:
         """Step 8's second half: main shard -> model dtype (skipped with cast=False: the
         one-pass step wrote it), all-gather over DP, copy into the model params (one cast
-        pass, one collective per bucket, one copy pass)."""
-        for b in self._buckets:
+        pass, one collective per bucket, one copy pass). With cast=False, buckets whose
+        params the one-pass kernel wrote itself (``model_direct``) are done already."""
+        buckets = [b for b in self._buckets if cast or not b.model_direct]
+        for b in buckets:
             self._gather_buffers(b)
         if cast:
-            casts = [b for b in self._buckets if b.param_shard is not b.main_shard
+            casts = [b for b in buckets if b.param_shard is not b.main_shard
                      and b.main_shard.dtype == torch.float32]  # remainders: already bf16
             ops.scale_and_copy([b.main_shard for b in casts], [b.param_shard for b in casts])
         handles = []
-        for b in self._buckets:
+        for b in buckets:
             d, r = b.size, b.rank
             own = b.param_data[r * b.shard_size:(r + 1) * b.shard_size]
             if (b.ring or d == 1) and b.param_shard.data_ptr() != own.data_ptr():
@@ -853,7 +890,7 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
             handles.append(start_all_gather(b.group, b.param_data,
                                             b.param_shard, 2 * b.index + 1, ring=b.ring))
         srcs, dsts = [], []
-        for b, h in zip(self._buckets, handles):
+        for b, h in zip(buckets, handles):
             h.wait()
             full = b.param_data
             for p, (a, e) in zip(b.params, b.offsets):

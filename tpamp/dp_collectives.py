@@ -97,14 +97,16 @@ def uses_ring(group, device: torch.device) -> bool:
 def start_reduce_scatter(group, data: Tensor, out: Tensor, tag: int, *, ring: bool,
                          scratch: Optional[Tensor] = None):
     """Start the SUM reduce-scatter of the flat ``data`` [n] (n a multiple of the group size d)
-    into ``out`` [n / d] (this rank's chunk; the same dtype and device). ``ring``: by
+    into ``out`` [n / d] (this rank's chunk; the same dtype and device; for d = 1 it may be
+    ``data`` itself: nothing to do). ``ring``: by
     :class:`RingCollective` (see :func:`uses_ring`; ``scratch`` [n / d] needed when d > 2).
     Returns a handle whose ``wait()`` finishes it."""
     d = dist.get_world_size(group)
     if ring:
         return RingCollective(group, data.view(d, -1), tag, out=out, scratch=scratch)
     if d == 1:
-        out.copy_(data)
+        if out is not data:  # (a one-rank caller may pass the buffer as its own output)
+            out.copy_(data)
         return Finished()
     return reduce_scatter_tensor(out, data, group=group, async_op=True)
 
