@@ -146,10 +146,10 @@ def _one_rank(rank, world, reduce_in_fp32, fused, transposed):
     if transposed:  # strides (1, 5)
         mine["w1"] = torch.nn.Parameter(vals["w1"].t().contiguous().t())
     ref = {k: torch.nn.Parameter(v.clone()) for k, v in vals.items()}
-    ptrs = {k: p.data_ptr() for k, p in mine.items()}
     opt = tpamp.DistributedOptimizer(
         _inner("adamw", mine), data_parallel_group=dist.group.WORLD, clip_grad=4.0,
         grad_reduce_in_fp32=reduce_in_fp32, fused_step=fused)
+    ptrs = {k: p.data_ptr() for k, p in mine.items()}
     ref_opt = tpamp.MixedPrecisionOptimizer(_inner("adamw", ref), clip_grad=4.0,
                                             fused_step=False)
     kept = []

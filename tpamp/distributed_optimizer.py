@@ -92,7 +92,9 @@ class _Bucket:
     # when the bucket's group has one rank
     reduce_out: Tensor
     pieces: List[_Piece] = field(default_factory=list)
-    param_data: Optional[Tensor] = None  # [numel] model dtype: the all-gather's output
+    # [numel] model dtype: the all-gather's output, and the storage of the params it can hold
+    # (see _make_bucket)
+    param_data: Optional[Tensor] = None
     param_shard: Optional[Tensor] = None  # [shard_size] model dtype: its input
     handle: Optional[object] = None
     ready: set = field(default_factory=set)
@@ -100,10 +102,6 @@ class _Bucket:
     index: int = 0  # position in the optimizer's bucket list (the ring collectives' tag)
     written: set = field(default_factory=set)  # params whose main_grad was written since zeroed
     scratch: Optional[Tensor] = None  # [shard_size] partial sums (gloo ring, d > 2)
-    # one rank: (data_ptr of each param's local tensor, flat views of them) that the one-pass
-    # step writes in place of param_shard (see _direct_model_views); model_direct: it did
-    model_views: Optional[tuple] = None
-    model_direct: bool = False
     # the group this bucket is reduced and sharded over: DP, or expert-DP for expert params
     group: Optional[object] = None
     size: int = 1  # its number of ranks
@@ -535,13 +533,22 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
             group=group, size=d, rank=r, ring=ring, expert=expert,
         )
         sr = self.stochastic_rounding and dtype == torch.bfloat16
-        if remainders or sr:
-            # a bf16 shard kept between steps: the masters' high halves (remainders), or with
-            # stochastic rounding the param itself, stepped in place (no master, docs/spec.md
-            # section 21). It is this rank's chunk of the all-gather buffer (which only ever
-            # writes the other ranks' chunks), so the gather needs no copy of it.
+        if dtype != torch.float32:
+            # The all-gather buffer; this rank's chunk is the gather's input (an in-place
+            # gather, as Megatron-LM's), written by the step. With remainders it holds the
+            # masters' high halves, with stochastic rounding the param itself, stepped in place
+            # (no master, docs/spec.md section 21): a bf16 shard kept between steps.
             bucket.param_data = torch.zeros(numel, dtype=dtype, device=dev)
             bucket.param_shard = bucket.param_data[r * shard:(r + 1) * shard]
+            with torch.no_grad():
+                for p, (a, b) in zip(params, offsets):
+                    bucket.param_data[a:b].copy_(local_tensor(p).detach().reshape(-1))
+                    if type(p) is torch.nn.Parameter and p.is_contiguous():
+                        # the param's storage becomes its slot of the buffer (Megatron-LM's
+                        # params are views of their bucket's buffer): the gather (or, on one
+                        # rank, the step itself) writes the param, no copy after it. A param
+                        # given other storage later (p.data = ...) is copied into again.
+                        p.data = bucket.param_data[a:b].view(p.shape)
         if sr:  # the main shard is that same tensor
             bucket.main_shard = bucket.param_shard
         for p, (a, b) in zip(params, offsets):
@@ -798,16 +805,13 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
         entries: List[list] = [[] for _ in self.optimizer.param_groups]
         grads, mask, mains = [], [], []
         for b in self._buckets:
-            views = self._direct_model_views(b)
-            b.model_direct = views is not None
-            # (no all-gather buffer is made for a bucket whose params are written directly)
-            half = b.model_direct or self._gather_buffers(b) is not b.main_shard
-            for i, q in enumerate(b.pieces):
+            half = self._gather_buffers(b) is not b.main_shard
+            for q in b.pieces:
                 s, t = q.shard_range
                 q.main.grad = None  # no fp32 main grads on this path
                 g = b.reduce_out[s:t]
-                out = views[i] if views is not None else b.param_shard[s:t] if half else None
-                entries[q.group_index].append((q.main, out, g, q.counts))
+                entries[q.group_index].append(
+                    (q.main, b.param_shard[s:t] if half else None, g, q.counts))
                 grads.append(g)
                 mask.append(q.counts)
                 mains.append(q.main)
@@ -828,32 +832,9 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
 
     def _finish_params(self, grads: StepGrads, updated: bool) -> None:
         """Step 8's second half: the main shards (cast to the model dtype, unless the one-pass
-        kernel wrote it) all-gathered over DP into the model params; nothing after a skip
-        (nor for buckets whose params the one-pass kernel wrote itself)."""
+        kernel wrote it) all-gathered over DP into the model params; nothing after a skip."""
         if updated:
             self._gather_model_params(cast=not grads.fused)
-
-    def _direct_model_views(self, b: _Bucket) -> Optional[List[Tensor]]:
-        """The model params themselves (flat views, one per piece, in piece order) as the
-        one-pass kernel's model-dtype output, where the bucket's group has one rank: there the
-        all-gather moves nothing and its buffer would only be copied into the params
-        (Megatron-LM's params are views of that buffer, so it copies nothing either). None
-        (the kernel writes ``param_shard``) for more ranks, for buckets whose bf16 shard is
-        state (remainders, stochastic rounding), for fp32 params (no model-dtype output), or
-        when a param is not contiguous. The views
-        are kept while every param's local tensor keeps its storage."""
-        if b.size != 1 or b.dtype == torch.float32 or b.main_shard.dtype != torch.float32:
-            return None
-        locals_ = [local_tensor(q.param) for q in b.pieces]
-        ptrs = tuple(t.data_ptr() for t in locals_)
-        if b.model_views is not None and b.model_views[0] == ptrs:
-            return b.model_views[1]
-        if not all(t.is_contiguous() for t in locals_):
-            return None
-        views = [t.detach().view(-1)[q.param_range[0]:q.param_range[1]]
-                 for t, q in zip(locals_, b.pieces)]
-        b.model_views = (ptrs, views)
-        return views
 
     def _gather_buffers(self, b: _Bucket) -> Tensor:
         """The bucket's all-gather output and input (kept between steps: no allocation, no
@@ -870,17 +851,15 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
     def _gather_model_params(self, cast: bool = True) -> None:
         """Step 8's second half: main shard -> model dtype (skipped with cast=False: the
         one-pass step wrote it), all-gather over DP, copy into the model params (one cast
-        pass, one collective per bucket, one copy pass). With cast=False, buckets whose
-        params the one-pass kernel wrote itself (``model_direct``) are done already."""
-        buckets = [b for b in self._buckets if cast or not b.model_direct]
-        for b in buckets:
+        pass, one collective per bucket, one copy pass)."""
+        for b in self._buckets:
             self._gather_buffers(b)
         if cast:
-            casts = [b for b in buckets if b.param_shard is not b.main_shard
+            casts = [b for b in self._buckets if b.param_shard is not b.main_shard
                      and b.main_shard.dtype == torch.float32]  # remainders: already bf16
             ops.scale_and_copy([b.main_shard for b in casts], [b.param_shard for b in casts])
         handles = []
-        for b in buckets:
+        for b in self._buckets:
             d, r = b.size, b.rank
             own = b.param_data[r * b.shard_size:(r + 1) * b.shard_size]
             if (b.ring or d == 1) and b.param_shard.data_ptr() != own.data_ptr():
@@ -890,14 +869,18 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
             handles.append(start_all_gather(b.group, b.param_data,
                                             b.param_shard, 2 * b.index + 1, ring=b.ring))
         srcs, dsts = [], []
-        for b, h in zip(buckets, handles):
+        for b, h in zip(self._buckets, handles):
             h.wait()
             full = b.param_data
             for p, (a, e) in zip(b.params, b.offsets):
                 dst = local_tensor(p).detach()
-                srcs.append(full[a:e].view(dst.shape))
+                src = full[a:e]
+                if dst.data_ptr() == src.data_ptr():  # the param is its slot (_make_bucket)
+                    continue
+                srcs.append(src.view(dst.shape))
                 dsts.append(dst)
-        ops.scale_and_copy(srcs, dsts)
+        if srcs:
+            ops.scale_and_copy(srcs, dsts)
 
     # -- introspection ----------------------------------------------------------------------
 
