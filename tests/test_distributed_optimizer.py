@@ -136,10 +136,11 @@ def _check_vs_reference(dtype, out):
         assert all((o[2][k] == out[0][2][k]).all() for o in out)
 
 
-def _one_rank(rank, world, reduce_in_fp32, fused, transposed):
-    """DP 1, bf16 params (with ``transposed``, w1 a transposed, non-contiguous view): the step
-    of main_grad, which it must leave as accumulated, against torch.optim's AdamW through
-    MixedPrecisionOptimizer (the reference), and the params stepped where they are."""
+def _one_rank(rank, world, reduce_in_fp32, fused, transposed, rebind=False):
+    """DP 1, bf16 params (with ``transposed``, w1 a transposed, non-contiguous view; with
+    ``rebind``, w2 given new storage after construction): the step of main_grad, which it must
+    leave as accumulated, against torch.optim's AdamW through MixedPrecisionOptimizer (the
+    reference), and the params stepped where they are."""
     vals = _values(torch.bfloat16)
     vals["w1"] = vals["w1"].t().contiguous()  # (5, 7)
     mine = {k: torch.nn.Parameter(v.clone()) for k, v in vals.items()}
@@ -149,6 +150,9 @@ def _one_rank(rank, world, reduce_in_fp32, fused, transposed):
     opt = tpamp.DistributedOptimizer(
         _inner("adamw", mine), data_parallel_group=dist.group.WORLD, clip_grad=4.0,
         grad_reduce_in_fp32=reduce_in_fp32, fused_step=fused)
+    if rebind:
+        with torch.no_grad():
+            mine["w2"].data = mine["w2"].detach().clone()
     ptrs = {k: p.data_ptr() for k, p in mine.items()}
     ref_opt = tpamp.MixedPrecisionOptimizer(_inner("adamw", ref), clip_grad=4.0,
                                             fused_step=False)
@@ -170,13 +174,13 @@ def _one_rank(rank, world, reduce_in_fp32, fused, transposed):
             {k: _np(p) for k, p in mine.items()}, {k: _np(p) for k, p in ref.items()})
 
 
-@pytest.mark.parametrize("transposed", [False, True])
+@pytest.mark.parametrize("transposed,rebind", [(False, False), (True, False), (False, True)])
 @pytest.mark.parametrize("reduce_in_fp32", [True, False])
 @pytest.mark.parametrize("fused", [True, False])
 def test_one_dp_rank_steps_params_in_place_and_leaves_main_grad_as_accumulated(
-        reduce_in_fp32, fused, transposed):
+        reduce_in_fp32, fused, transposed, rebind):
     kept, in_place, params, ref_params = run_workers(_one_rank, 1, reduce_in_fp32, fused,
-                                                     transposed)[0]
+                                                     transposed, rebind)[0]
     assert kept == [True, True, True]
     assert in_place
     init = _values(torch.bfloat16)
