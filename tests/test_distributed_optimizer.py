@@ -170,6 +170,9 @@ def _one_rank(rank, world, reduce_in_fp32, fused, transposed, rebind=False):
         opt.zero_grad()
         ref_opt.zero_grad()
     assert mine["w1"].is_contiguous() != transposed
+    # the one-pass step reads the grad buffer itself: no fp32 grad shard is ever made
+    shards = {b.grad_shard is not None for b in opt._buckets}
+    assert shards == {not fused}, shards
     return (kept, all(p.data_ptr() == ptrs[k] for k, p in mine.items()),
             {k: _np(p) for k, p in mine.items()}, {k: _np(p) for k, p in ref.items()})
 

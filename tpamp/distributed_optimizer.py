@@ -87,7 +87,10 @@ class _Bucket:
     shard_size: int
     grad_data: Tensor  # [numel], fp32 or the model dtype: main_grad views of the params
     main_shard: Tensor  # [shard_size] fp32 main params of this rank's range
-    grad_shard: Tensor  # [shard_size] fp32 main grads (the reduce-scatter's output)
+    # [shard_size] fp32 main grads: the reduce-scatter's output for fp32 reduces over more
+    # than one rank; else made by the first step that needs it (the generic path's unscale
+    # output; the one-pass step reads reduce_out itself; see _generic_grads)
+    grad_shard: Optional[Tensor]
     # [shard_size] grad_shard, or a model-dtype buffer that is cast into it; grad_data itself
     # when the bucket's group has one rank
     reduce_out: Tensor
@@ -517,12 +520,13 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
         dev = self._device
         grad_data = torch.zeros(numel, dtype=grad_dtype, device=dev)
         remainders = self.store_param_remainders and dtype == torch.bfloat16
-        grad_shard = torch.zeros(shard, dtype=torch.float32, device=dev)
+        grad_shard = None
         if d == 1:  # one rank: the buffer is its own reduce-scatter output (no copy)
             reduce_out = grad_data
+        elif grad_dtype == torch.float32:
+            reduce_out = grad_shard = torch.zeros(shard, dtype=torch.float32, device=dev)
         else:
-            reduce_out = grad_shard if grad_dtype == torch.float32 else torch.zeros(
-                shard, dtype=grad_dtype, device=dev)
+            reduce_out = torch.zeros(shard, dtype=grad_dtype, device=dev)
         bucket = _Bucket(
             dtype=dtype, params=list(params), offsets=offsets, numel=numel, shard_size=shard,
             grad_data=grad_data,
@@ -590,7 +594,8 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
                 else:
                     piece.main = torch.nn.Parameter(b.main_shard[s - lo:t - lo],
                                                     requires_grad=True)
-                piece.main.grad = b.grad_shard[s - lo:t - lo]
+                if b.grad_shard is not None:
+                    piece.main.grad = b.grad_shard[s - lo:t - lo]
                 # min_8bit_size decides on the whole param: every DP rank's pieces alike
                 self._whole_numel[id(piece.main)] = p.numel()
                 b.pieces.append(piece)
@@ -788,6 +793,9 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
         grad shard: in place for fp32 reduces)."""
         srcs, outs, mask, mains = [], [], [], []
         for b in self._buckets:
+            if b.grad_shard is None:
+                b.grad_shard = torch.zeros(b.shard_size, dtype=torch.float32,
+                                           device=self._device)
             for q in b.pieces:
                 s, t = q.shard_range
                 q.main.grad = out = b.grad_shard[s:t]  # the inner zero_grad may drop it
