@@ -790,7 +790,7 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
     def _generic_grads(self, scale: Optional[Tensor]) -> StepGrads:
         """Generic path: the reduced grad shards (fp32, or the model dtype) are read by the
         unscale pass, which writes each piece's fp32 main grad (a view of the bucket's fp32
-        grad shard: in place for fp32 reduces)."""
+        grad shard: in place for fp32 reduces over more than one rank)."""
         srcs, outs, mask, mains = [], [], [], []
         for b in self._buckets:
             if b.grad_shard is None:
@@ -847,13 +847,11 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
     def _gather_buffers(self, b: _Bucket) -> Tensor:
         """The bucket's all-gather output and input (kept between steps: no allocation, no
         page faults per step); returns the input: ``b.main_shard`` itself for fp32 params,
-        else this rank's chunk of the output (an in-place all-gather, as Megatron-LM's)."""
-        if b.param_data is None:
+        else this rank's chunk of the output (an in-place all-gather, as Megatron-LM's; made
+        with the bucket, see _make_bucket)."""
+        if b.param_data is None:  # fp32 params, at their first gather
             b.param_data = torch.empty(b.numel, dtype=b.dtype, device=self._device)
-        if b.param_shard is None:  # (made at construction for remainder / SR buckets)
-            r = b.rank
-            b.param_shard = (b.main_shard if b.dtype == torch.float32 else
-                             b.param_data[r * b.shard_size:(r + 1) * b.shard_size])
+            b.param_shard = b.main_shard
         return b.param_shard
 
     def _gather_model_params(self, cast: bool = True) -> None:
@@ -872,7 +870,7 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
             own = b.param_data[r * b.shard_size:(r + 1) * b.shard_size]
             if (b.ring or d == 1) and b.param_shard.data_ptr() != own.data_ptr():
                 # fp32 params (the main shard is the input): into this rank's chunk of the
-                # in-place gather (remainder / SR buckets' bf16 shard is that chunk already)
+                # in-place gather (an fp16 / bf16 bucket's shard is that chunk already)
                 own.copy_(b.param_shard)
             handles.append(start_all_gather(b.group, b.param_data,
                                             b.param_shard, 2 * b.index + 1, ring=b.ring))
