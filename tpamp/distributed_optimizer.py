@@ -575,11 +575,11 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
                 name, gi = info[id(p)]
                 piece = _Piece(p, name, gi, (s - a, t - a), (s - lo, t - lo), (a, e))
                 piece.counts = self._counts(p)
-                with torch.no_grad():
-                    flat = local_tensor(p).detach().reshape(-1)
-                    if b.main_shard.dtype == torch.int16:  # remainders 0: master = bf16 value
-                        b.param_shard[s - lo:t - lo].copy_(flat[s - a:t - a])
-                    else:
+                # fp32 masters from the param; a remainder (0: master = bf16 value) or
+                # stochastic-rounding bucket's bf16 shard already holds it (_make_bucket)
+                if b.main_shard.dtype == torch.float32:
+                    with torch.no_grad():
+                        flat = local_tensor(p).detach().reshape(-1)
                         b.main_shard[s - lo:t - lo].copy_(flat[s - a:t - a])
                 if b.main_shard.dtype != torch.float32:  # no fp32 storage: a placeholder key
                     piece.main = torch.nn.Parameter(
