@@ -101,6 +101,7 @@ What happens:
 from __future__ import annotations
 
 import argparse
+import copy
 import contextlib
 import dataclasses
 import datetime
@@ -182,10 +183,31 @@ class _ArgumentParser(argparse.ArgumentParser):
         exit_with_flag_error(message)
 
 
+class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """``--help`` shows the default of every flag that has one (argparse's
+    ArgumentDefaultsHelpFormatter, also for the flags without a help text), except where the
+    help text already says it (a default of None is resolved later, so its text says what
+    applies) and for on/off switches (off by default)."""
+
+    def _get_help_string(self, action):
+        text = action.help or ""
+        if (not action.option_strings or "(default" in text or action.default is None
+                or isinstance(action.default, bool) or action.default is argparse.SUPPRESS):
+            return text
+        return f"{text} (default: %(default)s)" if text else "default: %(default)s"
+
+    def _format_action(self, action):
+        if not action.help and self._get_help_string(action):
+            action = copy.copy(action)  # argparse prints no help line for a flag without text
+            action.help = self._get_help_string(action)
+        return super()._format_action(action)
+
+
 def parse_args(argv=None) -> argparse.Namespace:
     """The flags, parsed and validated (:func:`validate_args`): a bad flag exits with status 2
     on every rank and one line on rank 0 (:func:`exit_with_flag_error`)."""
-    p = _ArgumentParser(prog=PROG, description=__doc__.split("\n\n")[0])
+    p = _ArgumentParser(prog=PROG, description=__doc__.split("\n\n")[0],
+                        formatter_class=_HelpFormatter)
     a = p.add_argument
     # parallel layout
     a("--tensor-model-parallel-size", type=int, default=2)
@@ -215,7 +237,9 @@ def parse_args(argv=None) -> argparse.Namespace:
       help="expert TP size; only the TP size (the default) is supported")
     # batch: global = micro * num_microbatches * DP; give one of the last two
     a("--micro-batch-size", type=int, default=4)
-    a("--global-batch-size", type=int, default=None)
+    a("--global-batch-size", type=int, default=None,
+      help="sequences per iteration: micro-batch-size x num-microbatches x DP (default: from "
+           "--num-microbatches)")
     a("--num-microbatches", type=int, default=None, help="per DP rank (default 4)")
     # training
     a("--train-iters", type=int, default=300)

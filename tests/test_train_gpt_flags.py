@@ -13,6 +13,7 @@ checks missed would reach init_process_group and train: the subprocess timeout c
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 import time
@@ -362,3 +363,53 @@ def test_the_flags_of_a_run_that_can_start_are_accepted(monkeypatch, capsys, tmp
                                  "--load", str(tmp_path)]).min_8bit_size == 0
     assert capsys.readouterr() == ("", "")
     assert not (tmp_path / "l").exists()
+
+
+def _help_blocks(text):
+    """{flag: its help block} from argparse's --help output (a block: the option line and its
+    indented continuation lines)."""
+    blocks, flag = {}, None
+    for line in text.splitlines():
+        m = re.match(r"^  (-[-\w]+)", line)
+        if m:
+            flag = m.group(1)
+            blocks[flag] = line
+        elif flag is not None and line.startswith("    "):
+            blocks[flag] += " " + line.strip()
+        else:
+            flag = None
+    return {f: " ".join(b.split()) for f, b in blocks.items()}
+
+
+# the defaults docs/guide/main_job.md and README promise (TP 2 x PP 2, the 3.26M-param model,
+# 300 iterations, Megatron's loss-scaling defaults)
+DOCUMENTED_DEFAULTS = {
+    "--tensor-model-parallel-size": "2", "--pipeline-model-parallel-size": "2",
+    "--num-layers": "4", "--hidden-size": "256", "--num-attention-heads": "8",
+    "--seq-length": "128", "--train-iters": "300", "--lr-warmup-iters": "20",
+    "--micro-batch-size": "4", "--initial-loss-scale": "65536.0", "--hysteresis": "2",
+    "--loss-scale-window": "1000", "--seed": "1234", "--exp-avg-dtype": "fp32",
+}
+# flags whose default is "not set" (None: off, or decided by other flags as their help says)
+NOT_SET = {"--num-layers-per-virtual-pipeline-stage", "--loss-scale", "--log-dir", "--save",
+           "--save-interval", "--load", "--ckpt-step", "--inject-inf-grad",
+           "--inject-exit-at-iteration", "--inject-hang-at-iteration"}
+
+
+def test_help_shows_the_default_of_every_flag_that_takes_a_value(monkeypatch, capsys):
+    """main_job.md: "--help lists every flag with its default"."""
+    train_gpt = _train_gpt()
+    monkeypatch.setenv("RANK", "0")
+    with pytest.raises(SystemExit) as info:
+        train_gpt.parse_args(["--help"])
+    assert info.value.code == 0
+    blocks = _help_blocks(capsys.readouterr().out)
+    assert len(blocks) > 60, blocks
+    for flag, value in DOCUMENTED_DEFAULTS.items():
+        assert f"(default: {value})" in blocks[flag] or f"default: {value}" in blocks[flag], (
+            flag, blocks[flag])
+    for flag, block in blocks.items():
+        takes_value = re.match(r"^-[-\w]+ ([A-Z][A-Z0-9_]*|\{[^}]*\})( |$)", block)  # METAVAR / {a,b}
+        if flag in NOT_SET or not takes_value:
+            continue
+        assert "default" in block, f"--help shows no default for {flag}: {block!r}"
