@@ -1222,9 +1222,10 @@ def build_optimizer(stage, args, st, dtype):
         )
     if args.use_torch_fsdp2:  # the sharded fp32 params are the masters; stats over PP x DP x TP
         del kwargs["grad_stats_group"], kwargs["tensor_parallel_group"]
+        # global names and this rank's TP / PP / DP coordinates for the culprit of a skip
+        kwargs.update(parallel_state=st, param_names=stage.global_named_parameters())
         if args.num_experts is not None:  # expert params on the expert-DP dim (section 19)
-            kwargs.update(expert_mesh=st.expert_mesh, parallel_state=st,
-                          param_names=stage.global_named_parameters())
+            kwargs.update(expert_mesh=st.expert_mesh)
         return tpamp.fsdp.fully_shard_optimizer(adamw, st.mesh, **kwargs)
     if args.use_distributed_optimizer and not tpamp.is_elementwise_optimizer(adamw):
         # Muon, Adafactor: whole params per DP rank (tpamp.LayerWiseDistributedOptimizer,

@@ -76,3 +76,25 @@ def test_main_job_names_the_culprit_under_an_interleaved_schedule(tmp_path):
     _check_culprits(records, stdout, dp=1, num_layers=4)
     found = [r["nonfinite_activation"] for r in records if r.get("nonfinite_activation")]
     assert found and all(f["phase"] in ("forward", "backward") for f in found), records
+
+
+def test_main_job_with_fsdp2_names_the_culprit_by_global_name_and_layout(tmp_path):
+    """--use-torch-fsdp2 on TP 2 x DP 2: an inf injected into one element of
+    blocks.0.mlp.fc1.weight's local grad on global rank 1 (TP rank 1, DP rank 0 in Megatron's
+    rank order, TP fastest) at iteration 2 skips that step on every rank, and the log names the
+    param by its global name with the rank's coordinates, not "group1.param3 [tp 0, pp ?, dp ?]"."""
+    name = "blocks.0.mlp.fc1.weight"
+    records, summary, stdout = run_train(
+        tmp_path, "--use-torch-fsdp2", "--tensor-model-parallel-size", "2",
+        "--pipeline-model-parallel-size", "1", "--train-iters", "3", "--eval-interval", "0",
+        "--initial-loss-scale", "1024",
+        "--inject-inf-grad", f"2:1:{name}", timeout=600,
+    )
+    assert (summary["tp"], summary["pp"], summary["dp"]) == (2, 1, 2)
+    assert [r["skipped"] for r in records] == [False, True, False], records
+    first = records[1]["nonfinite"]["first"]
+    assert len(first) == 1 and records[1]["nonfinite"]["total"] == 1, records[1]
+    c = first[0]
+    assert (c["name"], c["rank"], c["tp_rank"], c["pp_rank"], c["dp_rank"]) == (name, 1, 1, 0, 0), c
+    assert c["num_inf"] == 1 and c["num_nan"] == 0, c
+    assert f"skipped: inf in {name} [tp 1, pp 0, dp 0]" in stdout, stdout[-3000:]
