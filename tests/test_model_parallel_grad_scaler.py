@@ -305,6 +305,57 @@ def test_disabled_scaler_pickles_and_steps_as_torch():
     assert p.tolist() == [0.0, 0.0]
 
 
+def test_found_inf_of_a_disabled_scaler_is_zero_as_it_never_skips():
+    """torch.amp's disabled scaler (enabled=False; also "cuda" without CUDA) checks no grad and
+    steps always; found_inf answers 0.0 (no skip), as get_scale() answers 1.0: code written for
+    an enabled scaler runs unchanged with a disabled one."""
+    s = ModelParallelGradScaler("cpu", enabled=False)
+    p = nn.Parameter(torch.ones(2))
+    opt = torch.optim.SGD([p], lr=1.0)
+    for _ in range(2):
+        s.scale(p.sum()).backward()
+        p.grad[0] = float("inf")  # unchecked: the step runs
+        s.step(opt)
+        flag = s.found_inf(opt)
+        assert flag.shape == () and flag.dtype == torch.float32 and flag.item() == 0.0
+        s.update()
+        assert s.found_inf(opt).item() == 0.0
+        opt.zero_grad()
+    assert p[0].item() == -math.inf and p[1].item() == -1.0  # stepped twice, inf included
+
+
+def test_found_inf_is_known_from_unscale_until_the_next_scale():
+    """found_inf(opt) answers for this iteration from unscale_ / step on, also after update()
+    (torch's update() clears its per-iteration state), until the next iteration's scale();
+    before this iteration's check it raises, naming unscale_ and step, and asking never adds
+    state that would make the scaler refuse to pickle (torch: only between iterations)."""
+    p = nn.Parameter(torch.ones(2))
+    q = nn.Parameter(torch.ones(1))
+    opt, other = torch.optim.SGD([p], lr=1.0), torch.optim.SGD([q], lr=1.0)
+    s = ModelParallelGradScaler("cpu", init_scale=4.0, growth_interval=1)
+    for bad in (float("inf"), None, float("nan"), None):
+        s.scale(p.sum()).backward()
+        with pytest.raises(RuntimeError, match=r"unscale_\(optimizer\) or scaler.step"):
+            s.found_inf(opt)
+        if bad is not None:
+            p.grad[1] = bad
+        s.step(opt)  # unscales, checks, skips on inf / nan
+        expected = 0.0 if bad is None else 1.0
+        assert s.found_inf(opt).item() == expected
+        s.update()
+        kept = s.found_inf(opt)
+        assert kept.shape == () and kept.dtype == torch.float32 and kept.item() == expected
+        with pytest.raises(RuntimeError, match="has not checked"):
+            s.found_inf(other)  # never unscaled or stepped
+        again = pickle.loads(pickle.dumps(s))  # between iterations: allowed, flags not carried
+        with pytest.raises(RuntimeError, match="has not checked"):
+            again.found_inf(opt)
+        opt.zero_grad()
+    # init 4, growth interval 1: inf halves, clean doubles, nan halves, clean doubles
+    assert s.get_scale() == 4.0
+    assert p.tolist() == [-1.0, -1.0]  # the two clean steps of lr 1 with grad 1
+
+
 def test_set_model_parallel_group_checks_its_argument():
     s = ModelParallelGradScaler("cpu")
     with pytest.raises(TypeError, match="model_parallel_group.*int"):

@@ -138,6 +138,7 @@ class ModelParallelGradScaler(torch.amp.GradScaler):
         self._model_parallel_group = model_parallel_group
         self._group_detached = False
         self._group_token: Optional[str] = None  # set when pickled with a group
+        self._last_found_inf: Dict[int, torch.Tensor] = {}  # found_inf() after update()
 
     # ---- the group -------------------------------------------------------------------------
 
@@ -183,15 +184,26 @@ class ModelParallelGradScaler(torch.amp.GradScaler):
         self._require_group("step")
         return super().step(optimizer, *args, **kwargs)
 
+    def scale(self, outputs):
+        self._last_found_inf = {}  # a new iteration: the previous one's found_inf is over
+        return super().scale(outputs)
+
     def update(self, new_scale=None) -> None:
         self._require_group("update")
-        return super().update(new_scale)
+        # torch's update() forgets this iteration's per-optimizer flags; found_inf() keeps
+        # answering for it until the next scale() / unscale_() / step()
+        last = {key: self._summed_flag(state["found_inf_per_device"])
+                for key, state in self._optimizer_states().items()
+                if state["found_inf_per_device"]} if self._enabled else {}
+        super().update(new_scale)
+        self._last_found_inf = last
 
     # ---- copies ----------------------------------------------------------------------------
 
     def __getstate__(self) -> Dict[str, Any]:
         # torch's: refuses mid-iteration, keeps scale and growth tracker as numbers
         state = super().__getstate__()
+        state.pop("_last_found_inf", None)  # the last iteration's flags: not state to carry
         group = state.get("_model_parallel_group")
         state["_group_token"] = None
         if group is not None:
@@ -208,6 +220,7 @@ class ModelParallelGradScaler(torch.amp.GradScaler):
 
     def __setstate__(self, state: Dict[str, Any]) -> None:
         state = dict(state)
+        state.pop("_last_found_inf", None)
         # a state pickled before the group became a property held it as model_parallel_group
         state.setdefault("_model_parallel_group", state.pop("model_parallel_group", None))
         state.setdefault("_group_detached", False)
@@ -220,10 +233,12 @@ class ModelParallelGradScaler(torch.amp.GradScaler):
                 state.update(_model_parallel_group=group, _group_detached=False,
                              _group_token=token)
         super().__setstate__(state)
+        self._last_found_inf = {}
 
     def __deepcopy__(self, memo: Dict[int, Any]) -> "ModelParallelGradScaler":
         group = self._model_parallel_group
         state = super().__getstate__()  # torch's pickled state, the group still in it
+        state.pop("_last_found_inf", None)
         if group is not None:
             memo[id(group)] = group  # shared, never copied
         new = type(self).__new__(type(self))
@@ -248,11 +263,33 @@ class ModelParallelGradScaler(torch.amp.GradScaler):
         return {combined.device: combined}
 
     def found_inf(self, optimizer: torch.optim.Optimizer) -> torch.Tensor:
-        """This iteration's found_inf for ``optimizer`` (0-dim float32, > 0 when any rank of
-        the group overflowed), after ``unscale_``/``step``. Raises RuntimeError before."""
-        per_device = self._per_optimizer_states[id(optimizer)]["found_inf_per_device"]
-        if not per_device:
-            raise RuntimeError("found_inf is known only after unscale_(optimizer) or step()")
+        """This iteration's found_inf for ``optimizer``: a 0-dim float32 tensor on the scale's
+        device, > 0 when any rank of the group had an inf/NaN grad (the step is then skipped),
+        0 otherwise.
+
+        Known from ``unscale_(optimizer)`` or ``step(optimizer)`` on, and still after
+        ``update()`` (which clears torch's per-iteration state), until the next iteration's
+        ``scale()``. A disabled scaler (``enabled=False``, or "cuda" without CUDA, as in
+        torch.amp) checks nothing and never skips: 0.0 on the CPU, as its ``get_scale()`` is 1.0.
+        Raises RuntimeError naming ``unscale_``/``step`` when this iteration has not checked
+        ``optimizer``'s grads yet (none of the above)."""
+        if not self._enabled:
+            return torch.zeros((), dtype=torch.float32)
+        state = self._optimizer_states().get(id(optimizer))  # .get: never adds an entry
+        if state is not None and state["found_inf_per_device"]:
+            return self._summed_flag(state["found_inf_per_device"])
+        last = self._last_found_inf.get(id(optimizer))
+        if last is not None:
+            return last
+        raise RuntimeError(
+            "ModelParallelGradScaler.found_inf: this iteration has not checked this optimizer's "
+            "grads yet; call it after scaler.unscale_(optimizer) or scaler.step(optimizer) (it "
+            "stays known after update(), until the next scale())")
+
+    def _optimizer_states(self) -> Dict[int, Dict[str, Any]]:
+        return self._per_optimizer_states  # torch's, per id(optimizer), reset by update()
+
+    def _summed_flag(self, per_device) -> torch.Tensor:
         flags = [f.to(self._scale.device).reshape(()) for f in per_device.values()]
         return torch.stack(flags).sum()
 
