@@ -341,7 +341,26 @@ def parse_args(argv=None) -> argparse.Namespace:
         validate_args(args)
     except FlagError as e:
         exit_with_flag_error(str(e))
+    for message in flag_warnings(args):
+        if launch_rank() == 0:  # one line per warning, from rank 0 only (as the errors)
+            print(f"{PROG}: warning: {message}", file=sys.stderr, flush=True)
     return args
+
+
+def flag_warnings(args) -> list:
+    """What a valid set of flags does that its user may not expect (the run goes on): a run
+    that ends inside the lr warm-up never reaches --lr (or --decoupled-lr)."""
+    out = []
+    if args.train_iters < args.lr_warmup_iters:
+        frac = args.train_iters / args.lr_warmup_iters  # lr_at's linear warm-up at the last one
+        peaks = [("--lr", args.lr)]
+        if args.decoupled_lr is not None:
+            peaks.append(("--decoupled-lr", args.decoupled_lr))
+        reached = ", ".join(f"{frac * v:.4g} of {flag} {v:g}" for flag, v in peaks)
+        out.append(f"--train-iters {args.train_iters} ends inside the lr warm-up "
+                   f"(--lr-warmup-iters {args.lr_warmup_iters}): the lr never gets above "
+                   f"{reached}; give --lr-warmup-iters <= {args.train_iters} to reach it")
+    return out
 
 
 def add_optimizer_arguments(p) -> None:

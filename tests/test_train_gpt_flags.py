@@ -31,7 +31,8 @@ BASE = [
     "--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "1",
     "--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4",
     "--seq-length", "32", "--micro-batch-size", "2", "--num-microbatches", "2",
-    "--train-iters", "2", "--eval-interval", "0", "--data-max-bytes", "200000",
+    "--train-iters", "2", "--lr-warmup-iters", "1", "--eval-interval", "0",
+    "--data-max-bytes", "200000",
     "--no-progress", "--dist-timeout", "20",
 ]
 
@@ -413,3 +414,36 @@ def test_help_shows_the_default_of_every_flag_that_takes_a_value(monkeypatch, ca
         if flag in NOT_SET or not takes_value:
             continue
         assert "default" in block, f"--help shows no default for {flag}: {block!r}"
+
+
+@pytest.mark.parametrize("iters, warmup, decoupled, reached", [
+    (5, 20, None, ["0.0005 of --lr 0.002"]),  # 2e-3 * 5 / 20, by hand
+    (3, 4, "1e-3", ["0.0015 of --lr 0.002", "0.00075 of --decoupled-lr 0.001"]),
+    (20, 20, None, None), (21, 20, None, None), (2, 0, None, None),
+])
+def test_a_run_that_ends_inside_the_warmup_is_warned_about_on_rank_0(
+        monkeypatch, capsys, iters, warmup, decoupled, reached):
+    """The run goes on (the flags are valid), but rank 0 prints one warning line naming both
+    flags and the peak lr the run reaches: lr_at's linear warm-up reaches --lr at iteration
+    --lr-warmup-iters, so a shorter run never does."""
+    train_gpt = _train_gpt()
+    flags = _without(_without(BASE, "--train-iters"), "--lr-warmup-iters") + [
+        "--train-iters", str(iters), "--lr-warmup-iters", str(warmup)]
+    if decoupled is not None:
+        flags += ["--decoupled-lr", decoupled]
+    monkeypatch.setenv("WORLD_SIZE", str(WORLD))
+    for rank in (0, 1):
+        monkeypatch.setenv("RANK", str(rank))
+        args = train_gpt.parse_args(flags)
+        assert (args.train_iters, args.lr_warmup_iters) == (iters, warmup)
+        out, err = capsys.readouterr()
+        assert out == ""
+        if reached is None or rank == 1:
+            assert err == "", err
+            continue
+        lines = err.splitlines()
+        assert len(lines) == 1 and lines[0].startswith("train_gpt.py: warning: "), err
+        for w in [f"--train-iters {iters}", f"--lr-warmup-iters {warmup}", *reached]:
+            assert w in lines[0], (w, lines[0])
+        peak = max(train_gpt.lr_at(it, args) for it in range(1, iters + 1))
+        assert peak == pytest.approx(float(reached[0].split()[0]), rel=1e-3)
