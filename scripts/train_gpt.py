@@ -101,8 +101,8 @@ What happens:
 from __future__ import annotations
 
 import argparse
-import copy
 import contextlib
+import copy
 import dataclasses
 import datetime
 import glob
