@@ -43,6 +43,7 @@ import re
 import shutil
 import subprocess
 import sys
+import time
 
 from setuptools import setup
 
@@ -63,6 +64,41 @@ SKIP_NOTE = os.path.join(ROOT, "tpamp", "_kernels_not_built.txt")
 
 def _say(msg):
     print(f"tpamp setup: {msg}", file=sys.stderr, flush=True)
+
+
+class BuildProgress:
+    """The progress lines of the kernel build (one compile of a capability module takes
+    minutes): what is built, then each extension module's start and end with its time and the
+    time since the build began. Only the text; ``clock`` returns seconds (time.monotonic)."""
+
+    def __init__(self, names, clock=time.monotonic):
+        self.names = list(names)
+        self.clock = clock
+        self.began = clock()
+        self.started = {}
+
+    def _tag(self, name):
+        return f"[{self.names.index(name) + 1}/{len(self.names)}] {name}"
+
+    def begin(self, jobs=None):
+        return (f"building {len(self.names)} extension modules ({', '.join(self.names)}) with "
+                f"{jobs or 'the default number of'} parallel compile jobs (MAX_JOBS); each "
+                "takes up to a few minutes")
+
+    def start(self, name, num_sources):
+        self.started[name] = self.clock()
+        files = "file" if num_sources == 1 else "files"
+        return f"{self._tag(name)}: compiling {num_sources} source {files}"
+
+    def end(self, name, ok=True):
+        now = self.clock()
+        what = "built" if ok else "FAILED"
+        return (f"{self._tag(name)}: {what} in {now - self.started[name]:.0f} s "
+                f"({now - self.began:.0f} s since the build began)")
+
+    def finish(self, failed=()):
+        done = len(self.names) - len(failed)
+        return f"built {done} of {len(self.names)} extension modules in {self.clock() - self.began:.0f} s"
 
 
 def _note_skipped(reason):
@@ -309,8 +345,11 @@ def _extension_and_cmdclass():
         compile the same csrc/cpu/*.cpp with different flags, so they must not share objects."""
 
         failed = []
+        progress = None
 
         def build_extensions(self):
+            self.progress = BuildProgress([e.name for e in self.extensions])
+            _say(self.progress.begin(os.environ.get("MAX_JOBS")))
             try:
                 super().build_extensions()
             except Exception as e:  # e.g. the compiler does not run: install without kernels
@@ -319,14 +358,20 @@ def _extension_and_cmdclass():
                 _note_skipped(f"building the kernels tpamp._C* FAILED ({type(e).__name__}: {e}); "
                               "installed without them (TPAMP_BUILD_EXT=1 makes this an error)")
                 self.failed.extend(self.extensions)
+            _say(self.progress.finish([e.name for e in self.failed]))
             # what failed is not installed (nor copied into the source tree)
             self.extensions = [e for e in self.extensions if e not in self.failed]
 
         def build_extension(self, ext):
             base = self.build_temp
             self.build_temp = os.path.join(base, ext.name)
+            progress = self.progress if self.progress and ext.name in self.progress.names else None
+            if progress:
+                _say(progress.start(ext.name, len(ext.sources)))
+            ok = False
             try:
                 super().build_extension(ext)
+                ok = True
             except Exception as e:  # a compiler error: install without this module
                 if (build_ext_flag == "1" or (cuda_flag == "1" and ext.name == "tpamp._C")
                         or ext.name.startswith("tpamp._C_simt")):
@@ -337,11 +382,14 @@ def _extension_and_cmdclass():
                 self.failed.append(ext)
             finally:
                 self.build_temp = base
+                if progress:
+                    _say(progress.end(ext.name, ok))
 
     return exts, {"build_ext": BuildEachInOwnDir}
 
 
-ext_modules, cmdclass = _extension_and_cmdclass()
-
-# Everything else (name, version, dependencies, extras, packages, license) is in pyproject.toml.
-setup(ext_modules=ext_modules, cmdclass=cmdclass)
+if __name__ == "__main__":  # as pip's build backend and `python setup.py ...` run it
+    ext_modules, cmdclass = _extension_and_cmdclass()
+    # Everything else (name, version, dependencies, extras, packages, license) is in
+    # pyproject.toml.
+    setup(ext_modules=ext_modules, cmdclass=cmdclass)
