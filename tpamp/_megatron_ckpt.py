@@ -1,0 +1,2 @@
+"""placeholder"""
+FORMAT_KEY = "tpamp_megatron_format"

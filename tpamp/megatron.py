@@ -1,0 +1,537 @@
+"""Megatron-LM in one import: megatron-core's ``get_megatron_optimizer`` built on tpamp.
+
+Usage (Megatron-LM's training.py, or any loop wired as it is)::
+
+    # from megatron.core.optimizer import get_megatron_optimizer
+    from tpamp.megatron import get_megatron_optimizer
+
+    optimizer = get_megatron_optimizer(OptimizerConfig(fp16=True, ...), model_chunks)
+
+``model_chunks`` are megatron-core's ``DistributedDataParallel`` modules (each one's
+``ddp_config`` is read) or plain modules. The returned :class:`MegatronOptimizer` has the
+interface Megatron-LM's training loop calls (megatron/core/optimizer/optimizer.py's
+MegatronOptimizer: ``step()`` -> (update_successful, grad_norm, num_zeros_in_grad),
+``scale_loss``, ``get_loss_scale``, ``zero_grad``, ``param_groups``, ``state_dict`` /
+``load_state_dict``, ``sharded_state_dict`` for dist-checkpointing, ``save_parameter_state``
+/ ``load_parameter_state``, ``prepare_grads`` / ``step_with_ready_grads``, ``get_grad_norm``,
+``clip_grad_norm``, ``count_zeros``, ``offload_to_cpu`` / ``restore_from_cpu`` ...); the step
+itself is tpamp's (:class:`tpamp.MixedPrecisionOptimizer`, docs/spec.md section 2).
+
+What is read (docs/migration.md "Megatron-LM in one import" lists what differs):
+
+* OptimizerConfig: ``optimizer`` ("adam": torch.optim.AdamW with decoupled_weight_decay, else
+  Adam; "sgd": SGD with sgd_momentum), ``lr``, ``min_lr``, ``weight_decay``, ``adam_beta1/2``,
+  ``adam_eps``, ``clip_grad``, ``log_num_zeros_in_grad``, ``fp16`` / ``bf16``, ``loss_scale``
+  (a ConstantGradScaler), ``initial_loss_scale``, ``min_loss_scale``, ``loss_scale_window``
+  (the growth interval), ``hysteresis``, ``use_distributed_optimizer``. Param groups are
+  megatron-core's own (``config_overrides``, default: its standard overrides; the keys
+  ``wd_mult``, ``lr_mult``, ``max_lr``, ``min_lr``, ``is_decoupled_lr``, ``default_config``
+  that OptimizerParamScheduler and training.py read).
+* each chunk's DistributedDataParallelConfig: ``use_distributed_optimizer`` (must equal the
+  OptimizerConfig's), ``grad_reduce_in_fp32`` and ``overlap_grad_reduce`` (megatron's DDP
+  reduces; tpamp reads the reduced ``main_grad`` buffers).
+* groups (megatron-core's parallel_state, or ``pg_collection``): found_inf, norm and zeros are
+  reduced over the model-parallel group (distributed optimizer: the distributed-optimizer
+  instance's group, TP x PP x DP), TP duplicates counted on TP rank 0 only.
+
+Under megatron's DDP with ``use_distributed_optimizer=True`` the optimizer uses megatron's own
+param and grad buffers, as megatron-core's DistributedOptimizer does: DP rank r owns
+[r * n / d, (r + 1) * n / d) of every bucket; tpamp keeps fp32 main params and optimizer state
+for that range alone (views of megatron's buffers are its model params), steps them after
+megatron's reduce-scatter (overlapped with backward or not) and writes the new values into
+megatron's param buffer, whose all-gather (``start_param_sync``) gives every rank the params.
+
+Raises (at construction) ImportError without megatron-core, ValueError for an option that
+cannot apply (named): an optimizer other than adam / sgd, ``use_precision_aware_optimizer``,
+``optimizer_cpu_offload``, ``optimizer_cuda_graph``, ``overlap_param_gather_with_optimizer_step``,
+``dump_param_to_param_group_map``; chunks whose DDP configs differ, a DDP
+``use_distributed_optimizer`` that differs from the OptimizerConfig's, the distributed optimizer
+without megatron's DDP, megatron-FSDP, ``overlap_param_gather``, more than one
+distributed-optimizer instance; expert (``allreduce=False``) params.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Dict, List, Optional, Tuple
+
+import torch
+import torch.distributed as dist
+
+from tpamp.grad_scaler import ConstantGradScaler, DynamicGradScaler
+from tpamp.grad_stats import counts_toward_norm
+from tpamp.optimizer import FP32Optimizer, MixedPrecisionOptimizer
+
+__all__ = ["MegatronOptimizer", "get_megatron_optimizer"]
+
+Tensor = torch.Tensor
+_HALF = (torch.float16, torch.bfloat16)
+# Megatron's param attributes the norm filters and checkpoints read, copied to buffer pieces
+_ATTRS = ("tensor_model_parallel", "partition_dim", "partition_stride", "shared", "allreduce")
+# OptimizerConfig options tpamp cannot honour: an error, never a silent difference
+_UNSUPPORTED = ("use_precision_aware_optimizer", "optimizer_cpu_offload", "optimizer_cuda_graph",
+                "overlap_param_gather_with_optimizer_step")
+
+
+def _megatron():
+    try:
+        import megatron.core.optimizer as mopt
+        from megatron.core import parallel_state
+        from megatron.core.process_groups_config import ProcessGroupCollection
+    except ImportError as e:
+        raise ImportError(
+            f"tpamp.megatron needs megatron-core ({e}); install it with "
+            "`pip install megatron-core` (>= 0.17 on Python 3.11: --ignore-requires-python)"
+        ) from e
+    return mopt, parallel_state, ProcessGroupCollection
+
+
+def get_megatron_optimizer(
+    config,
+    model_chunks,
+    config_overrides=None,
+    use_gloo_process_groups: bool = True,
+    pg_collection=None,
+    dump_param_to_param_group_map: Optional[str] = None,
+) -> "MegatronOptimizer":
+    """megatron-core's ``get_megatron_optimizer`` (megatron/core/optimizer/__init__.py, same
+    signature) returning a tpamp :class:`MegatronOptimizer` (module docstring: what is read,
+    what raises). ``model_chunks``: a list of megatron-core modules (DDP-wrapped or not);
+    megatron-core's parallel_state must be initialized unless ``pg_collection`` is given."""
+    mopt, mpu, PGC = _megatron()
+    chunks = list(model_chunks) if isinstance(model_chunks, (list, tuple)) else [model_chunks]
+    if not chunks:
+        raise ValueError("model_chunks is empty: give the model chunks to optimize")
+    if config.optimizer not in ("adam", "sgd"):
+        raise ValueError(f"OptimizerConfig.optimizer={config.optimizer!r}: tpamp.megatron "
+                         "builds 'adam' and 'sgd' (megatron-core's standard optimizers)")
+    for name in _UNSUPPORTED:
+        if getattr(config, name, False):
+            raise ValueError(f"OptimizerConfig.{name}=True is not supported by tpamp.megatron "
+                             "(use megatron-core's own optimizer for it)")
+    if dump_param_to_param_group_map is not None:
+        raise ValueError("dump_param_to_param_group_map is not supported by tpamp.megatron")
+    ddp = _ddp_config(chunks, config)
+    for chunk in chunks:
+        for name, p in chunk.named_parameters():
+            if p.requires_grad and not getattr(p, "allreduce", True):
+                raise ValueError(f"param {name!r} is an expert param (allreduce=False): "
+                                 "tpamp.megatron does not build expert-parallel optimizers yet")
+    if config_overrides is None:
+        config_overrides = mopt.get_standard_config_overrides(config)
+    groups = PGC.setup_process_groups_for_optimizer(pg_collection, chunks, use_gloo_process_groups)
+    tp_group = getattr(pg_collection, "tp", None) if pg_collection is not None else None
+    if tp_group is None:
+        tp_group = mpu.get_tensor_model_parallel_group()
+    # megatron-core's own param groups (the same groups, keys and order as its optimizer's)
+    param_groups = mopt._get_param_groups(chunks, config, config_overrides)
+    names = _param_names(chunks)
+    scaler = None
+    if config.loss_scale:
+        scaler = ConstantGradScaler(config.loss_scale)
+    elif config.fp16:
+        scaler = DynamicGradScaler(
+            initial_scale=config.initial_loss_scale, min_scale=config.min_loss_scale,
+            growth_factor=2.0, backoff_factor=0.5, growth_interval=config.loss_scale_window,
+            hysteresis=config.hysteresis)
+    distributed = bool(config.use_distributed_optimizer)
+    if distributed:
+        grad_stats_group = groups["intra_dist_opt_group"]
+        pieces = _buffer_pieces(chunks)
+        inner_groups, core_names = [], {}
+        for g in param_groups:
+            ps = []
+            for p in g["params"]:
+                for piece in pieces.get(id(p), ()):
+                    ps.append(piece.tensor)
+                    core_names[piece.tensor] = f"{names[id(p)]}[{piece.start}:{piece.end}]"
+            inner_groups.append({**g, "params": ps})
+    else:
+        grad_stats_group = groups["mp_group"]
+        pieces = {}
+        inner_groups = param_groups
+        core_names = {p: names[id(p)] for g in param_groups for p in g["params"]}
+    inner = _inner_optimizer(config, inner_groups)
+    kw = dict(clip_grad=config.clip_grad, log_num_zeros_in_grad=config.log_num_zeros_in_grad,
+              grad_stats_group=grad_stats_group, tensor_parallel_group=tp_group,
+              param_names=core_names)
+    if config.fp16 or config.bf16 or distributed:
+        core = MixedPrecisionOptimizer(inner, grad_scaler=scaler, **kw)
+    else:
+        core = FP32Optimizer(inner, **kw)
+    return MegatronOptimizer(core, config, chunks, ddp_config=ddp, pieces=pieces,
+                             inner_groups=inner_groups, names=names)
+
+
+def _ddp_config(chunks, config):
+    """The chunks' common DistributedDataParallelConfig (None without megatron's DDP), checked
+    against the OptimizerConfig."""
+    cfgs = [getattr(c, "ddp_config", None) for c in chunks]
+    if any((c is None) != (cfgs[0] is None) for c in cfgs):
+        raise ValueError("some model chunks are wrapped in megatron's DistributedDataParallel "
+                         "and some are not: wrap all or none")
+    ddp = cfgs[0]
+    if ddp is None:
+        if config.use_distributed_optimizer:
+            raise ValueError("OptimizerConfig.use_distributed_optimizer=True needs the chunks "
+                             "wrapped in megatron-core's DistributedDataParallel with "
+                             "DistributedDataParallelConfig(use_distributed_optimizer=True) "
+                             "(its buffers hold the sharded grads and params)")
+        return None
+    for i, c in enumerate(cfgs):
+        if c != ddp:
+            raise ValueError(f"model chunk {i}'s DistributedDataParallelConfig differs from "
+                             f"chunk 0's: {c} vs {ddp}")
+    if bool(ddp.use_distributed_optimizer) != bool(config.use_distributed_optimizer):
+        raise ValueError(
+            f"DistributedDataParallelConfig.use_distributed_optimizer="
+            f"{ddp.use_distributed_optimizer} but OptimizerConfig.use_distributed_optimizer="
+            f"{config.use_distributed_optimizer}: they must agree (the DDP reduce-scatters "
+            "for the distributed optimizer, all-reduces otherwise)")
+    if getattr(ddp, "use_megatron_fsdp", False):
+        raise ValueError("DistributedDataParallelConfig.use_megatron_fsdp=True is not supported "
+                         "by tpamp.megatron (use tpamp.fsdp for FSDP2)")
+    if ddp.use_distributed_optimizer and getattr(ddp, "overlap_param_gather", False):
+        raise ValueError("DistributedDataParallelConfig.overlap_param_gather=True is not "
+                         "supported by tpamp.megatron: the params are all-gathered after step()")
+    if getattr(ddp, "num_distributed_optimizer_instances", 1) != 1:
+        raise ValueError(f"DistributedDataParallelConfig.num_distributed_optimizer_instances="
+                         f"{ddp.num_distributed_optimizer_instances}: tpamp.megatron supports 1")
+    return ddp
+
+
+def _param_names(chunks) -> Dict[int, str]:
+    """id(param) -> its name (``chunk<i>.`` in front with several chunks)."""
+    out = {}
+    for i, chunk in enumerate(chunks):
+        prefix = f"chunk{i}." if len(chunks) > 1 else ""
+        for name, p in chunk.named_parameters():
+            out.setdefault(id(p), prefix + name)
+    return out
+
+
+def _inner_optimizer(config, groups) -> torch.optim.Optimizer:
+    """The torch optimizer megatron-core builds without Apex / Transformer Engine."""
+    if config.optimizer == "adam":
+        cls = torch.optim.AdamW if config.decoupled_weight_decay else torch.optim.Adam
+        return cls(groups, lr=config.lr, weight_decay=config.weight_decay,
+                   betas=(config.adam_beta1, config.adam_beta2), eps=config.adam_eps)
+    return torch.optim.SGD(groups, lr=config.lr, weight_decay=config.weight_decay,
+                           momentum=config.sgd_momentum)
+
+
+class _Piece:
+    """This DP rank's part of one model param in megatron's buffers: ``tensor`` (a leaf
+    sharing storage with the bucket's param buffer, its ``main_grad`` the same range of the
+    grad buffer) holds elements [start, end) of the flattened param."""
+
+    __slots__ = ("param", "tensor", "start", "end", "group", "bucket", "shard")
+
+    def __init__(self, param, tensor, start, end, group, bucket, shard):
+        self.param, self.tensor, self.start, self.end = param, tensor, start, end
+        self.group, self.bucket, self.shard = group, bucket, shard
+
+
+def _buffer_pieces(chunks) -> Dict[int, List[_Piece]]:
+    """id(model param) -> its pieces in this DP rank's shards of megatron's buffers (the ranges
+    megatron-core's DistributedOptimizer owns: _build_model_gbuf_range)."""
+    out: Dict[int, List[_Piece]] = {}
+    for chunk in chunks:
+        for buf in list(getattr(chunk, "buffers", [])) + list(
+                getattr(chunk, "expert_parallel_buffers", [])):
+            group = buf.data_parallel_group
+            d, r = group.size(), group.rank()
+            for bucket in buf.buckets:
+                if bucket.param_data is None:
+                    raise ValueError("megatron's DDP made no param buffer for a bucket "
+                                     "(use_distributed_optimizer=True makes one)")
+                n = bucket.grad_data.numel()
+                size = n // d
+                lo, hi = r * size, (r + 1) * size
+                for p in bucket.params_list:
+                    start, end = bucket.param_to_index[p]
+                    a, b = max(start, lo), min(end, hi)
+                    if a >= b:
+                        continue
+                    with torch.no_grad():
+                        t = torch.nn.Parameter(bucket.param_data[a:b], requires_grad=True)
+                    t.main_grad = bucket.grad_data[a:b]
+                    for attr in _ATTRS:
+                        if hasattr(p, attr):
+                            setattr(t, attr, getattr(p, attr))
+                    out.setdefault(id(p), []).append(
+                        _Piece(p, t, a - start, b - start, group, bucket, (lo, hi)))
+    return out
+
+
+class MegatronOptimizer:
+    """The optimizer :func:`get_megatron_optimizer` returns: a tpamp core optimizer
+    (``tpamp_optimizer``: :class:`tpamp.MixedPrecisionOptimizer` or :class:`tpamp.FP32Optimizer`)
+    behind megatron-core's MegatronOptimizer interface, as Megatron-LM's training loop calls it.
+
+    Attributes: ``config`` (the OptimizerConfig), ``model_chunks``, ``ddp_config``,
+    ``is_stub_optimizer`` (False), ``optimizer`` (the inner torch optimizer over the fp32 main
+    params), ``param_groups``, ``state``.
+    """
+
+    is_stub_optimizer = False
+
+    def __init__(self, core, config, model_chunks, *, ddp_config, pieces, inner_groups, names):
+        self.tpamp_optimizer = core
+        self.config = config
+        self.model_chunks = list(model_chunks)
+        self.ddp_config = ddp_config
+        self.distributed = bool(config.use_distributed_optimizer)
+        self._pieces = pieces
+        self._names = names
+        # (model param, inner param group index, core model tensor) in inner-optimizer order
+        core_tensor = {id(pc.tensor): pc for ps in pieces.values() for pc in ps}
+        self._order: List[Tuple[Tensor, Tensor]] = []
+        for g in inner_groups:
+            for t in g["params"]:
+                pc = core_tensor.get(id(t))
+                self._order.append((pc.param if pc is not None else t, t))
+        self._last = None  # the StepResult of the step prepare_grads ran
+        self._home = None
+
+    # -- what training.py reads ----------------------------------------------------------
+
+    @property
+    def optimizer(self) -> torch.optim.Optimizer:
+        return self.tpamp_optimizer.optimizer
+
+    @property
+    def param_groups(self) -> List[dict]:
+        return self.optimizer.param_groups
+
+    @property
+    def state(self):
+        return self.optimizer.state
+
+    @property
+    def chained_optimizers(self) -> list:
+        """[self]: megatron-core returns a ChainedOptimizer; code that walks its parts works."""
+        return [self]
+
+    def get_parameters(self) -> List[Tensor]:
+        """The params the inner optimizer steps (fp32 main params; with the distributed
+        optimizer this rank's shard pieces), in param-group order (Megatron's get_parameters)."""
+        return [p for g in self.optimizer.param_groups for p in g["params"]]
+
+    def get_grad_stats_parallel_group(self):
+        """The group over which found_inf, the grad norm and zeros are reduced."""
+        return self.tpamp_optimizer.grad_stats_group
+
+    def get_loss_scale(self) -> Tensor:
+        """The loss scale, float32 [1] (1.0 without a scaler)."""
+        return self.tpamp_optimizer.get_loss_scale()
+
+    def scale_loss(self, loss: Tensor) -> Tensor:
+        """loss x loss scale (Megatron's ``config.grad_scale_func``)."""
+        return self.tpamp_optimizer.scale_loss(loss)
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Clear the main params' and model params' ``.grad`` (``main_grad`` buffers are the
+        DDP's: Megatron-LM zeroes them with ``model_chunk.zero_grad_buffer()``)."""
+        self.tpamp_optimizer.zero_grad(set_to_none)
+        self._last = None
+
+    def reload_model_params(self, state_dict=None) -> None:
+        """Copy the model params into the fp32 main params (after the model was loaded)."""
+        self.tpamp_optimizer.reload_model_params()
+
+    # -- the step ----------------------------------------------------------------------
+
+    @torch.no_grad()
+    def step(self):
+        """tpamp's step over the reduced grads (docs/spec.md section 2): unscale, found_inf
+        agreed over the grad-stats group, scaler update, skip, norm, clip by
+        ``config.clip_grad``, update; with the distributed optimizer then megatron's param
+        all-gather. Returns (update_successful, grad_norm float or None, num_zeros int or
+        None), as megatron-core's step does."""
+        self.prepare_grads()
+        ok = self.step_with_ready_grads()
+        res = self._last
+        return ok, res.grad_norm, res.num_zeros_in_grad
+
+    def prepare_grads(self) -> bool:
+        """Megatron's first half of step(); returns found_inf (True: the step is skipped).
+        tpamp's step is one pass, so this runs all of it (the params change here); then
+        :meth:`step_with_ready_grads` finishes it (param all-gather) and
+        :meth:`get_grad_norm` / :meth:`count_zeros` report its values."""
+        self._last = self.tpamp_optimizer.step()
+        return not bool(self._last.update_successful)
+
+    def step_with_ready_grads(self) -> bool:
+        """Megatron's second half of step(): with the distributed optimizer the all-gather of
+        the updated params (megatron's ``start_param_sync``); returns update_successful.
+        Raises RuntimeError without :meth:`prepare_grads` first."""
+        if self._last is None:
+            raise RuntimeError("step_with_ready_grads() needs prepare_grads() first (or call "
+                               "step())")
+        ok = bool(self._last.update_successful)
+        if ok and self.distributed:
+            for chunk in self.model_chunks:
+                chunk.start_param_sync()
+        return ok
+
+    # -- grad statistics outside step() ------------------------------------------------
+
+    def get_main_grads_for_grad_norm(self) -> List[Tensor]:
+        """The gradients the norm counts, as the step reads them (``main_grad`` buffers,
+        loss-scaled; with the distributed optimizer this rank's reduced shard): shared
+        params and TP duplicates on TP ranks > 0 left out (Megatron's filter)."""
+        core = self.tpamp_optimizer
+        tp_rank = dist.get_rank(core.tensor_parallel_group) \
+            if core.tensor_parallel_group is not None else 0
+        out = []
+        for model, t in self._order:
+            src = self._core_model(model, t)
+            g = getattr(src, "main_grad", None)
+            if g is None:
+                g = src.grad
+            if g is not None and counts_toward_norm(src, tp_rank, core.tensor_parallel_group):
+                out.append(g)
+        return out
+
+    def _core_model(self, model, t):
+        return t if self.distributed else model
+
+    def get_grad_norm(self) -> float:
+        """The last step's grad norm after :meth:`prepare_grads`; before it, the 2-norm of
+        :meth:`get_main_grads_for_grad_norm` / loss scale, reduced over the grad-stats group
+        (float; the square root taken in float64, as Megatron does)."""
+        if self._last is not None:
+            return self._last.grad_norm
+        return self._norm_now()
+
+    def _norm_now(self) -> float:
+        grads = self.get_main_grads_for_grad_norm()
+        dev = self.get_loss_scale().device
+        total = torch.zeros(1, dtype=torch.float64, device=dev)
+        for g in grads:
+            total += g.detach().double().pow(2).sum()
+        group = self.get_grad_stats_parallel_group()
+        if group is not None:
+            dist.all_reduce(total, group=group)
+        scale = float(self.get_loss_scale().item())
+        return math.sqrt(total.item()) / scale
+
+    def clip_grad_norm(self, clip_grad: float) -> float:
+        """Megatron's clip_grad_norm: after :meth:`prepare_grads` the step already clipped by
+        ``config.clip_grad`` and this returns its norm; before it, the norm of the current
+        grads, and the ``main_grad`` buffers are multiplied by clip_grad / (norm + 1e-6) when
+        that is < 1 (coefficient in float64, as Megatron computes it)."""
+        if self._last is not None:
+            return self._last.grad_norm
+        norm = self._norm_now()
+        coeff = clip_grad / (norm + 1.0e-6)
+        if clip_grad > 0.0 and math.isfinite(norm) and coeff < 1.0:
+            for model, t in self._order:
+                src = self._core_model(model, t)
+                g = getattr(src, "main_grad", None)
+                if g is None:
+                    g = src.grad
+                if g is not None:
+                    g.mul_(coeff)
+        return norm
+
+    def count_zeros(self) -> int:
+        """The last step's zero count after :meth:`prepare_grads` (None unless
+        ``log_num_zeros_in_grad``); before it, the zeros of the counted grads over the
+        grad-stats group."""
+        if self._last is not None:
+            return self._last.num_zeros_in_grad
+        grads = self.get_main_grads_for_grad_norm()
+        dev = self.get_loss_scale().device
+        total = torch.zeros(1, dtype=torch.float64, device=dev)
+        for g in grads:
+            total += (g == 0).sum()
+        group = self.get_grad_stats_parallel_group()
+        if group is not None:
+            dist.all_reduce(total, group=group)
+        return int(total.item())
+
+    # -- memory (Megatron's RL offload) ------------------------------------------------
+
+    def offload_to_cpu(self) -> None:
+        """Move the main params and the optimizer state to host memory in place (the same
+        tensor objects; ``.data`` moves), as megatron-core's offload_to_cpu does."""
+        for t in self._state_tensors():
+            if self._home is None:
+                self._home = t.device
+            t.data = t.data.cpu()
+
+    def restore_from_cpu(self) -> None:
+        """Undo :meth:`offload_to_cpu` (back to the device they were on)."""
+        if self._home is None:
+            return
+        for t in self._state_tensors():
+            t.data = t.data.to(self._home)
+
+    def _state_tensors(self):
+        for g in self.optimizer.param_groups:
+            for p in g["params"]:
+                yield p
+                for v in self.optimizer.state.get(p, {}).values():
+                    if isinstance(v, Tensor) and v.dim() > 0:
+                        yield v
+
+    # -- checkpoints ---------------------------------------------------------------------
+
+    def state_dict(self) -> dict:
+        """The tpamp core's state dict (inner optimizer, loss scaler, fp32 main params); with
+        the distributed optimizer its DP-rank-independent part only (param groups, scaler):
+        the param state goes through :meth:`save_parameter_state` or
+        :meth:`sharded_state_dict`, as with megatron-core's DistributedOptimizer."""
+        core = self.tpamp_optimizer
+        if not self.distributed:
+            return core.state_dict()
+        return {"param_groups": self._hyper(),
+                "grad_scaler": core.grad_scaler.state_dict() if core.grad_scaler else None}
+
+    def _hyper(self) -> List[dict]:
+        return [{k: v for k, v in g.items() if k != "params"} for g in self.optimizer.param_groups]
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        """Load what :meth:`state_dict` or :meth:`sharded_state_dict` (read back by
+        dist-checkpointing) gave. All or nothing (tpamp's load checks); TypeError / KeyError /
+        ValueError naming the bad entry."""
+        from tpamp import _megatron_ckpt
+
+        if isinstance(state_dict, dict) and _megatron_ckpt.FORMAT_KEY in state_dict:
+            _megatron_ckpt.load_sharded(self, state_dict)
+            return
+        core = self.tpamp_optimizer
+        if not self.distributed:
+            core.load_state_dict(state_dict)
+            return
+        _megatron_ckpt.load_common(self, state_dict)
+
+    def sharded_state_dict(self, model_sharded_state_dict, is_loading: bool = False,
+                           metadata=None, **_unused):
+        """Megatron dist-checkpointing's optimizer state (``optimizer.sharded_state_dict(
+        model.sharded_state_dict())``): every trained param's fp32 main value and optimizer
+        state as ShardedTensors made from the param's own ShardedTensor (key
+        ``optimizer.state.<state key>.<param key>``; whole params also with the distributed
+        optimizer, gathered over DP, so a checkpoint loads at another DP size), the common
+        step, param groups' hyperparameters and loss-scaler state. ValueError naming the param
+        for a trained param missing from ``model_sharded_state_dict``."""
+        from tpamp import _megatron_ckpt
+
+        return _megatron_ckpt.sharded(self, model_sharded_state_dict, is_loading)
+
+    def save_parameter_state(self, filename: str) -> None:
+        """The distributed optimizer's param state (fp32 main params and optimizer state of
+        every param, gathered over DP) written by DP rank 0 to ``filename`` (torch.save), as
+        megatron-core's save_parameter_state; every DP rank must call it."""
+        from tpamp import _megatron_ckpt
+
+        _megatron_ckpt.save_parameter_state(self, filename)
+
+    def load_parameter_state(self, filename: str, *, update_legacy_format: bool = False) -> None:
+        """Load :meth:`save_parameter_state`'s file; every rank reads it and keeps its own
+        range."""
+        from tpamp import _megatron_ckpt
+
+        _megatron_ckpt.load_parameter_state(self, filename)
