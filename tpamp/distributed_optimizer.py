@@ -46,6 +46,7 @@ from tpamp.optimizer import (
     clear_grad,
     param_dtype_error,
 )
+from tpamp.parallel import resolve_tensor_parallel_group
 from tpamp.param_groups import group_hyperparameters
 
 __all__ = ["DistributedOptimizer"]
@@ -312,6 +313,10 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
                 "of one rank for DP=1), got None"
             )
         _validation.check_group_member(data_parallel_group, "data_parallel_group")
+        tensor_parallel_group, grad_stats_group = resolve_tensor_parallel_group(
+            [p for g in optimizer.param_groups for p in g["params"]], tensor_parallel_group,
+            grad_stats_group, owner="DistributedOptimizer", default_stats_group="world",
+            parallel_state=parallel_state)
         if grad_stats_group is None:
             grad_stats_group = data_parallel_group
         _validation.check_group_member(grad_stats_group, "grad_stats_group")
@@ -358,6 +363,14 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
                 if not p.requires_grad:
                     frozen.append(p)  # never has a grad: left out, as MixedPrecisionOptimizer does
                     continue
+                if hasattr(p, "grad_added_to_main_grad") and getattr(p, "main_grad", None) \
+                        is not None:  # megatron-core's DDP made its buffer and hooks
+                    raise ValueError(
+                        f"param {pi} of param group {gi} is in megatron-core's "
+                        "DistributedDataParallel (its main_grad buffer and grad hooks): that "
+                        "DDP reduces the grads, so this optimizer would take them from it and "
+                        "reduce them again; use tpamp.megatron.get_megatron_optimizer(config, "
+                        "model_chunks), whose distributed optimizer steps megatron's buffers")
                 has_fp16 |= p.dtype == torch.float16
                 entries.append((p, names.get(id(p), f"param_groups.{gi}.{pi}"), gi))
         self._init_expert_dp(entries, parallel_state, expert_data_parallel_group)
