@@ -123,8 +123,7 @@ def get_megatron_optimizer(
     tp_group = getattr(pg_collection, "tp", None) if pg_collection is not None else None
     if tp_group is None:
         tp_group = mpu.get_tensor_model_parallel_group()
-    # megatron-core's own param groups (the same groups, keys and order as its optimizer's)
-    param_groups = mopt._get_param_groups(chunks, config, config_overrides)
+    param_groups = _param_groups(chunks, config, config_overrides)
     names = _param_names(chunks)
     scaler = None
     if config.loss_scale:
@@ -161,6 +160,46 @@ def get_megatron_optimizer(
         core = FP32Optimizer(inner, **kw)
     return MegatronOptimizer(core, config, chunks, ddp_config=ddp, pieces=pieces,
                              inner_groups=inner_groups, names=names)
+
+
+def _param_groups(chunks, config, overrides) -> List[dict]:
+    """megatron-core's param groups (megatron/core/optimizer/__init__.py, _get_param_groups,
+    with its public helpers): params keyed by their merged overrides, the keys gathered over
+    all ranks (dist-checkpointing needs the same groups everywhere), sorted with the default
+    group first; each group carries wd_mult, lr_mult, is_decoupled_lr, max_lr, min_lr,
+    default_config, is_expert_parallel and the override's own keys."""
+    from megatron.core.optimizer_param_scheduler import (
+        combine_param_group_overrides,
+        param_group_override_to_tuple,
+    )
+
+    params_map: Dict[tuple, list] = {}
+    for chunk in chunks:
+        for name, param in chunk.named_parameters():
+            if not param.requires_grad:
+                continue
+            matched = [o for k, o in (overrides or {}).items() if k.matches(param, name)]
+            override = combine_param_group_overrides(matched) if matched else None
+            key = (param_group_override_to_tuple(override), not getattr(param, "allreduce", True))
+            params_map.setdefault(key, []).append(param)
+    keys = list(params_map)
+    if dist.is_initialized():
+        gathered = [None] * dist.get_world_size()
+        dist.all_gather_object(gathered, keys)
+        for ks in gathered:
+            keys += [k for k in ks if k not in keys]
+    groups = []
+    for key in sorted(keys, key=lambda x: (x[0] is not None, x[0])):
+        override_tuple, expert = key
+        override = dict(override_tuple) if override_tuple else {}
+        groups.append({
+            "params": params_map.get(key, []), "is_expert_parallel": expert,
+            # training.py logs the lr of a group that keeps the default schedule
+            "default_config": not override or not any("lr" in k for k in override),
+            "wd_mult": 1.0, "lr_mult": 1.0, "is_decoupled_lr": False,
+            "max_lr": config.lr, "min_lr": config.min_lr, **override,
+        })
+    return groups
 
 
 def _ddp_config(chunks, config):
