@@ -133,12 +133,17 @@ def optimizer_config(**kw):
 
 def train(which: str, *, tp=2, pp=1, steps=6, dist_opt=False, overlap=False,
           grad_reduce_in_fp32=False, overflow_at=(), bucket_size=None, opt_kw=None,
-          after=None):
+          after=None, save_at=None, ckpt_dir=None, start=0, ckpt_format="torch_dist"):
     """Megatron-LM's training loop (train_step) for ``steps`` iterations with ``which``'s
     get_megatron_optimizer. ``overflow_at``: iterations at which the last rank's first
     trainable param gets an inf gradient element (a tensor hook, before DDP's accumulation).
     Returns {"steps": [(ok, loss scale, grad norm, zeros, loss or None, lr)], "params":
-    {name: fp32 values}} for this rank; ``after(model, optimizer, CudaAsCpu)`` may add more."""
+    {name: fp32 values}} for this rank; ``after(model, optimizer, CudaAsCpu)`` may add more.
+    ``save_at``: before that iteration, a Megatron dist-checkpoint (model, optimizer,
+    scheduler) is saved to ``ckpt_dir``; ``start`` > 0: the run begins by loading it from
+    ``ckpt_dir`` and goes on at iteration ``start``. ``ckpt_format``: "torch_dist"
+    (dist-checkpointing) or "torch" (Megatron-LM's per-rank torch.save, with the distributed
+    optimizer's save_parameter_state / load_parameter_state)."""
     import torch.distributed as dist
     from megatron.core import parallel_state as mpu
     from megatron.core.distributed import finalize_model_grads
@@ -183,7 +188,13 @@ def train(which: str, *, tp=2, pp=1, steps=6, dist_opt=False, overlap=False,
         first.register_hook(hook)
     fwd_bwd = get_forward_backward_func()
     records = []
-    for it in range(steps):
+    if start:
+        load = load_checkpoint if ckpt_format == "torch_dist" else load_torch_checkpoint
+        load(model, optimizer, scheduler, ckpt_dir, CudaAsCpu, mode)
+    for it in range(start, steps):
+        if it == save_at:
+            save = save_checkpoint if ckpt_format == "torch_dist" else save_torch_checkpoint
+            save(model, optimizer, scheduler, ckpt_dir, CudaAsCpu, mode)
         inject["on"] = it in overflow_at
         with CudaAsCpu():
             model.zero_grad_buffer()
@@ -212,3 +223,78 @@ def train(which: str, *, tp=2, pp=1, steps=6, dist_opt=False, overlap=False,
     with CudaAsCpu():
         mpu.destroy_model_parallel()
     return out
+
+
+def save_checkpoint(model, optimizer, scheduler, ckpt_dir, CudaAsCpu, mode):
+    """Megatron-LM's dist-checkpoint save (torch_dist format, its default; on CPU gloo).
+
+    Shim: the writer asks for a multiprocessing Manager queue (a child process, which a
+    daemonic test rank may not start) even for a synchronous save, whose writer threads run in
+    this process: a plain queue.Queue serves them."""
+    import queue
+
+    from megatron.core import dist_checkpointing
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
+
+    results = queue.Queue()
+    filesystem_async.get_write_results_queue = lambda *a, **k: results
+
+    with CudaAsCpu():
+        model_sd = model.module.module.sharded_state_dict()  # GPTModel's (unwrapped) keys
+    with mode():
+        opt_sd = optimizer.sharded_state_dict(model_sd)
+    with CudaAsCpu():
+        dist_checkpointing.save({"model": model_sd, "optimizer": opt_sd,
+                                 "scheduler": scheduler.state_dict()}, ckpt_dir)
+
+
+def load_checkpoint(model, optimizer, scheduler, ckpt_dir, CudaAsCpu, mode):
+    """Megatron-LM's dist-checkpoint load: the model, then the optimizer, then the scheduler."""
+    from megatron.core import dist_checkpointing
+
+    with CudaAsCpu():
+        model_sd = model.module.module.sharded_state_dict()
+    with mode():
+        opt_sd = optimizer.sharded_state_dict(model_sd, is_loading=True)
+    with CudaAsCpu():
+        loaded = dist_checkpointing.load({"model": model_sd, "optimizer": opt_sd}, ckpt_dir)
+        model.module.module.load_state_dict(loaded["model"])
+    with mode():
+        optimizer.load_state_dict(loaded["optimizer"])
+    scheduler.load_state_dict(loaded["scheduler"])
+
+
+def _torch_names(ckpt_dir):
+    import torch.distributed as dist
+    from megatron.core import parallel_state as mpu
+
+    where = f"tp{mpu.get_tensor_model_parallel_rank()}_pp{mpu.get_pipeline_model_parallel_rank()}"
+    return (os.path.join(ckpt_dir, f"rank{dist.get_rank()}.pt"),
+            os.path.join(ckpt_dir, f"distrib_optim_{where}.pt"))
+
+
+def save_torch_checkpoint(model, optimizer, scheduler, ckpt_dir, CudaAsCpu, mode):
+    """Megatron-LM's "torch" checkpoint format: model, optimizer.state_dict() and scheduler
+    per rank, and the distributed optimizer's save_parameter_state per TP / PP position."""
+    own, param_state = _torch_names(ckpt_dir)
+    with mode():
+        torch.save({"model": model.module.module.state_dict(),
+                    "optimizer": optimizer.state_dict(),
+                    "scheduler": scheduler.state_dict()}, own)
+        if optimizer.distributed:
+            optimizer.save_parameter_state(param_state)
+    import torch.distributed as dist
+
+    dist.barrier()
+
+
+def load_torch_checkpoint(model, optimizer, scheduler, ckpt_dir, CudaAsCpu, mode):
+    own, param_state = _torch_names(ckpt_dir)
+    sd = torch.load(own, weights_only=False)
+    with CudaAsCpu():
+        model.module.module.load_state_dict(sd["model"])
+    with mode():
+        optimizer.load_state_dict(sd["optimizer"])
+        if optimizer.distributed:
+            optimizer.load_parameter_state(param_state)
+    scheduler.load_state_dict(sd["scheduler"])

@@ -69,6 +69,7 @@ _HALF = (torch.float16, torch.bfloat16)
 # Megatron's param attributes the norm filters and checkpoints read, copied to buffer pieces
 _ATTRS = ("tensor_model_parallel", "partition_dim", "partition_stride", "shared", "allreduce")
 # OptimizerConfig options tpamp cannot honour: an error, never a silent difference
+FORMAT_KEY = "tpamp_megatron_optimizer"  # marks tpamp.megatron's checkpoint format
 _UNSUPPORTED = ("use_precision_aware_optimizer", "optimizer_cpu_offload", "optimizer_cuda_graph",
                 "overlap_param_gather_with_optimizer_step")
 
@@ -150,6 +151,10 @@ def get_megatron_optimizer(
         pieces = {}
         inner_groups = param_groups
         core_names = {p: names[id(p)] for g in param_groups for p in g["params"]}
+    # (model param, the core's model tensor) in inner-optimizer order, taken before the core
+    # puts its fp32 main params into these groups
+    owner = {id(pc.tensor): pc.param for ps in pieces.values() for pc in ps}
+    order = [(owner.get(id(t), t), t) for g in inner_groups for t in g["params"]]
     inner = _inner_optimizer(config, inner_groups)
     kw = dict(clip_grad=config.clip_grad, log_num_zeros_in_grad=config.log_num_zeros_in_grad,
               grad_stats_group=grad_stats_group, tensor_parallel_group=tp_group,
@@ -158,8 +163,8 @@ def get_megatron_optimizer(
         core = MixedPrecisionOptimizer(inner, grad_scaler=scaler, **kw)
     else:
         core = FP32Optimizer(inner, **kw)
-    return MegatronOptimizer(core, config, chunks, ddp_config=ddp, pieces=pieces,
-                             inner_groups=inner_groups, names=names)
+    return MegatronOptimizer(core, config, chunks, ddp_config=ddp, pieces=pieces, order=order,
+                             names=names)
 
 
 def _param_groups(chunks, config, overrides) -> List[dict]:
@@ -315,7 +320,7 @@ class MegatronOptimizer:
 
     is_stub_optimizer = False
 
-    def __init__(self, core, config, model_chunks, *, ddp_config, pieces, inner_groups, names):
+    def __init__(self, core, config, model_chunks, *, ddp_config, pieces, order, names):
         self.tpamp_optimizer = core
         self.config = config
         self.model_chunks = list(model_chunks)
@@ -323,13 +328,7 @@ class MegatronOptimizer:
         self.distributed = bool(config.use_distributed_optimizer)
         self._pieces = pieces
         self._names = names
-        # (model param, inner param group index, core model tensor) in inner-optimizer order
-        core_tensor = {id(pc.tensor): pc for ps in pieces.values() for pc in ps}
-        self._order: List[Tuple[Tensor, Tensor]] = []
-        for g in inner_groups:
-            for t in g["params"]:
-                pc = core_tensor.get(id(t))
-                self._order.append((pc.param if pc is not None else t, t))
+        self._order: List[Tuple[Tensor, Tensor]] = order  # (model param, core model tensor)
         self._last = None  # the StepResult of the step prepare_grads ran
         self._home = None
 
@@ -517,12 +516,17 @@ class MegatronOptimizer:
                         yield v
 
     # -- checkpoints ---------------------------------------------------------------------
+    # One model-space format for both layouts: per trained param, its fp32 main value and
+    # optimizer state in the param's own (TP-local) shape; the distributed optimizer's pieces
+    # are gathered over DP first (as megatron-core's "fully_reshardable" format), so a
+    # checkpoint loads at another DP size or into the other layout.
 
     def state_dict(self) -> dict:
-        """The tpamp core's state dict (inner optimizer, loss scaler, fp32 main params); with
-        the distributed optimizer its DP-rank-independent part only (param groups, scaler):
-        the param state goes through :meth:`save_parameter_state` or
-        :meth:`sharded_state_dict`, as with megatron-core's DistributedOptimizer."""
+        """Without the distributed optimizer the tpamp core's state dict (inner optimizer,
+        loss scaler, fp32 main params: Megatron's Float16Optimizer keys); with it, the
+        DP-rank-independent part only (param groups' hyperparameters, loss scaler): the param
+        state goes through :meth:`save_parameter_state` or :meth:`sharded_state_dict`, as
+        with megatron-core's DistributedOptimizer."""
         core = self.tpamp_optimizer
         if not self.distributed:
             return core.state_dict()
@@ -533,44 +537,262 @@ class MegatronOptimizer:
         return [{k: v for k, v in g.items() if k != "params"} for g in self.optimizer.param_groups]
 
     def load_state_dict(self, state_dict: dict) -> None:
-        """Load what :meth:`state_dict` or :meth:`sharded_state_dict` (read back by
-        dist-checkpointing) gave. All or nothing (tpamp's load checks); TypeError / KeyError /
-        ValueError naming the bad entry."""
-        from tpamp import _megatron_ckpt
-
-        if isinstance(state_dict, dict) and _megatron_ckpt.FORMAT_KEY in state_dict:
-            _megatron_ckpt.load_sharded(self, state_dict)
+        """Load what :meth:`state_dict` gave, or what dist-checkpointing read back for
+        :meth:`sharded_state_dict`. All or nothing (the tpamp core's load checks every value
+        before anything changes): TypeError / KeyError / ValueError naming the bad entry."""
+        if not isinstance(state_dict, dict):
+            raise TypeError(f"state_dict must be a dict, got {type(state_dict).__name__}")
+        if FORMAT_KEY in state_dict:
+            self._load_model_space(state_dict, self._keys_for("load_state_dict"))
             return
         core = self.tpamp_optimizer
         if not self.distributed:
             core.load_state_dict(state_dict)
             return
-        _megatron_ckpt.load_common(self, state_dict)
+        for key in ("param_groups", "grad_scaler"):
+            if key not in state_dict:
+                raise KeyError(f"state_dict[{key!r}] is missing (the distributed optimizer's "
+                               "state_dict() format)")
+        base = core.state_dict()
+        self._set_hyper(base, state_dict["param_groups"])
+        base["grad_scaler"] = state_dict["grad_scaler"]
+        core.load_state_dict(base)
+
+    def _state_keys(self) -> List[str]:
+        """The param-shaped state keys of the inner optimizer (the same on every rank)."""
+        inner = self.optimizer
+        if isinstance(inner, torch.optim.SGD):
+            return ["momentum_buffer"] if any(g["momentum"] for g in inner.param_groups) else []
+        keys = ["exp_avg", "exp_avg_sq"]
+        if any(g.get("amsgrad") for g in inner.param_groups):
+            keys.append("max_exp_avg_sq")
+        return keys
+
+    def _common_step(self) -> float:
+        """The inner optimizer's step count (the same for every param: all step together),
+        agreed over all ranks (a rank may hold no state)."""
+        step = 0.0
+        for st in self.optimizer.state.values():
+            if "step" in st:
+                step = float(st["step"])
+                break
+        if dist.is_initialized():
+            t = torch.tensor([step], dtype=torch.float64, device=self.get_loss_scale().device)
+            dist.all_reduce(t, op=dist.ReduceOp.MAX)
+            step = float(t.item())
+        return step
+
+    def _model_space(self, zeros: bool = False) -> List[Tuple[Tensor, Dict[str, Tensor]]]:
+        """[(model param, {"fp32_param" (half params only), state key: float32 tensor in the
+        param's local shape})] for every trained param; ``zeros``: new zero tensors (a load
+        target, no communication). The distributed optimizer's pieces are gathered over each
+        buffer's DP group (one all-reduce per group)."""
+        inner = self.optimizer
+        keys = self._state_keys()
+        mains = [p for g in inner.param_groups for p in g["params"]]
+        dev = self.get_loss_scale().device
+
+        def fresh(p):
+            d = {k: torch.zeros(p.shape, dtype=torch.float32, device=dev) for k in keys}
+            if p.dtype in _HALF:
+                d["fp32_param"] = torch.zeros(p.shape, dtype=torch.float32, device=dev)
+            return d
+
+        if zeros:
+            return [(model, fresh(model)) for model in self._trained_params()]
+        if not self.distributed:
+            out = []
+            for (model, t), m in zip(self._order, mains):
+                st = inner.state.get(m, {})
+                vals = {k: st[k].detach() if k in st else torch.zeros_like(m) for k in keys}
+                if model.dtype in _HALF:
+                    vals["fp32_param"] = m.detach()
+                out.append((model, vals))
+            return out
+        main_of = {id(t): m for (_, t), m in zip(self._order, mains)}
+        piece_of = {id(pc.param): pc for ps in self._pieces.values() for pc in ps}
+        rows = ["fp32_param"] + keys
+        by_group: Dict[object, list] = {}
+        for chunk in self.model_chunks:
+            for buf in chunk.buffers:
+                for bucket in buf.buckets:
+                    by_group.setdefault(buf.data_parallel_group, []).extend(bucket.params_list)
+        values = {}
+        for group, params in by_group.items():
+            flat = torch.zeros(len(rows), sum(p.numel() for p in params), dtype=torch.float32,
+                               device=dev)
+            off = 0
+            for p in params:
+                pc = piece_of.get(id(p))
+                if pc is not None:
+                    m = main_of[id(pc.tensor)]
+                    st = inner.state.get(m, {})
+                    sl = slice(off + pc.start, off + pc.end)
+                    flat[0, sl] = m.detach().float()
+                    for j, k in enumerate(keys):
+                        if k in st:
+                            flat[1 + j, sl] = st[k].detach()
+                off += p.numel()
+            dist.all_reduce(flat, group=group)
+            off = 0
+            for p in params:
+                vals = {k: flat[i, off:off + p.numel()].view(p.shape) for i, k in enumerate(rows)}
+                if p.dtype not in _HALF:
+                    del vals["fp32_param"]
+                values[id(p)] = vals
+                off += p.numel()
+        return [(model, values[id(model)]) for model in self._trained_params()]
+
+    def _trained_params(self) -> List[Tensor]:
+        """Every model param this optimizer trains: with the distributed optimizer every param
+        in megatron's buffers (also those whose whole range another DP rank owns: all DP ranks
+        gather them, and DP rank 0 writes them as the main replica)."""
+        if not self.distributed:
+            return [model for model, _ in self._order]
+        return [p for chunk in self.model_chunks for buf in chunk.buffers
+                for bucket in buf.buckets for p in bucket.params_list]
+
+    def _load_model_space(self, saved: dict, key_of: Dict[int, str]) -> None:
+        """Load {FORMAT_KEY, "param_groups", "grad_scaler", "step", "param_state": {key:
+        {name: tensor}}} through the core's all-or-nothing load (every entry checked first)."""
+        for k in ("param_groups", "grad_scaler", "step", "param_state"):
+            if k not in saved:
+                raise KeyError(f"the optimizer checkpoint has no {k!r} entry")
+        states = saved["param_state"]
+        keys = self._state_keys()
+        core = self.tpamp_optimizer
+        base = core.state_dict()
+        new_state, half_mains = {}, [[] for _ in self.optimizer.param_groups]
+        index = 0
+        step = torch.tensor(float(saved["step"]), dtype=torch.float32)
+        for gi, g in enumerate(self.optimizer.param_groups):
+            for _ in g["params"]:
+                model, t = self._order[index]
+                name = key_of[id(model)]
+                entry = states.get(name)
+                need = keys + (["fp32_param"] if model.dtype in _HALF else [])
+                if not isinstance(entry, dict) or any(k not in entry for k in need):
+                    raise KeyError(f"the optimizer checkpoint lacks {need} of param {name!r}")
+                for k in need:
+                    v = entry[k]
+                    if not isinstance(v, Tensor) or tuple(v.shape) != tuple(model.shape):
+                        raise ValueError(
+                            f"the optimizer checkpoint's {k} of param {name!r} has shape "
+                            f"{tuple(getattr(v, 'shape', ()))}, expected {tuple(model.shape)}")
+                piece = self._piece_range(model, t)
+                vals = {k: self._local(entry[k], piece) for k in need}
+                if model.dtype in _HALF:
+                    half_mains[gi].append(vals.pop("fp32_param"))
+                if keys and float(saved["step"]) > 0:
+                    new_state[index] = {"step": step.clone(), **vals}
+                index += 1
+        base["optimizer"]["state"] = new_state
+        self._set_hyper(base, saved["param_groups"])
+        base["grad_scaler"] = saved["grad_scaler"]
+        base["fp32_from_fp16_params"] = half_mains
+        core.load_state_dict(base)
+        if self.distributed:  # every DP rank's params from the loaded main params
+            for chunk in self.model_chunks:
+                chunk.start_param_sync(force_sync=True)
+
+    def _piece_range(self, model, t) -> Optional[Tuple[int, int]]:
+        if not self.distributed:
+            return None
+        for pc in self._pieces.get(id(model), ()):
+            if pc.tensor is t:
+                return pc.start, pc.end
+        return None
+
+    @staticmethod
+    def _local(v: Tensor, piece) -> Tensor:
+        v = v.detach().float()
+        return v if piece is None else v.reshape(-1)[piece[0]:piece[1]].clone()
+
+    def _set_hyper(self, base: dict, saved_groups) -> None:
+        live = base["optimizer"]["param_groups"]
+        if not isinstance(saved_groups, (list, tuple)) or len(saved_groups) != len(live):
+            raise ValueError(
+                f"the checkpoint has {len(saved_groups) if isinstance(saved_groups, (list, tuple)) else saved_groups!r} "
+                f"param groups, this optimizer {len(live)} (megatron-core's grouping of the "
+                "same model and config_overrides gives the same groups)")
+        base["optimizer"]["param_groups"] = [
+            {**g, **{k: v for k, v in s.items() if k != "params"}} for g, s in zip(live, saved_groups)]
+
+    def _keys_for(self, what: str) -> Dict[int, str]:
+        keys = getattr(self, "_ckpt_keys", None)
+        if keys is None:
+            raise RuntimeError(f"{what}: call sharded_state_dict(model_sharded_state_dict, "
+                               "is_loading=True) first (it names the params)")
+        return keys
 
     def sharded_state_dict(self, model_sharded_state_dict, is_loading: bool = False,
-                           metadata=None, **_unused):
-        """Megatron dist-checkpointing's optimizer state (``optimizer.sharded_state_dict(
-        model.sharded_state_dict())``): every trained param's fp32 main value and optimizer
-        state as ShardedTensors made from the param's own ShardedTensor (key
-        ``optimizer.state.<state key>.<param key>``; whole params also with the distributed
-        optimizer, gathered over DP, so a checkpoint loads at another DP size), the common
-        step, param groups' hyperparameters and loss-scaler state. ValueError naming the param
-        for a trained param missing from ``model_sharded_state_dict``."""
-        from tpamp import _megatron_ckpt
+                           metadata=None, **_unused) -> dict:
+        """Megatron dist-checkpointing's optimizer state, for
+        ``dist_checkpointing.save({"optimizer": opt.sharded_state_dict(model_sd), ...})``: every
+        trained param's fp32 main value and optimizer state as ShardedTensors made from the
+        param's own ShardedTensor in ``model_sharded_state_dict`` (keys
+        ``optimizer.state.<state key>.<param key>``, megatron's make_sharded_optimizer_tensor;
+        with the distributed optimizer the whole param, gathered over DP, so a checkpoint loads
+        at another DP size and into either layout: megatron's "fully_reshardable" idea; any
+        ``metadata`` sharding type is ignored), and as common state the step count, the param
+        groups' hyperparameters and the loss scaler's state. ``is_loading``: zero tensors of
+        the same shapes, no communication. Give what dist-checkpointing loads back to
+        :meth:`load_state_dict`. Raises ValueError naming the param for a trained param that
+        is not in ``model_sharded_state_dict``."""
+        from megatron.core.dist_checkpointing.dict_utils import nested_values
+        from megatron.core.dist_checkpointing.mapping import ShardedTensor, ShardedTensorFactory
+        from megatron.core.dist_checkpointing.optimizer import make_sharded_optimizer_tensor
 
-        return _megatron_ckpt.sharded(self, model_sharded_state_dict, is_loading)
+        by_id = {}
+        for v in nested_values(model_sharded_state_dict):
+            if isinstance(v, (ShardedTensor, ShardedTensorFactory)):
+                by_id.setdefault(id(v.data), v)
+        sharded, keys = {}, {}
+        for model, vals in self._model_space(zeros=is_loading):
+            sh = by_id.get(id(model))
+            if sh is None:
+                raise ValueError(
+                    f"param {self._names.get(id(model), '?')!r} (shape {tuple(model.shape)}) is "
+                    "trained by this optimizer but not in model_sharded_state_dict: pass "
+                    "model.sharded_state_dict() of every model chunk")
+            name = self._names[id(model)]  # unique here (a ShardedTensor key may repeat:
+            keys[id(model)] = name  # megatron stacks the layers' params under one key)
+            sharded[name] = {k: make_sharded_optimizer_tensor(sh, v, f"optimizer.state.{k}")
+                             for k, v in vals.items()}
+        self._ckpt_keys = keys
+        core = self.tpamp_optimizer
+        return {FORMAT_KEY: 1, "param_state": sharded, "param_groups": self._hyper(),
+                "step": self._common_step() if not is_loading else 0.0,
+                "grad_scaler": core.grad_scaler.state_dict() if core.grad_scaler else None}
 
     def save_parameter_state(self, filename: str) -> None:
-        """The distributed optimizer's param state (fp32 main params and optimizer state of
-        every param, gathered over DP) written by DP rank 0 to ``filename`` (torch.save), as
-        megatron-core's save_parameter_state; every DP rank must call it."""
-        from tpamp import _megatron_ckpt
+        """The distributed optimizer's param state (fp32 main value and optimizer state of
+        every trained param, gathered over DP) and its common state, written by DP rank 0 to
+        ``filename`` (torch.save), as megatron-core's save_parameter_state; every DP rank
+        calls it. Keyed by param name (the same at every DP rank of one TP / PP position)."""
+        state = self._file_state()
+        group = self._dp_group()
+        if group is None or dist.get_rank(group) == 0:
+            torch.save(state, filename)
 
-        _megatron_ckpt.save_parameter_state(self, filename)
+    def _file_state(self) -> dict:
+        core = self.tpamp_optimizer
+        return {FORMAT_KEY: 1, "param_state": {self._names[id(m)]: {k: v.clone() for k, v in
+                                                                   vals.items()}
+                                               for m, vals in self._model_space()},
+                "param_groups": self._hyper(), "step": self._common_step(),
+                "grad_scaler": core.grad_scaler.state_dict() if core.grad_scaler else None}
+
+    def _dp_group(self):
+        for chunk in self.model_chunks:
+            for buf in getattr(chunk, "buffers", []):
+                return buf.data_parallel_group
+        return None
 
     def load_parameter_state(self, filename: str, *, update_legacy_format: bool = False) -> None:
-        """Load :meth:`save_parameter_state`'s file; every rank reads it and keeps its own
-        range."""
-        from tpamp import _megatron_ckpt
-
-        _megatron_ckpt.load_parameter_state(self, filename)
+        """Load :meth:`save_parameter_state`'s file: every rank reads it and keeps its own
+        range (all or nothing, as :meth:`load_state_dict`)."""
+        saved = torch.load(filename, map_location="cpu", weights_only=True)
+        if not isinstance(saved, dict) or FORMAT_KEY not in saved:
+            raise ValueError(f"{filename} is not a tpamp.megatron parameter-state file")
+        self._load_model_space(saved, dict(self._names))

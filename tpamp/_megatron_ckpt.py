@@ -1,2 +1,0 @@
-"""placeholder"""
-FORMAT_KEY = "tpamp_megatron_format"
