@@ -133,7 +133,8 @@ def optimizer_config(**kw):
 
 def train(which: str, *, tp=2, pp=1, steps=6, dist_opt=False, overlap=False,
           grad_reduce_in_fp32=False, overflow_at=(), bucket_size=None, opt_kw=None,
-          after=None, save_at=None, ckpt_dir=None, start=0, ckpt_format="torch_dist"):
+          after=None, save_at=None, ckpt_dir=None, start=0, ckpt_format="torch_dist",
+          split_step=False):
     """Megatron-LM's training loop (train_step) for ``steps`` iterations with ``which``'s
     get_megatron_optimizer. ``overflow_at``: iterations at which the last rank's first
     trainable param gets an inf gradient element (a tensor hook, before DDP's accumulation).
@@ -143,7 +144,10 @@ def train(which: str, *, tp=2, pp=1, steps=6, dist_opt=False, overlap=False,
     scheduler) is saved to ``ckpt_dir``; ``start`` > 0: the run begins by loading it from
     ``ckpt_dir`` and goes on at iteration ``start``. ``ckpt_format``: "torch_dist"
     (dist-checkpointing) or "torch" (Megatron-LM's per-rank torch.save, with the distributed
-    optimizer's save_parameter_state / load_parameter_state)."""
+    optimizer's save_parameter_state / load_parameter_state). ``split_step``: the step as
+    megatron-core's MixedPrecisionOptimizer.step composes it (prepare_grads, clip_grad_norm,
+    count_zeros, step_with_ready_grads), with get_grad_norm() read before it (records get a
+    7th entry: that norm)."""
     import torch.distributed as dist
     from megatron.core import parallel_state as mpu
     from megatron.core.distributed import finalize_model_grads
@@ -206,7 +210,16 @@ def train(which: str, *, tp=2, pp=1, steps=6, dist_opt=False, overlap=False,
                 model=[model], num_microbatches=MICROBATCHES, seq_length=SEQ,
                 micro_batch_size=MICRO_BATCH, decoder_seq_length=SEQ, forward_only=False)
         with mode():
-            ok, grad_norm, zeros = optimizer.step()
+            if split_step:
+                before = optimizer.get_grad_norm()
+                if optimizer.prepare_grads():
+                    ok, grad_norm, zeros = False, None, None
+                else:
+                    grad_norm = optimizer.clip_grad_norm(ocfg.clip_grad)
+                    zeros = optimizer.count_zeros()
+                    ok = optimizer.step_with_ready_grads()
+            else:
+                ok, grad_norm, zeros = optimizer.step()
         if ok:
             scheduler.step(increment=1)
         loss = None
@@ -215,7 +228,8 @@ def train(which: str, *, tp=2, pp=1, steps=6, dist_opt=False, overlap=False,
         records.append((bool(ok), float(optimizer.get_loss_scale().item()),
                         None if grad_norm is None else float(grad_norm),
                         None if zeros is None else int(zeros), loss,
-                        float(optimizer.param_groups[0]["lr"])))
+                        float(optimizer.param_groups[0]["lr"]))
+                       + ((before,) if split_step else ()))
     params = {n: p.detach().float().clone() for n, p in model.named_parameters()}
     out = {"steps": records, "params": params}
     if after is not None:

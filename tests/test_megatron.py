@@ -31,10 +31,10 @@ def _train(rank, world_size, which, kw):
     return {"steps": out["steps"], "params": out["params"]}
 
 
-def _compare(world, **kw):
+def _compare(world, split_step=False, **kw):
     kw = dict(steps=STEPS, overflow_at=OVERFLOW, opt_kw={"loss_scale_window": 3}, **kw)
     ref = run_workers(_train, world, "megatron", kw, timeout=120)
-    got = run_workers(_train, world, "tpamp", kw, timeout=120)
+    got = run_workers(_train, world, "tpamp", dict(kw, split_step=split_step), timeout=120)
     for rank, (r, g) in enumerate(zip(ref, got)):
         ref_ok = [s[0] for s in r["steps"]]
         assert not all(ref_ok) and any(ref_ok), f"rank {rank}: the reference must skip some steps"
@@ -48,6 +48,8 @@ def _compare(world, **kw):
                 assert abs(a[4] - b[4]) <= LOSS_TOL, "loss differs: " + where
             if a[0]:
                 assert math.isclose(a[2], b[2], rel_tol=1e-3), "grad norm differs: " + where
+                if split_step:  # get_grad_norm() before the step: the same norm
+                    assert math.isclose(a[2], b[6], rel_tol=1e-3), "get_grad_norm: " + where
             else:
                 assert b[2] is None and b[3] is None, where
         for name, p in r["params"].items():
@@ -71,7 +73,9 @@ def test_tp2_dp2_distributed_optimizer_overlap_matches_megatron_core():
 
 
 def test_tp2_dp2_distributed_optimizer_fp32_reduce_matches_megatron_core():
-    _compare(4, tp=2, dist_opt=True, overlap=False, grad_reduce_in_fp32=True)
+    """Also the step as megatron-core composes it from the interface training.py may call
+    (prepare_grads, clip_grad_norm, count_zeros, step_with_ready_grads; get_grad_norm before)."""
+    _compare(4, split_step=True, tp=2, dist_opt=True, overlap=False, grad_reduce_in_fp32=True)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -223,3 +227,62 @@ def test_tpamp_wrappers_inside_megatron_ddp():
     for r in run_workers(_wrappers_in_megatron, 2, timeout=120):
         assert r["dist"] is not None and "get_megatron_optimizer" in r["dist"], r
         assert r["groups"], "groups were not taken from megatron's parallel_state"
+
+
+# ---------------------------------------------------------------------------------------------
+# the interface's misuse: bad input names what is wrong; nothing changes
+
+
+def _interface_misuse(rank, world_size, tmp):
+    import os
+
+    from megatron_utils import build_model, setup_parallel
+
+    from tpamp.megatron import FORMAT_KEY, get_megatron_optimizer
+
+    CudaAsCpu = setup_parallel(2, 1)
+    model, _ = build_model(tp=2, pp=1, dist_opt=True, overlap=False, grad_reduce_in_fp32=True)
+    opt = get_megatron_optimizer(optimizer_config(use_distributed_optimizer=True), [model])
+    out = {"stub": opt.is_stub_optimizer, "chained": opt.chained_optimizers == [opt],
+           "params": len(opt.get_parameters()) > 0,
+           "default_config": [g["default_config"] for g in opt.param_groups]}
+
+    def err(fn):
+        try:
+            fn()
+        except Exception as e:  # the type and message are the result
+            return f"{type(e).__name__}: {e}"
+        return None
+
+    out["ready_first"] = err(opt.step_with_ready_grads)
+    out["not_dict"] = err(lambda: opt.load_state_dict([1]))
+    out["no_names"] = err(lambda: opt.load_state_dict({FORMAT_KEY: 1}))
+    with CudaAsCpu():
+        model_sd = model.module.module.sharded_state_dict()
+    opt.sharded_state_dict(model_sd, is_loading=True)
+    before = [p.detach().clone() for p in opt.get_parameters()]
+    good = {FORMAT_KEY: 1, "param_groups": opt.state_dict()["param_groups"], "step": 0.0,
+            "grad_scaler": opt.state_dict()["grad_scaler"], "param_state": {}}
+    out["missing_key"] = err(lambda: opt.load_state_dict({FORMAT_KEY: 1, "step": 0}))
+    out["missing_param"] = err(lambda: opt.load_state_dict(good))
+    path = os.path.join(tmp, f"foreign{rank}.pt")
+    torch.save({"something": 1}, path)
+    out["foreign_file"] = err(lambda: opt.load_parameter_state(path))
+    out["unchanged"] = all(torch.equal(a, b) for a, b in zip(before, opt.get_parameters()))
+    opt.offload_to_cpu()
+    opt.restore_from_cpu()
+    out["offload_kept"] = all(torch.equal(a, b) for a, b in zip(before, opt.get_parameters()))
+    return out
+
+
+def test_interface_misuse(tmp_path):
+    for r in run_workers(_interface_misuse, 2, str(tmp_path), timeout=120):
+        assert r["stub"] is False and r["chained"] and r["params"], r
+        assert r["default_config"] == [True, True], r  # megatron's two standard groups
+        assert r["ready_first"].startswith("RuntimeError") and "prepare_grads" in r["ready_first"]
+        assert r["not_dict"].startswith("TypeError") and "list" in r["not_dict"]
+        assert r["no_names"].startswith("RuntimeError") and "sharded_state_dict" in r["no_names"]
+        assert r["missing_key"].startswith("KeyError") and "param_groups" in r["missing_key"]
+        assert r["missing_param"].startswith("KeyError") and "lacks" in r["missing_param"]
+        assert r["foreign_file"].startswith("ValueError") and "foreign" in r["foreign_file"]
+        assert r["unchanged"] and r["offload_kept"], r
