@@ -208,8 +208,8 @@ def _wrappers_in_megatron(rank, world_size):
     params = [p for p in model.parameters() if p.requires_grad]
     out = {}
     try:  # megatron's DDP owns these grads: a second DP reduce is refused at construction
-        tpamp.DistributedOptimizer(torch.optim.AdamW(params), data_parallel_group=dist.new_group(
-            [rank]), grad_scaler=tpamp.ConstantGradScaler(1.0))
+        tpamp.DistributedOptimizer(torch.optim.AdamW(params),
+                                   grad_scaler=tpamp.ConstantGradScaler(1.0))
         out["dist"] = None
     except ValueError as e:
         out["dist"] = str(e)
@@ -218,6 +218,7 @@ def _wrappers_in_megatron(rank, world_size):
                                         grad_scaler=tpamp.ConstantGradScaler(1.0))
     out["groups"] = (opt.tensor_parallel_group is mpu.get_tensor_model_parallel_group()
                      and opt.grad_stats_group is mpu.get_model_parallel_group())
+    dist.barrier()
     with CudaAsCpu():
         mpu.destroy_model_parallel()
     return out

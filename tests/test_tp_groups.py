@@ -29,13 +29,14 @@ def _wrappers(params, st=None):
             torch.optim.SGD(params, lr=0.1), grad_scaler=tpamp.ConstantGradScaler(1.0)),
         "DistributedOptimizer": lambda: tpamp.DistributedOptimizer(
             torch.optim.SGD(params, lr=0.1), grad_scaler=tpamp.ConstantGradScaler(1.0),
-            data_parallel_group=dist.new_group([dist.get_rank()])
-            if st is None else st.dp_group),
+            data_parallel_group=dist.group.WORLD if st is None else st.dp_group),
     }
     return mk
 
 
 def _refused(rank, world_size):
+    import torch.distributed as dist
+
     out = {}
     for name, make in _wrappers(_params(rank)).items():
         try:
@@ -43,6 +44,7 @@ def _refused(rank, world_size):
             out[name] = None
         except ValueError as e:
             out[name] = str(e)
+    dist.barrier()  # no rank leaves (and takes the store down) while another still works
     return out
 
 
@@ -67,10 +69,10 @@ def _from_state(rank, world_size):
         params[0].grad[0, 0] = float("inf")
     ok, _, _ = opt.step()
     dopt = tpamp.DistributedOptimizer(torch.optim.SGD(_params(rank), lr=0.1),
-                                      grad_scaler=tpamp.ConstantGradScaler(1.0),
-                                      data_parallel_group=st.dp_group)
+                                      grad_scaler=tpamp.ConstantGradScaler(1.0))
     return {"groups": groups_ok, "ok": bool(ok), "scale": float(opt.get_loss_scale().item()),
-            "dist_tp": dopt.tensor_parallel_group is st.tp_group}
+            "dist_tp": dopt.tensor_parallel_group is st.tp_group
+            and dopt.data_parallel_group is st.dp_group}
 
 
 def test_groups_come_from_tpamp_parallel_state():

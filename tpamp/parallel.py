@@ -308,11 +308,13 @@ def default_groups() -> Optional[dict]:
         if ready:
             return {"tp": mpu.get_tensor_model_parallel_group(),
                     "model_parallel": mpu.get_model_parallel_group(),
+                    "dp": mpu.get_data_parallel_group(with_context_parallel=True),
                     "source": "megatron.core.parallel_state"}
     if _LAST is not None and dist.is_initialized():
         state, default = _LAST[0](), _LAST[1]()
         if state is not None and dist.distributed_c10d._get_default_group() is default:
             return {"tp": state.tp_group, "model_parallel": state.model_parallel_group,
+                    "dp": state.dp_cp_group if state.dp_cp_group is not None else state.dp_group,
                     "source": "tpamp.parallel.initialize_model_parallel"}
     return None
 
