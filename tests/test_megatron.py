@@ -4,8 +4,14 @@ get_forward_backward_func, OptimizerParamScheduler), against megatron-core's own
 get_megatron_optimizer on the same model, data and loop (tests/megatron_utils.py): the same
 skip decisions and loss scales on every rank, losses to 1e-3, at TP 2, TP 2 x DP 2 with the
 distributed optimizer (megatron's buffers, overlap_grad_reduce on) and TP 2 x PP 2, with
-injected overflows. megatron-core is a test dependency (skipped with the reason where absent);
-it runs on CPU through the shims of scripts/megatron_cpu.py."""
+injected overflows; Megatron dist-checkpoint (torch_dist) and "torch"-format round trips that
+resume exactly; the interface's misuse and the layouts refused at construction. megatron-core
+is a test dependency (skipped with the reason where absent; .ci/run installs it). It runs on
+CPU with these shims only (tests/megatron_utils.py, scripts/megatron_cpu.py):
+torch.cuda.current_device() -> 0, current_stream() with no-op waits, synchronize() a no-op, the
+CudaAsCpu TorchFunctionMode (device "cuda" -> cpu, Tensor.cuda() -> itself, CUDA type names)
+around megatron-core's own calls, and a queue.Queue for its dist-checkpoint writer's results
+(it asks for a multiprocessing Manager, which a daemonic test rank may not start)."""
 
 from __future__ import annotations
 
@@ -113,6 +119,23 @@ def test_parameter_state_round_trip_distributed_optimizer(tmp_path):
     """Megatron-LM's "torch" format: state_dict() per rank plus save_parameter_state /
     load_parameter_state."""
     _resume(tmp_path, 4, tp=2, dist_opt=True, overlap=True, ckpt_format="torch")
+
+
+def test_dist_checkpoint_of_the_distributed_optimizer_loads_into_the_plain_one(tmp_path):
+    """Model space: a checkpoint of the distributed optimizer (TP 2 x DP 2) resumes with the
+    non-distributed one on the same layout; it goes on as the uninterrupted distributed run
+    (same skips and loss scales, losses to 1e-3)."""
+    pytest.importorskip("psutil", reason="megatron-core's dist-checkpoint writer needs psutil")
+    kw = dict(steps=STEPS, overflow_at=OVERFLOW, opt_kw={"loss_scale_window": 3}, tp=2)
+    d = str(tmp_path)
+    whole = run_workers(_train, 4, "tpamp", dict(kw, dist_opt=True, save_at=4, ckpt_dir=d),
+                        timeout=120)
+    resumed = run_workers(_train, 4, "tpamp", dict(kw, start=4, ckpt_dir=d), timeout=120)
+    for rank, (w, r) in enumerate(zip(whole, resumed)):
+        for a, b in zip(w["steps"][4:], r["steps"]):
+            assert a[:2] == b[:2] and a[5] == b[5], f"rank {rank}: {a} vs {b}"
+            assert abs(a[4] - b[4]) <= LOSS_TOL and math.isclose(a[2], b[2], rel_tol=1e-3), \
+                f"rank {rank}: {a} vs {b}"
 
 
 def test_sharded_state_dict_names_a_missing_param():
