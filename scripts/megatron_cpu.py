@@ -54,6 +54,30 @@ class CudaAsCpu(TorchFunctionMode):
         return func(*args, **kwargs)
 
 
+class _NoStream:
+    """What megatron's DDP asks of torch.cuda.current_stream() on CPU: no-op waits."""
+
+    def wait_event(self, event):
+        pass
+
+    def wait_stream(self, stream):
+        pass
+
+    def record_event(self, event=None):
+        return event
+
+
+def install_cuda_shims() -> None:
+    """The three torch.cuda functions megatron-core calls unconditionally, answered for CPU
+    ranks: ``current_device()`` 0 (passed as ``device=``, which :class:`CudaAsCpu` maps to
+    cpu), ``current_stream()`` an object with no-op ``wait_event`` / ``wait_stream`` (DDP's
+    start_grad_sync) and ``synchronize()`` a no-op. Call once per process before building
+    megatron-core objects; tpamp itself needs none of them."""
+    torch.cuda.current_device = lambda: 0
+    torch.cuda.current_stream = lambda device=None: _NoStream()
+    torch.cuda.synchronize = lambda device=None: None
+
+
 def make_megatron_fp16_optimizer(
     inner: torch.optim.Optimizer,
     group,

@@ -440,3 +440,14 @@ def test_a_checkpoint_written_before_override_keys_loads_by_position(tmp_path):
     assert [{"lr": g["lr"], "weight_decay": g["weight_decay"]} for g in opt.param_groups] == \
         rec["groups"]  # the saved hyperparameters, by position
     assert [g["override_key"] for g in opt.param_groups] == ["default", "name=*.bias|ndim=1"]
+
+
+def test_default_config_marks_the_groups_on_the_default_lr_schedule():
+    """Megatron-core's rule (_get_param_groups): a group whose override names no lr field keeps
+    the default schedule (default_config=True); Megatron-LM logs that group's lr."""
+    model = torch.nn.Linear(3, 2)
+    groups = tpamp.build_param_groups(
+        model.named_parameters(), lr=1.0, weight_decay=0.1,
+        overrides={tpamp.ParamKey(name="weight"): tpamp.ParamGroupOverride(lr_mult=0.5)})
+    flags = {tuple(g["param_names"]): g["default_config"] for g in groups}
+    assert flags == {("weight",): False, ("bias",): True}, flags

@@ -46,6 +46,7 @@ from tpamp.optimizer import (
     clear_grad,
     param_dtype_error,
 )
+from tpamp.parallel import ParallelState, default_groups, resolve_tensor_parallel_group
 from tpamp.param_groups import group_hyperparameters
 
 __all__ = ["DistributedOptimizer"]
@@ -172,7 +173,10 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
         clip_grad: max global grad norm (gradient units); 0 disables clipping.
         norm_type: p of the norm (>= 1, or ``math.inf``).
         log_num_zeros_in_grad: count zeros in the filtered gradient each step.
-        data_parallel_group: this rank's DP group (required; a one-rank group for DP=1).
+        data_parallel_group: this rank's DP group (a one-rank group for DP=1); None: the DP x CP
+            group of ``parallel_state``, else of the initialized parallel state
+            (megatron-core's, or tpamp's last initialize_model_parallel; docs/spec.md section
+            22), else ValueError.
         grad_stats_group: the TP x PP x DP group for found_inf, norm and zeros
             (``torch.distributed.group.WORLD`` with ``tpamp.parallel`` layouts); None means
             ``data_parallel_group`` (a model without TP or PP).
@@ -271,7 +275,7 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
         self,
         optimizer: torch.optim.Optimizer,
         *,
-        data_parallel_group,
+        data_parallel_group=None,
         grad_stats_group=None,
         tensor_parallel_group=None,
         grad_scaler: Optional[MegatronGradScaler] = None,
@@ -298,6 +302,16 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
         stochastic_rounding_seed: int = 0,
         min_8bit_size: Optional[int] = None,
     ):
+        for gi, group in enumerate(getattr(optimizer, "param_groups", [])):
+            for pi, p in enumerate(group["params"]):
+                if hasattr(p, "grad_added_to_main_grad") and getattr(p, "main_grad", None) \
+                        is not None:  # megatron-core's DDP made its buffer and hooks
+                    raise ValueError(
+                        f"param {pi} of param group {gi} is in megatron-core's "
+                        "DistributedDataParallel (its main_grad buffer and grad hooks): that "
+                        "DDP reduces the grads, so this optimizer would take them from it and "
+                        "reduce them again; use tpamp.megatron.get_megatron_optimizer(config, "
+                        "model_chunks), whose distributed optimizer steps megatron's buffers")
         options = (exp_avg_dtype, exp_avg_sq_dtype, store_param_remainders)
         state_options = self._check_core_args(optimizer, grad_scaler, clip_grad, fused_step, *options,
                                               flat_pieces=True)
@@ -306,12 +320,24 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
             optimizer, grad_scaler, fused_step, master_weights, stochastic_rounding,
             stochastic_rounding_seed, store_param_remainders)
         _validation.check_int("bucket_size", bucket_size, low=1, allow_none=True)
+        if data_parallel_group is None:  # the initialized parallel state's (spec section 22)
+            if isinstance(parallel_state, ParallelState):
+                data_parallel_group = (parallel_state.dp_cp_group if parallel_state.dp_cp_group
+                                       is not None else parallel_state.dp_group)
+            else:
+                found = default_groups()
+                data_parallel_group = found["dp"] if found is not None else None
         if data_parallel_group is None:
             raise ValueError(
                 "data_parallel_group must be this rank's data-parallel process group (a group "
-                "of one rank for DP=1), got None"
+                "of one rank for DP=1), got None and no parallel state is initialized "
+                "(megatron.core.parallel_state or tpamp.parallel.initialize_model_parallel)"
             )
         _validation.check_group_member(data_parallel_group, "data_parallel_group")
+        tensor_parallel_group, grad_stats_group = resolve_tensor_parallel_group(
+            [p for g in optimizer.param_groups for p in g["params"]], tensor_parallel_group,
+            grad_stats_group, owner="DistributedOptimizer", default_stats_group="world",
+            parallel_state=parallel_state)
         if grad_stats_group is None:
             grad_stats_group = data_parallel_group
         _validation.check_group_member(grad_stats_group, "grad_stats_group")
@@ -358,6 +384,7 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
                 if not p.requires_grad:
                     frozen.append(p)  # never has a grad: left out, as MixedPrecisionOptimizer does
                     continue
+
                 has_fp16 |= p.dtype == torch.float16
                 entries.append((p, names.get(id(p), f"param_groups.{gi}.{pi}"), gi))
         self._init_expert_dp(entries, parallel_state, expert_data_parallel_group)

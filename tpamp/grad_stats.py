@@ -241,11 +241,13 @@ def get_grad_norm_fp32(
 
 def clip_coefficient(max_norm: float, total_norm: Tensor) -> Tensor:
     """min(1, max_norm / (total_norm + 1e-6)) as float32 [1]; 1 when total_norm is not finite,
-    so a non-finite norm never turns gradients into nan. On total_norm's device, no sync."""
-    total = total_norm.reshape(1).float()
+    so a non-finite norm never turns gradients into nan. On total_norm's device, no sync.
+    Computed in float64 and rounded once to float32, as Megatron-LM computes it (a Python
+    float from the float64 root of the norm statistic)."""
+    total = total_norm.reshape(1).double()
     coeff = max_norm / (total + 1.0e-6)
     ok = torch.isfinite(total) & (coeff < 1.0)
-    return torch.where(ok, coeff, torch.ones_like(coeff))
+    return torch.where(ok, coeff, torch.ones_like(coeff)).float()
 
 
 def clip_grad_by_total_norm_fp32(

@@ -28,7 +28,7 @@ import torch
 import torch.distributed as dist
 import torch.optim.optimizer as _torch_optimizer
 
-from tpamp import _validation, matrix_optimizers, ops, state_formats
+from tpamp import _validation, matrix_optimizers, ops, parallel, state_formats
 from tpamp.common import FUSED_KINDS, collective_device, is_dtensor, local_tensor, placed_like
 from tpamp.grad_scaler import MegatronGradScaler
 from tpamp.grad_stats import clip_coefficient, counts_toward_norm, is_expert_param
@@ -303,6 +303,9 @@ class MixedPrecisionOptimizer(OptimizerWrapper):
             optimizer, grad_scaler, fused_step, master_weights, stochastic_rounding,
             stochastic_rounding_seed, store_param_remainders)
         names = nonfinite_names(param_names)  # checked before anything changes
+        tensor_parallel_group, grad_stats_group = parallel.resolve_tensor_parallel_group(
+            [p for g in optimizer.param_groups for p in g["params"]], tensor_parallel_group,
+            grad_stats_group, owner=type(self).__name__, parallel_state=parallel_state)
         _validation.check_group_member(grad_stats_group, "grad_stats_group")
         _validation.check_group_member(tensor_parallel_group, "tensor_parallel_group")
         coords = rank_coords(parallel_state, tensor_parallel_group=tensor_parallel_group)
@@ -686,8 +689,8 @@ class MixedPrecisionOptimizer(OptimizerWrapper):
         norm = self._root(norm_stat, finite_p)
         if self.sync_free:
             return self._finish_on_device(grads, found_inf, norm, num_zeros)
-        skip, grad_norm, zeros = self._read_and_decide(
-            found_inf, norm, num_zeros, at_min, scaler_before)
+        skip, grad_norm, zeros = self._read_and_decide(  # reported in float32, as sync_free
+            found_inf, norm.float(), num_zeros, at_min, scaler_before)
         self._note_nonfinite(found_inf, skip, lambda: self._nonfinite_grads(grads))
         if skip:  # overflow or spike: no main param, state or model param changes
             self._finish_params(grads, updated=False)
@@ -777,6 +780,7 @@ class MixedPrecisionOptimizer(OptimizerWrapper):
             skip = torch.zeros_like(skip)
         self._update(grads, norm, self.clip_grad > 0.0 and bool(grads.grads), skip)
         skipped = skip.reshape(()) != 0
+        norm = norm.float()  # the reported norm: float32 0-dim (the clip used float64)
         norm = torch.where(skipped, torch.full_like(norm, math.nan), norm).reshape(())
         zeros = None
         if num_zeros is not None:
@@ -939,10 +943,11 @@ class MixedPrecisionOptimizer(OptimizerWrapper):
                               device=self._device).num_zeros
 
     def _root(self, norm_stat: Tensor, finite_p: bool) -> Tensor:
-        """Reduced norm statistic -> norm, float32 on the device (p-th root taken in float64)."""
+        """Reduced norm statistic -> norm, float64 on the device (p-th root taken in float64 and
+        kept there for the clip coefficient, as Megatron-LM does)."""
         if not finite_p:
-            return norm_stat.float()
-        return norm_stat.double().pow(1.0 / self.norm_type).float()
+            return norm_stat.double()
+        return norm_stat.double().pow(1.0 / self.norm_type)
 
     def _reduce(self, stats: ops.GradStats, finite_p: bool, expert=None):
         """Step 3: one collective for found_inf (as a SUM of flags), the norm statistic and the

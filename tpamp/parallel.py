@@ -65,6 +65,7 @@ After such an error the process groups cannot be trusted: end the job (torchrun 
 from __future__ import annotations
 
 import datetime
+import weakref
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -74,7 +75,8 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from tpamp._checks import check_int
 
-__all__ = ["ParallelDims", "ParallelState", "initialize_model_parallel"]
+__all__ = ["ParallelDims", "ParallelState", "default_groups", "initialize_model_parallel",
+           "resolve_tensor_parallel_group"]
 
 _DIM_NAMES = ("pp", "dp", "tp")
 _DIM_NAMES_CP = ("pp", "dp", "cp", "tp")
@@ -284,6 +286,74 @@ class ParallelState:
         return d.ep > 1 or d.etp != d.tp
 
 
+# weak references to the ParallelState the last initialize_model_parallel of this process made
+# and to the default group it was made on (stale once either is gone)
+_LAST: Optional[tuple] = None
+
+
+def default_groups() -> Optional[dict]:
+    """The groups of the initialized parallel state, for wrappers given none (docs/spec.md
+    section 22): megatron-core's ``parallel_state`` when megatron-core is imported and its
+    model parallel is initialized (it is never imported here), else the ParallelState of this
+    process's last :func:`initialize_model_parallel` while it and its default group live (it
+    is held weakly: keep the returned state); None when neither. Returns {"tp": TP group, "model_parallel": TP x PP group, "source": a name}."""
+    import sys
+
+    mpu = sys.modules.get("megatron.core.parallel_state")
+    if mpu is not None and dist.is_initialized():
+        try:
+            ready = mpu.model_parallel_is_initialized()
+        except Exception:  # an older or partly imported megatron-core
+            ready = False
+        if ready:
+            return {"tp": mpu.get_tensor_model_parallel_group(),
+                    "model_parallel": mpu.get_model_parallel_group(),
+                    "dp": mpu.get_data_parallel_group(with_context_parallel=True),
+                    "source": "megatron.core.parallel_state"}
+    if _LAST is not None and dist.is_initialized():
+        state, default = _LAST[0](), _LAST[1]()
+        if state is not None and dist.distributed_c10d._get_default_group() is default:
+            return {"tp": state.tp_group, "model_parallel": state.model_parallel_group,
+                    "dp": state.dp_cp_group if state.dp_cp_group is not None else state.dp_group,
+                    "source": "tpamp.parallel.initialize_model_parallel"}
+    return None
+
+
+def resolve_tensor_parallel_group(params, tensor_parallel_group, grad_stats_group, *,
+                                  owner: str, default_stats_group: str = "model_parallel",
+                                  parallel_state: Optional["ParallelState"] = None):
+    """The (tensor_parallel_group, grad_stats_group) a wrapper uses (docs/spec.md section 22).
+
+    Given a TP group: both as given. Else, when a param carries Megatron's
+    ``tensor_model_parallel=True`` and the job has more than one rank, the TP group of the
+    wrapper's ``parallel_state`` when given, else of the initialized parallel state
+    (:func:`default_groups`) and, when grad_stats_group is None
+    too, its model-parallel group (``default_stats_group="world"``: every rank, for a
+    distributed optimizer); with no parallel state initialized that is a ValueError naming
+    ``owner`` and the param (each TP rank would otherwise count its own norm and take its own
+    skip decision, silently). Params without the attribute: both as given."""
+    if tensor_parallel_group is not None:
+        return tensor_parallel_group, grad_stats_group
+    marked = next((p for p in params if getattr(p, "tensor_model_parallel", False)), None)
+    if marked is None or not dist.is_initialized() or dist.get_world_size() == 1:
+        return tensor_parallel_group, grad_stats_group
+    if parallel_state is not None and not isinstance(parallel_state, ParallelState):
+        return tensor_parallel_group, grad_stats_group  # the wrapper's own check names it
+    found = default_groups() if parallel_state is None else {
+        "tp": parallel_state.tp_group, "model_parallel": parallel_state.model_parallel_group}
+    if found is None:
+        raise ValueError(
+            f"{owner}: a param of shape {tuple(marked.shape)} carries Megatron's "
+            "tensor_model_parallel=True but no tensor_parallel_group was given and no parallel "
+            "state is initialized (megatron.core.parallel_state or "
+            "tpamp.parallel.initialize_model_parallel): pass tensor_parallel_group= and "
+            "grad_stats_group= (the TP and model-parallel groups), or initialize one")
+    if grad_stats_group is None:
+        grad_stats_group = found["model_parallel"] if default_stats_group == "model_parallel" \
+            else dist.group.WORLD
+    return found["tp"], grad_stats_group
+
+
 def _new_groups(dims: ParallelDims, rank: int, rank_lists, timeout=None,
                 local_if_single: bool = False) -> Optional[dist.ProcessGroup]:
     """Create one group per rank list (every rank must create every group, in order) and
@@ -427,7 +497,7 @@ def initialize_model_parallel(
     expert = _expert_groups(dims, rank, device_type, timeout, mesh, model_parallel_group,
                             dp_cp_group, cp_group)
     pp_rank, dp_rank, cp_rank, tp_rank = dims.dense_coords(rank)
-    return ParallelState(
+    state = ParallelState(
         dims=dims,
         mesh=mesh,
         tp_group=tp_group,
@@ -441,6 +511,9 @@ def initialize_model_parallel(
         dp_cp_group=dp_cp_group,
         **expert,
     )
+    global _LAST  # weak: holding the groups here would change the process's teardown
+    _LAST = (weakref.ref(state), weakref.ref(dist.distributed_c10d._get_default_group()))
+    return state
 
 
 def _expert_groups(dims, rank, device_type, timeout, mesh, model_parallel_group, dp_cp_group,

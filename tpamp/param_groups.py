@@ -270,7 +270,9 @@ def build_param_groups(
     ``override_key`` (``"default"`` or the matched keys' :meth:`ParamKey.describe` joined by
     ``" + "`` in override order), ``override`` (the merged override's fields), Megatron's
     ``lr_mult``, ``wd_mult``, ``max_lr``, ``min_lr`` (for a scheduler that reads them: the
-    group's lr is ``schedule(max_lr, min_lr) * lr_mult``) and the overrides' options. torch.optim
+    group's lr is ``schedule(max_lr, min_lr) * lr_mult``), ``default_config`` (True unless the
+    override sets an lr field: the group whose lr Megatron-LM logs) and the overrides'
+    options. torch.optim
     keeps the extra entries and ignores them. Order: the default group first, then by override
     key (the same on every rank and run). With ``process_group`` (e.g. the world, for pipeline
     stages that hold different params) the keys are gathered over it (one all_gather_object)
@@ -362,6 +364,9 @@ def _new_group(key, merged, lr, weight_decay, min_lr) -> Dict[str, Any]:
         OVERRIDE_KEY: key, "override": dict(merged),
         "lr_mult": lr_mult, "wd_mult": wd_mult, "max_lr": max_lr,
         "min_lr": merged.get("min_lr", min_lr),
+        # Megatron-LM's flag of a group on the default lr schedule (no override naming an lr
+        # field): training.py logs that group's lr (get_canonical_lr_for_logging)
+        "default_config": not any("lr" in k for k in merged),
     }
     group.update({k: v for k, v in merged.items()
                   if k not in ("max_lr", "min_lr", "lr_mult", "wd_mult")})
