@@ -28,7 +28,7 @@ import torch
 import torch.distributed as dist
 import torch.optim.optimizer as _torch_optimizer
 
-from tpamp import _validation, matrix_optimizers, ops, state_formats
+from tpamp import _validation, hyperparameters, matrix_optimizers, ops, state_formats
 from tpamp.common import FUSED_KINDS, collective_device, is_dtensor, local_tensor, placed_like
 from tpamp.grad_scaler import MegatronGradScaler
 from tpamp.grad_stats import clip_coefficient, counts_toward_norm, is_expert_param
@@ -1572,7 +1572,8 @@ def check_wrapper_args(optimizer, grad_scaler, clip_grad) -> None:
     """The arguments every tpamp optimizer wrapper shares, checked before anything changes:
     a torch.optim.Optimizer not wrapped yet whose params have supported dtypes (TypeError /
     ValueError), a tpamp scaler or None (TypeError), clip_grad a finite number >= 0 (TypeError
-    for a non-number, ValueError for nan, inf or a negative value)."""
+    for a non-number, ValueError for nan, inf or a negative value), and the hyperparameters
+    of every param group (:mod:`tpamp.hyperparameters`: a finite lr, eps > 0, ...)."""
     if not isinstance(optimizer, torch.optim.Optimizer):
         raise TypeError(
             f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}"
@@ -1584,6 +1585,8 @@ def check_wrapper_args(optimizer, grad_scaler, clip_grad) -> None:
         )
     _validation.check_wrappable(optimizer)
     _validation.check_real("clip_grad", clip_grad, low=0.0)
+    # every group's values, which torch checks only for its constructor's defaults
+    hyperparameters.check_optimizer_hyperparameters(optimizer)
 
 
 def check_fp16_scaler(has_fp16: bool, grad_scaler) -> None:

@@ -26,6 +26,8 @@ from typing import Any, Callable, Dict, Iterable, List, Mapping, Optional, Seque
 
 import torch
 
+from tpamp.hyperparameters import check_option_values
+
 __all__ = [
     "DEFAULT_OVERRIDE_KEY",
     "OVERRIDE_KEY",
@@ -141,8 +143,11 @@ class ParamGroupOverride:
         options: other hyperparameters of the torch optimizer for these params (e.g.
             ``{"eps": 1e-10}``), given as a dict or (name, value) pairs.
 
-    Raises TypeError / ValueError for a value that is not a finite number >= 0 (lr > 0), or
-    an option that names a membership entry or a field above."""
+    Raises TypeError / ValueError for a value that is not a finite number >= 0 (lr > 0), an
+    option that names a membership entry or a field above or is given twice, and an option
+    value that breaks the rules every torch optimizer shares (:func:`tpamp.hyperparameters.
+    check_option_values`: every number finite, ``eps`` > 0, ``betas`` in [0, 1), ``momentum``
+    >= 0, ...); the optimizer class's own rules apply when the groups reach it."""
 
     max_lr: Optional[float] = None
     min_lr: Optional[float] = None
@@ -168,6 +173,12 @@ class ParamGroupOverride:
                 f"ParamGroupOverride.options may not set {bad}: use max_lr / lr_mult for the "
                 "learning rate and wd_mult for weight decay"
             )
+        names = [k for k, _ in opts]
+        twice = sorted({k for k in names if names.count(k) > 1})
+        if twice:
+            raise ValueError(f"ParamGroupOverride.options sets {twice} twice")
+        # the values torch would check only in a constructor (tpamp.hyperparameters)
+        check_option_values(dict(opts), "ParamGroupOverride.options")
         object.__setattr__(self, "options", tuple(sorted((k, v) for k, v in opts)))
 
     @classmethod
