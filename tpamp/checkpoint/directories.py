@@ -57,8 +57,17 @@ def clean_up_interrupted_saves(root: str) -> List[str]:
     does for one name at the next save of that name, done for all of them at once: call it on
     one rank when a job (re)starts, before any save into ``root`` begins (docs/spec.md
     section 20). Returns the sorted names removed or put back; [] when ``root`` does not
-    exist. Raises OSError when ``root`` cannot be listed or a set-aside checkpoint cannot be
-    renamed back."""
+    exist. Raises TypeError for a ``root`` that is not a str or ``os.PathLike`` path (bytes
+    included: the names of the checkpoint API are str), ValueError for '', OSError when
+    ``root`` cannot be listed or a set-aside checkpoint cannot be renamed back."""
+    if isinstance(root, bytes) or not isinstance(root, (str, os.PathLike)):
+        raise TypeError(f"root must be a path (str or os.PathLike), got {root!r:.80} "
+                        f"({type(root).__name__})")
+    root = os.fspath(root)
+    if isinstance(root, bytes):  # a PathLike that gives bytes
+        raise TypeError(f"root must be a str path, got the bytes path {root!r:.80}")
+    if not root:
+        raise ValueError("root must not be empty (give the directory of the checkpoints)")
     if not os.path.isdir(root):
         return []
     bases = sorted({m.group("base") for m in map(_LEFTOVER.match, os.listdir(root)) if m})
