@@ -4,6 +4,7 @@ wrapper options that cannot apply are refused (docs/spec.md section 17). The TP 
 tests/test_matrix_optimizers_dist.py."""
 
 import io
+import math
 
 import pytest
 import torch
@@ -198,3 +199,175 @@ def test_fp16_skip_leaves_muon_params_and_momentum_untouched():
     assert not opt.step().update_successful
     assert torch.equal(p, before) and len(inner.state) == 0
     assert float(scaler.scale) == 2.0 ** 7
+
+
+# ---- options that arrive after construction, foreign state, nesting (docs/spec.md section 17)
+
+
+def _muon_ref_steps(params, grads_per_step, **kw):
+    """torch.optim.Muon over ``params`` (the reference), one step per grads list."""
+    opt = torch.optim.Muon(params, **kw)
+    for grads in grads_per_step:
+        for p, g in zip(params, grads):
+            p.grad = g.clone()
+        opt.step()
+    return opt
+
+
+def test_nested_combined_optimizer_keeps_every_parts_state_and_resumes_bit_identically():
+    """The nested state_dict holds the state of all three params (main e82d3a5: 1 of 3), and a
+    resume from it continues as the uninterrupted run of the three torch optimizers."""
+    shapes = [(6, 4), (5,), (4, 3)]
+
+    def build(seed=0):
+        g = torch.Generator().manual_seed(seed)
+        ps = [torch.nn.Parameter(torch.randn(*s, generator=g)) for s in shapes]
+        inner = tpamp.CombinedOptimizer([tpamp.TensorParallelMuon([ps[0]], lr=0.02),
+                                         torch.optim.AdamW([ps[1]], lr=0.01)])
+        return ps, tpamp.CombinedOptimizer([inner, torch.optim.SGD([ps[2]], lr=0.1,
+                                                                   momentum=0.9)])
+
+    def refs():
+        g = torch.Generator().manual_seed(0)
+        ps = [torch.nn.Parameter(torch.randn(*s, generator=g)) for s in shapes]
+        return ps, [torch.optim.Muon([ps[0]], lr=0.02), torch.optim.AdamW([ps[1]], lr=0.01),
+                    torch.optim.SGD([ps[2]], lr=0.1, momentum=0.9)]
+
+    grads = [_grads(s, 4, seed=7 + i) for i, s in enumerate(shapes)]
+    ps, opt = build()
+    rps, ropts = refs()
+    for k in range(2):
+        for p, q, gs in zip(ps, rps, grads):
+            p.grad, q.grad = gs[k].clone(), gs[k].clone()
+        opt.step()
+        for o in ropts:
+            o.step()
+    sd = opt.state_dict()
+    assert sorted(sd["state"]) == [0, 1, 2]
+    assert set(sd["state"][2]) == {"momentum_buffer"} and "exp_avg" in sd["state"][1]
+    buf = io.BytesIO()
+    torch.save(sd, buf)
+    buf.seek(0)
+    ps2, opt2 = build(seed=1)  # other values: the load and the copy below restore them
+    opt2.load_state_dict(torch.load(buf))
+    with torch.no_grad():
+        for p, q in zip(ps2, ps):
+            p.copy_(q)
+    for k in range(2, 4):
+        for p, q, gs in zip(ps2, rps, grads):
+            p.grad, q.grad = gs[k].clone(), gs[k].clone()
+        opt2.step()
+        for o in ropts:
+            o.step()
+    for p, q in zip(ps2, rps):
+        assert torch.equal(p, q)
+
+
+def test_combined_optimizer_parts_in_another_order_load_by_key():
+    """Saved with [Muon, AdamW], loaded into [AdamW, Muon] (main e82d3a5: KeyError 'exp_avg' at
+    the next step): each part gets its own state; the run continues as torch's two optimizers."""
+    def build(order):
+        g = torch.Generator().manual_seed(0)
+        w = torch.nn.Parameter(torch.randn(6, 4, generator=g))
+        b = torch.nn.Parameter(torch.randn(4, generator=g))
+        parts = [tpamp.TensorParallelMuon([w], lr=0.02), torch.optim.AdamW([b], lr=0.01)]
+        return (w, b), tpamp.CombinedOptimizer(parts if order == 0 else parts[::-1])
+
+    gw, gb = _grads((6, 4), 3, seed=3), _grads((4,), 3, seed=4)
+    (w, b), opt = build(0)
+    (rw, rb), ref = build(0)
+    for k in range(3):
+        for p, g in ((w, gw[k]), (b, gb[k]), (rw, gw[k]), (rb, gb[k])):
+            p.grad = g.clone()
+        if k < 2:
+            opt.step()
+        ref.step()
+    (w2, b2), opt2 = build(1)
+    opt2.load_state_dict(opt.state_dict())
+    with torch.no_grad():
+        w2.copy_(w)
+        b2.copy_(b)
+    w2.grad, b2.grad = gw[2].clone(), gb[2].clone()
+    opt2.step()
+    assert torch.equal(w2, rw) and torch.equal(b2, rb)
+    # a state dict of other parts is refused before anything changes
+    other = tpamp.CombinedOptimizer([torch.optim.SGD([torch.nn.Parameter(torch.ones(6, 4))],
+                                                     lr=0.1)])
+    with pytest.raises(ValueError, match=r"optimizer parts \['SGD'\] are not this"):
+        opt2.load_state_dict(other.state_dict())
+
+
+@pytest.mark.parametrize("kind", ["muon", "adafactor"])
+def test_a_torch_state_dict_loads_into_the_tensor_parallel_class(kind):
+    """torch.optim.Muon's state dict (no tp_mode: main e82d3a5 raised KeyError at every later
+    step) and torch.optim.Adafactor's load, and the run continues as torch's."""
+    shape = (8, 6)
+    a, b = _pair(shape)
+    torch_cls = torch.optim.Muon if kind == "muon" else torch.optim.Adafactor
+    tp_cls = tpamp.TensorParallelMuon if kind == "muon" else tpamp.TensorParallelAdafactor
+    ref = torch_cls([b], lr=0.02)
+    src = torch_cls([a], lr=0.02)
+    gs = _grads(shape, 3)
+    for g in gs[:2]:
+        a.grad, b.grad = g.clone(), g.clone()
+        src.step()
+        ref.step()
+    tp = tp_cls([a], lr=0.02, **({"tp_mode": "duplicated"} if kind == "muon" else {}))
+    tp.load_state_dict(src.state_dict())
+    a.grad, b.grad = gs[2].clone(), gs[2].clone()
+    tp.step()
+    ref.step()
+    torch.testing.assert_close(a, b, rtol=0, atol=1e-6)
+    if kind == "muon":
+        assert tp.param_groups[0]["tp_mode"] == "duplicated"
+
+
+@pytest.mark.parametrize("kind", ["muon", "adafactor"])
+def test_a_zero_element_param_is_left_alone_and_the_others_step_as_torch(kind):
+    """main e82d3a5: ZeroDivisionError. A param of no element has nothing to update."""
+    empty = torch.nn.Parameter(torch.zeros(0, 4))
+    a, b = _pair((6, 4))
+    tp_cls = tpamp.TensorParallelMuon if kind == "muon" else tpamp.TensorParallelAdafactor
+    torch_cls = torch.optim.Muon if kind == "muon" else torch.optim.Adafactor
+    tp, ref = tp_cls([empty, a], lr=0.02), torch_cls([b], lr=0.02)
+    for g in _grads((6, 4), 2):
+        empty.grad = torch.zeros(0, 4)
+        a.grad, b.grad = g.clone(), g.clone()
+        tp.step()
+        ref.step()
+    torch.testing.assert_close(a, b, rtol=0, atol=1e-6)
+    assert empty.shape == (0, 4) and empty not in tp.state
+
+
+def _muon_wrapped(inner_cls=tpamp.TensorParallelMuon, **kw):
+    p = torch.nn.Parameter(torch.randn(6, 4, generator=torch.Generator().manual_seed(0)).half())
+    inner = inner_cls([p], **{"lr": 0.02, **kw})
+    opt = tpamp.MixedPrecisionOptimizer(inner, grad_scaler=tpamp.DynamicGradScaler(2.0 ** 8))
+    return p, inner, opt
+
+
+@pytest.mark.parametrize("inner_cls", [tpamp.TensorParallelMuon, torch.optim.Muon])
+@pytest.mark.parametrize("key, value, words", [
+    ("momentum", 1.0, ["momentum", "1.0", "<"]),
+    ("momentum", 1.5, ["momentum", "1.5"]),
+    ("eps", 0.0, ["eps", "0.0", ">"]),
+    ("lr", math.inf, ["lr", "inf", "finite"]),
+    ("lr", math.nan, ["lr", "nan", "finite"]),
+    ("ns_steps", 100, ["ns_steps", "100"]),
+])
+def test_a_muon_value_set_after_construction_is_refused_at_the_step_with_nothing_changed(
+        inner_cls, key, value, words):
+    """main e82d3a5: the step reported success and wrote nan into the params (momentum >= 1
+    grows the momentum without bound; eps 0 over a zero grad is 0/0; lr inf times 0)."""
+    p, inner, opt = _muon_wrapped(inner_cls)
+    inner.param_groups[0][key] = value
+    p.grad = torch.zeros_like(p)
+    before = (p.detach().clone(), float(opt.get_loss_scale()), dict(inner.state))
+    with pytest.raises(ValueError) as info:
+        opt.step()
+    assert all(w in str(info.value) for w in words), str(info.value)
+    assert torch.equal(p, before[0]) and float(opt.get_loss_scale()) == before[1]
+    assert len(inner.state) == 0
+    # the same value at construction is refused there
+    with pytest.raises(ValueError, match=f"{key}|Learning rate"):  # torch's own, for lr nan
+        _muon_wrapped(inner_cls, **{key: value})
