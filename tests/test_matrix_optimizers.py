@@ -3,6 +3,7 @@ classes do, the combined Muon + AdamW optimizer steps as the two torch optimizer
 wrapper options that cannot apply are refused (docs/spec.md section 17). The TP runs are in
 tests/test_matrix_optimizers_dist.py."""
 
+import copy
 import io
 import math
 
@@ -10,6 +11,8 @@ import pytest
 import torch
 
 import tpamp
+from dist_utils import freeze, tensor_bytes
+from misuse_utils import Case, assert_every_setup_case_refused_by_tpamp, assert_refused_and_unchanged
 
 
 def _pair(shape, seed=0, dtype=torch.float32):
@@ -371,3 +374,137 @@ def test_a_muon_value_set_after_construction_is_refused_at_the_step_with_nothing
     # the same value at construction is refused there
     with pytest.raises(ValueError, match=f"{key}|Learning rate"):  # torch's own, for lr nan
         _muon_wrapped(inner_cls, **{key: value})
+
+
+# ---- misuse: each case refused with a clear error, nothing changed (tests/misuse_utils.py) ----
+
+
+def _stepped(opt, params):
+    for p in params:
+        p.grad = torch.ones_like(p)
+    opt.step()
+    return opt
+
+
+def _picture(opt, params):
+    return lambda: (freeze(opt.state_dict()), [tensor_bytes(p) for p in params],
+                    len(opt.param_groups))
+
+
+def _on_muon(bad_call, **set_later):
+    """setup: a TensorParallelMuon (stepped once; then its group's values ``set_later``, as a
+    scheduler would) and ``bad_call(opt, sd)`` on it, ``sd`` its own state dict (a copy to
+    corrupt)."""
+    def setup():
+        p = torch.nn.Parameter(torch.randn(6, 4))
+        opt = _stepped(tpamp.TensorParallelMuon([p], lr=0.02), [p])
+        sd = copy.deepcopy(opt.state_dict())
+        opt.param_groups[0].update(set_later)
+        p.grad = torch.ones_like(p)
+        return _picture(opt, [p]), lambda: bad_call(opt, sd)
+    return setup
+
+
+def _on_adafactor(bad_call):
+    def setup():
+        p = torch.nn.Parameter(torch.randn(6, 4))
+        opt = _stepped(tpamp.TensorParallelAdafactor([p], lr=0.02), [p])
+        sd = copy.deepcopy(opt.state_dict())
+        return _picture(opt, [p]), lambda: bad_call(opt, sd)
+    return setup
+
+
+def _on_combined(bad_call, part=0, **set_later):
+    def setup():
+        w, b = torch.nn.Parameter(torch.randn(6, 4)), torch.nn.Parameter(torch.randn(4))
+        opt = _stepped(tpamp.CombinedOptimizer([tpamp.TensorParallelMuon([w], lr=0.02),
+                                                torch.optim.AdamW([b], lr=0.01)]), [w, b])
+        sd = copy.deepcopy(opt.state_dict())
+        opt.param_groups[part].update(set_later)
+        w.grad, b.grad = torch.ones_like(w), torch.ones_like(b)
+        return _picture(opt, [w, b]), lambda: bad_call(opt, sd)
+    return setup
+
+
+def _nothing(call):
+    """setup for a refused construction: nothing to change."""
+    return lambda: ((lambda: None), call)
+
+
+def _edit_group(sd, **values):
+    sd["param_groups"][0].update(values)
+    return sd
+
+
+def _new_param(*shape):
+    return torch.nn.Parameter(torch.randn(*shape))
+
+
+_P = lambda: [_new_param(6, 4)]  # noqa: E731
+
+MATRIX_MISUSE = [
+    # TensorParallelMuon: values torch checks only in its constructor, or never
+    Case("muon-ns_coefficients-2", _nothing(lambda: tpamp.TensorParallelMuon(_P(), ns_coefficients=(3.4, -4.7))), ValueError, ["ns_coefficients", "3"]),
+    Case("muon-ns_coefficients-str", _nothing(lambda: tpamp.TensorParallelMuon(_P(), ns_coefficients="abc")), TypeError, ["ns_coefficients", "'abc'"]),
+    Case("muon-ns_coefficients-nan", _nothing(lambda: tpamp.TensorParallelMuon(_P(), ns_coefficients=(3.4, math.nan, 2.0))), ValueError, ["ns_coefficients", "nan"]),
+    Case("muon-ns_steps-100", _nothing(lambda: tpamp.TensorParallelMuon(_P(), ns_steps=100)), ValueError, ["ns_steps", "100"]),
+    Case("muon-ns_steps-float", _nothing(lambda: tpamp.TensorParallelMuon(_P(), ns_steps=5.0)), TypeError, ["ns_steps", "5.0"]),
+    Case("muon-momentum-1", _nothing(lambda: tpamp.TensorParallelMuon(_P(), momentum=1.0)), ValueError, ["momentum", "1.0"]),
+    Case("muon-eps-0", _nothing(lambda: tpamp.TensorParallelMuon(_P(), eps=0.0)), ValueError, ["eps", "0.0"]),
+    Case("muon-lr-inf", _nothing(lambda: tpamp.TensorParallelMuon(_P(), lr=math.inf)), ValueError, ["lr", "inf"]),
+    Case("muon-lr-str", _nothing(lambda: tpamp.TensorParallelMuon(_P(), lr="0.1")), TypeError, ["lr", "'0.1'"]),
+    Case("muon-nesterov-int", _nothing(lambda: tpamp.TensorParallelMuon(_P(), nesterov=1)), TypeError, ["nesterov", "1"]),
+    Case("muon-adjust_lr_fn", _nothing(lambda: tpamp.TensorParallelMuon(_P(), adjust_lr_fn="spectral")), ValueError, ["adjust_lr_fn", "'spectral'"]),
+    Case("muon-group-momentum-inf", _nothing(lambda: tpamp.TensorParallelMuon([{"params": _P(), "momentum": math.inf}])), ValueError, ["momentum", "inf"]),
+    # ... in a group added later
+    Case("muon-add-group-momentum", _on_muon(lambda o, sd: o.add_param_group({"params": [_new_param(4, 4)], "momentum": 1.5})), ValueError, ["momentum", "1.5"]),
+    Case("muon-add-group-eps", _on_muon(lambda o, sd: o.add_param_group({"params": [_new_param(4, 4)], "eps": -1.0})), ValueError, ["eps", "-1.0"]),
+    Case("muon-add-group-tp_mode", _on_muon(lambda o, sd: o.add_param_group({"params": [_new_param(4, 4)], "tp_mode": "sharded"})), ValueError, ["tp_mode", "'sharded'"]),
+    Case("muon-add-group-1d", _on_muon(lambda o, sd: o.add_param_group({"params": [_new_param(4)]})), ValueError, ["2D", "(4,)"]),
+    # ... loaded
+    Case("muon-load-lr-inf", _on_muon(lambda o, sd: o.load_state_dict(_edit_group(sd, lr=math.inf))), ValueError, ["lr", "inf"]),
+    Case("muon-load-momentum-1", _on_muon(lambda o, sd: o.load_state_dict(_edit_group(sd, momentum=1.0))), ValueError, ["momentum", "1.0"]),
+    Case("muon-load-ns_coefficients", _on_muon(lambda o, sd: o.load_state_dict(_edit_group(sd, ns_coefficients=(1.0, 2.0)))), ValueError, ["ns_coefficients", "3"]),
+    Case("muon-load-tp_mode", _on_muon(lambda o, sd: o.load_state_dict(_edit_group(sd, tp_mode="bad"))), ValueError, ["tp_mode", "'bad'"]),
+    Case("muon-load-qkv", _on_muon(lambda o, sd: o.load_state_dict(_edit_group(sd, qkv_split_sizes=(5, 2, 2)))), ValueError, ["qkv_split_sizes", "tile"]),
+    Case("muon-load-nan-momentum", _on_muon(lambda o, sd: (sd["state"][0]["momentum_buffer"].fill_(math.nan), o.load_state_dict(sd))), ValueError, ["momentum_buffer", "nan"]),
+    Case("muon-load-wrong-shape", _on_muon(lambda o, sd: (sd["state"][0].update(momentum_buffer=torch.zeros(4, 6)), o.load_state_dict(sd))), ValueError, ["momentum_buffer", "shape"]),
+    Case("muon-load-sgd", _on_muon(lambda o, sd: o.load_state_dict(torch.optim.SGD(_P(), lr=0.1).state_dict())), ValueError, ["ns_steps", "TensorParallelMuon"]),
+    Case("muon-load-adam-state", _on_muon(lambda o, sd: o.load_state_dict(_stepped(torch.optim.Adam(ps := _P(), lr=0.1), ps).state_dict())), ValueError, ["TensorParallelMuon"]),
+    Case("muon-load-None", _on_muon(lambda o, sd: o.load_state_dict(None)), TypeError, ["state_dict", "None"]),
+    Case("muon-load-two-groups", _on_muon(lambda o, sd: o.load_state_dict({**sd, "param_groups": sd["param_groups"] * 2})), ValueError, ["2", "1", "param_groups"]),
+    # TensorParallelAdafactor
+    Case("adafactor-eps1-0", _nothing(lambda: tpamp.TensorParallelAdafactor(_P(), eps=(0.0, 1e-3))), ValueError, ["eps", "0.0"]),
+    Case("adafactor-eps-number", _nothing(lambda: tpamp.TensorParallelAdafactor(_P(), eps=1e-3)), TypeError, ["eps", "0.001"]),
+    Case("adafactor-lr-nan-group", _nothing(lambda: tpamp.TensorParallelAdafactor([{"params": _P(), "lr": math.nan}])), ValueError, ["lr", "nan"]),
+    Case("adafactor-d-inf-group", _nothing(lambda: tpamp.TensorParallelAdafactor([{"params": _P(), "d": math.inf}])), ValueError, ["d", "inf"]),
+    Case("adafactor-beta2_decay-group", _nothing(lambda: tpamp.TensorParallelAdafactor([{"params": _P(), "beta2_decay": 0.5}])), ValueError, ["beta2_decay", "0.5"]),
+    Case("adafactor-add-group-eps", _on_adafactor(lambda o, sd: o.add_param_group({"params": [_new_param(3, 3)], "eps": (0.0, 0.0)})), ValueError, ["eps", "0.0"]),
+    Case("adafactor-load-d", _on_adafactor(lambda o, sd: o.load_state_dict(_edit_group(sd, d=0.5))), ValueError, ["d", "0.5"]),
+    Case("adafactor-load-nan-row", _on_adafactor(lambda o, sd: (sd["state"][0]["row_var"].fill_(math.nan), o.load_state_dict(sd))), ValueError, ["row_var", "nan"]),
+    Case("adafactor-load-muon", _on_adafactor(lambda o, sd: o.load_state_dict(tpamp.TensorParallelMuon(_P()).state_dict())), ValueError, ["TensorParallelAdafactor", "beta2_decay"]),
+    # CombinedOptimizer
+    Case("combined-one-optimizer", _nothing(lambda: tpamp.CombinedOptimizer(torch.optim.SGD(_P(), lr=0.1))), TypeError, ["list", "SGD"]),
+    Case("combined-part-str", _nothing(lambda: tpamp.CombinedOptimizer([torch.optim.SGD(_P(), lr=0.1), "adam"])), TypeError, ["part", "1", "str"]),
+    Case("combined-name-empty", _nothing(lambda: tpamp.CombinedOptimizer({"": torch.optim.SGD(_P(), lr=0.1)})), TypeError, ["names", "''"]),
+    Case("combined-shared-param", _nothing(lambda: tpamp.CombinedOptimizer([torch.optim.SGD(ps := _P(), lr=0.1), torch.optim.Adam(ps)])), ValueError, ["'SGD'", "'Adam'", "disjoint"]),
+    Case("combined-add-group", _on_combined(lambda o, sd: o.add_param_group({"params": _P()})), RuntimeError, ["add_param_group", "part"]),
+    Case("combined-load-other-parts", _on_combined(lambda o, sd: o.load_state_dict(tpamp.CombinedOptimizer({"x": torch.optim.SGD(_P(), lr=0.1), "y": torch.optim.SGD([_new_param(4)], lr=0.1)}).state_dict())), ValueError, ["parts", "'x'", "'AdamW'"]),
+    Case("combined-load-part-groups", _on_combined(lambda o, sd: o.load_state_dict({**sd, "param_groups": [sd["param_groups"][0], {**sd["param_groups"][1], "params": []}, {**sd["param_groups"][1]}]})), ValueError, ["'AdamW'", "2", "1"]),
+    Case("combined-load-lr-inf", _on_combined(lambda o, sd: (sd["param_groups"][1].update(lr=math.inf), o.load_state_dict(sd))), ValueError, ["lr", "inf"]),
+    Case("combined-load-adam-eps-0", _on_combined(lambda o, sd: (sd["param_groups"][1].update(eps=0.0), o.load_state_dict(sd))), ValueError, ["eps", "0.0"]),
+    Case("combined-load-positional-swapped", _on_combined(lambda o, sd: o.load_state_dict({**sd, "param_groups": [{k: v for k, v in g.items() if k != "optimizer_part"} for g in sd["param_groups"][::-1]]})), ValueError, ["TensorParallelMuon", "lacks"]),
+    Case("combined-load-nan-state", _on_combined(lambda o, sd: (sd["state"][1]["exp_avg"].fill_(math.inf), o.load_state_dict(sd))), ValueError, ["exp_avg", "inf"]),
+    Case("combined-step-momentum", _on_combined(lambda o, sd: o.step(), momentum=1.0), ValueError, ["momentum", "1.0"]),
+    Case("combined-step-adamw-beta", _on_combined(lambda o, sd: o.step(), part=1, betas=(0.9, 1.0)), ValueError, ["betas", "1.0"]),
+    Case("muon-step-lr-nan", _on_muon(lambda o, sd: o.step(), lr=math.nan), ValueError, ["lr", "nan"]),
+]
+
+
+def test_every_matrix_misuse_case_is_refused_by_tpamp_itself():
+    assert_every_setup_case_refused_by_tpamp(MATRIX_MISUSE)
+
+
+@pytest.mark.parametrize("case", MATRIX_MISUSE, ids=[c.id for c in MATRIX_MISUSE])
+def test_matrix_misuse_is_refused_naming_the_value_and_changes_nothing(case):
+    assert_refused_and_unchanged(case)

@@ -387,6 +387,10 @@ class TensorParallelMuon(torch.optim.Muon):
         kwargs = {} if ns_coefficients is None else {"ns_coefficients": tuple(ns_coefficients)
                                                      if isinstance(ns_coefficients, list)
                                                      else ns_coefficients}
+        # the defaults before torch's constructor reads them (it compares them with numbers)
+        self._check_group(dict(lr=lr, weight_decay=weight_decay, momentum=momentum,
+                               nesterov=nesterov, eps=eps, ns_steps=ns_steps,
+                               adjust_lr_fn=adjust_lr_fn, tp_mode=tp_mode, **kwargs), "defaults")
         # read by add_param_group, which torch's constructor calls for every group
         self.tensor_parallel_group = tensor_parallel_group
         self._tp_mode = tp_mode
@@ -417,10 +421,11 @@ class TensorParallelMuon(torch.optim.Muon):
 
     @staticmethod
     def _check_group(group: Mapping, gi, read_tensors: bool = True) -> None:
-        check_group_hyperparameters(TensorParallelMuon, group, f"TensorParallelMuon param group {gi}",
-                                    read_tensors=read_tensors)
+        where = (f"TensorParallelMuon param group {gi}" if isinstance(gi, int)
+                 else f"TensorParallelMuon {gi}")
+        check_group_hyperparameters(TensorParallelMuon, group, where, read_tensors=read_tensors)
         if group.get("tp_mode") not in MUON_TP_MODES:
-            raise ValueError(f"param group {gi}: tp_mode must be one of {MUON_TP_MODES}, "
+            raise ValueError(f"{where}: tp_mode must be one of {MUON_TP_MODES}, "
                              f"got {group.get('tp_mode')!r}")
 
     def _check_param(self, p: Tensor, group: Mapping, who: str) -> None:
@@ -550,6 +555,10 @@ class TensorParallelAdafactor(torch.optim.Adafactor):
     def __init__(self, params, lr=1e-2, beta2_decay: float = -0.8, eps=(None, 1e-3),
                  d: float = 1.0, weight_decay: float = 0.0, *, foreach=None,
                  maximize: bool = False, tensor_parallel_group=None):
+        check_group_hyperparameters(  # the defaults before torch's constructor reads them
+            TensorParallelAdafactor, dict(lr=lr, beta2_decay=beta2_decay, eps=eps, d=d,
+                                          weight_decay=weight_decay, foreach=foreach,
+                                          maximize=maximize), "TensorParallelAdafactor defaults")
         self.tensor_parallel_group = tensor_parallel_group  # read by add_param_group
         super().__init__(params, lr=lr, beta2_decay=beta2_decay, eps=eps, d=d,
                          weight_decay=weight_decay, foreach=foreach, maximize=maximize)
@@ -762,18 +771,29 @@ class CombinedOptimizer(torch.optim.Optimizer):
                 flat.append((name, opt))
         if not flat:
             raise ValueError("CombinedOptimizer needs at least one part with params")
+        named_keys = [name for name, _ in flat if name is not None]
+        twice = sorted({k for k in named_keys if named_keys.count(k) > 1})
+        if twice:
+            raise ValueError(f"CombinedOptimizer: two parts have the key(s) {twice}")
         keys, seen = [], {}
-        for name, opt in flat:
+        for name, opt in flat:  # an unnamed part: its class name, '#n' for the n-th repeat
             key = name
-            if key is None:
+            while key is None or (name is None and key in named_keys):
                 base = type(opt).__name__
                 n = seen.get(base, 0)
                 seen[base] = n + 1
                 key = base if n == 0 else f"{base}#{n}"
-            if key in keys:
-                raise ValueError(f"CombinedOptimizer: two parts have the key {key!r}")
             keys.append(key)
         parts = [opt for _, opt in flat]
+        owner: Dict[int, int] = {}
+        for i, opt in enumerate(parts):
+            for g in opt.param_groups:
+                for p in g["params"]:
+                    j = owner.setdefault(id(p), i)
+                    if j != i:
+                        raise ValueError(
+                            f"CombinedOptimizer: a param of shape {tuple(p.shape)} is in parts "
+                            f"{keys[j]!r} and {keys[i]!r}; the parts must hold disjoint params")
         self.optimizers: List[torch.optim.Optimizer] = parts
         self.part_keys: List[str] = keys
         groups = [g for opt in parts for g in opt.param_groups]
