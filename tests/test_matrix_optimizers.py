@@ -9,10 +9,10 @@ import math
 
 import pytest
 import torch
-
-import tpamp
 from dist_utils import freeze, tensor_bytes
 from misuse_utils import Case, assert_every_setup_case_refused_by_tpamp, assert_refused_and_unchanged
+
+import tpamp
 
 
 def _pair(shape, seed=0, dtype=torch.float32):
