@@ -164,6 +164,24 @@ def test_clean_up_interrupted_saves_removes_staging_and_puts_a_set_aside_checkpo
     assert clean_up_interrupted_saves(str(tmp_path / "missing")) == []
 
 
+@pytest.mark.parametrize("root, exc, words", [
+    (b"/tmp", TypeError, r"root must be a path \(str or os.PathLike\), got b'/tmp' \(bytes\)"),
+    (None, TypeError, r"root must be a path .*\(NoneType\)"),
+    (3, TypeError, r"root must be a path .*\(int\)"),
+    ("", ValueError, "root must not be empty"),
+])
+def test_clean_up_interrupted_saves_refuses_a_root_that_is_not_a_str_path(tmp_path, root, exc, words):
+    """main e82d3a5: bytes listed the directory as bytes and failed in its regex (raw TypeError);
+    a PathLike is accepted."""
+    from tpamp.checkpoint import clean_up_interrupted_saves
+
+    os.makedirs(tmp_path / ".iter_0000001.saving-0123456789ab")
+    with pytest.raises(exc, match=words):
+        clean_up_interrupted_saves(root)
+    assert os.listdir(tmp_path) == [".iter_0000001.saving-0123456789ab"]
+    assert clean_up_interrupted_saves(tmp_path) == [".iter_0000001.saving-0123456789ab"]
+
+
 def _flag_error(monkeypatch, capsys, *flags):
     """parse_args of one process (WORLD_SIZE 4 as torchrun would set) with ``flags``: the
     exit status and the line on stderr."""

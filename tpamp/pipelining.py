@@ -73,8 +73,9 @@ class PipelineLoss:
                                           and callable(getattr(optimizer, "scale_loss", None))):
             raise TypeError(
                 "optimizer must be a tpamp optimizer (with get_loss_scale() and scale_loss(), "
-                f"e.g. tpamp.MixedPrecisionOptimizer) or None, got {optimizer!r:.80} "
-                f"({type(optimizer).__name__})")
+                "e.g. tpamp.MixedPrecisionOptimizer; wrap a torch optimizer first) or None, got "
+                + (f"{optimizer!r:.60} " if isinstance(optimizer, (str, bytes, int, float)) else "")
+                + f"({type(optimizer).__name__})")
         self.loss_fn = loss_fn
         self.num_microbatches = num_microbatches
         self.optimizer = optimizer
