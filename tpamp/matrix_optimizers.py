@@ -50,7 +50,11 @@ import torch.distributed as dist
 
 from tpamp import _load
 from tpamp.common import is_dtensor, local_tensor
-from tpamp.hyperparameters import check_group_hyperparameters, check_optimizer_hyperparameters
+from tpamp.hyperparameters import (
+    check_group_hyperparameters,
+    check_optimizer_hyperparameters,
+    group_optimizer_classes,
+)
 from tpamp.param_groups import match_saved_groups
 
 __all__ = [
@@ -119,8 +123,12 @@ def check_sharded_math(optimizer, *, flat_pieces: bool = False) -> None:
     over flat pieces; any other optimizer only over unsharded params.
 
     Raises:
+        TypeError: anything but a torch.optim.Optimizer;
         ValueError: naming the optimizer class, one offending param and what to use instead.
     """
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        raise TypeError(f"check_sharded_math takes a torch.optim.Optimizer, got "
+                        f"{type(optimizer).__name__}")
     if isinstance(optimizer, CombinedOptimizer):
         for part in optimizer.optimizers:
             check_sharded_math(part, flat_pieces=flat_pieces)
@@ -741,7 +749,9 @@ class CombinedOptimizer(torch.optim.Optimizer):
 
     Raises:
         TypeError: a part that is not a torch.optim.Optimizer, a name that is not a non-empty
-            str; ValueError: no part with params, a param in two parts, two parts with one key.
+            str; ValueError: no part with params, a param in two parts, two parts with one key,
+            a group's hyperparameter refused by :mod:`tpamp.hyperparameters` (torch checked
+            only each part's constructor defaults: a group's own eps 0, say).
     """
 
     def __init__(self, optimizers):
@@ -794,6 +804,9 @@ class CombinedOptimizer(torch.optim.Optimizer):
                         raise ValueError(
                             f"CombinedOptimizer: a param of shape {tuple(p.shape)} is in parts "
                             f"{keys[j]!r} and {keys[i]!r}; the parts must hold disjoint params")
+        for key, opt in zip(keys, parts):  # torch checked only each constructor's defaults
+            for gi, (cls, g) in enumerate(zip(group_optimizer_classes(opt), opt.param_groups)):
+                check_group_hyperparameters(cls, g, f"CombinedOptimizer part {key!r} param group {gi}")
         self.optimizers: List[torch.optim.Optimizer] = parts
         self.part_keys: List[str] = keys
         groups = [g for opt in parts for g in opt.param_groups]
@@ -896,8 +909,15 @@ def split_muon_params(named_params: Iterable[Tuple[str, Tensor]], *,
     requires_grad are left out. Order is kept.
 
     Raises:
-        TypeError: an item that is not a (str, Tensor) pair.
+        TypeError: an item that is not a (str, Tensor) pair, ``adamw_names`` that is not a
+            tuple or list of strs (a bare str would be read letter by letter), an ``is_adamw``
+            that is neither None nor callable.
     """
+    if not (isinstance(adamw_names, (tuple, list)) and all(isinstance(g, str) for g in adamw_names)):
+        raise TypeError(f"adamw_names must be a tuple or list of glob strs, got {adamw_names!r:.80}"
+                        f" ({type(adamw_names).__name__})")
+    if is_adamw is not None and not callable(is_adamw):
+        raise TypeError(f"is_adamw must be callable or None, got {type(is_adamw).__name__}")
     muon, adamw = [], []
     for item in named_params:
         if not (isinstance(item, tuple) and len(item) == 2 and isinstance(item[0], str)
@@ -929,10 +949,22 @@ def muon_with_adamw(named_params: Iterable[Tuple[str, Tensor]], *, lr: float,
     (:class:`TensorParallelMuon`); each such weight gets its own Muon param group.
 
     Raises:
-        ValueError: a qkv_split_sizes name that is not a Muon param; what the parts raise.
+        TypeError: qkv_split_sizes that is not a dict, adamw_betas that is not a pair;
+        ValueError: a qkv_split_sizes name that is not a Muon param; what the parts and
+            :class:`CombinedOptimizer` raise (every hyperparameter checked by
+            :mod:`tpamp.hyperparameters`: a finite lr, momentum in [0, 1), eps > 0, ...).
     """
     named = list(named_params)
     muon_params, adamw_params = split_muon_params(named, adamw_names=adamw_names)
+    if qkv_split_sizes is not None and not isinstance(qkv_split_sizes, Mapping):
+        raise TypeError("qkv_split_sizes must be a dict {param name: (q, k, v) rows} or None, "
+                        f"got {type(qkv_split_sizes).__name__}")
+    if not (isinstance(adamw_betas, (tuple, list)) and len(adamw_betas) == 2):
+        raise TypeError(f"adamw_betas must be a pair (beta1, beta2), got {adamw_betas!r:.80}")
+    wd = weight_decay if adamw_weight_decay is None else adamw_weight_decay
+    check_group_hyperparameters(  # before any part is built (torch's own words otherwise)
+        torch.optim.AdamW, {"lr": lr if adamw_lr is None else adamw_lr, "betas": adamw_betas,
+                            "eps": adamw_eps, "weight_decay": wd}, "muon_with_adamw AdamW options")
     qkv = dict(qkv_split_sizes or {})
     ids = {id(p) for p in muon_params}
     by_name = {n: p for n, p in named}
@@ -950,7 +982,6 @@ def muon_with_adamw(named_params: Iterable[Tuple[str, Tensor]], *, lr: float,
             groups, lr=lr, weight_decay=weight_decay, momentum=momentum, nesterov=nesterov,
             ns_steps=ns_steps, adjust_lr_fn=adjust_lr_fn, tp_mode=tp_mode,
             tensor_parallel_group=tensor_parallel_group))
-    wd = weight_decay if adamw_weight_decay is None else adamw_weight_decay
     adamw_groups = [{"params": [p for p in adamw_params if p.dim() >= 2], "weight_decay": wd},
                     {"params": [p for p in adamw_params if p.dim() < 2], "weight_decay": 0.0}]
     adamw_groups = [g for g in adamw_groups if g["params"]]
