@@ -40,6 +40,7 @@ overflows the params (no value check can tell); docs/spec.md section 14.
 
 from __future__ import annotations
 
+import functools
 import math
 import numbers
 from collections.abc import Mapping
@@ -68,9 +69,14 @@ _BOOL_OPTIONS = ("nesterov", "maximize", "amsgrad", "centered", "capturable", "d
 _BOOL_OR_NONE_OPTIONS = ("foreach", "fused")
 
 
-def _value(where: str, value, read_tensors: bool):
+def _label(where: str, idx) -> str:
+    return where if idx is None else f"{where}[{idx}]"
+
+
+def _value(where: str, value, read_tensors: bool, idx=None):
     """A real number from ``value`` (a one-element tensor read on the host, or None when it
     lives on an accelerator and ``read_tensors`` is False: no sync)."""
+    where = _label(where, idx)
     if isinstance(value, Tensor):
         if value.numel() != 1 or value.dtype.is_complex or value.dtype == torch.bool:
             raise TypeError(f"{where} must be a real number or a one-element tensor, got a "
@@ -83,22 +89,24 @@ def _value(where: str, value, read_tensors: bool):
     return float(value)
 
 
-def _real(where, value, read_tensors, *, low=None, low_open=False, high=None,
+def _real(where, value, read_tensors, *, idx=None, low=None, low_open=False, high=None,
           high_open=False) -> None:
-    v = _value(where, value, read_tensors)
+    v = value if type(value) is float else _value(where, value, read_tensors, idx)
     if v is None:
+        return
+    ok = (math.isfinite(v)
+          and (low is None or (v > low if low_open else v >= low))
+          and (high is None or (v < high if high_open else v <= high)))
+    if ok:  # the message only for a refusal (this runs at every step)
         return
     bounds = []
     if low is not None:
         bounds.append(f"{'>' if low_open else '>='} {low}")
     if high is not None:
         bounds.append(f"{'<' if high_open else '<='} {high}")
-    expected = "finite" + (" and " + " and ".join(bounds) if bounds else "")
-    bad = (not math.isfinite(v)
-           or (low is not None and (v < low or (low_open and v == low)))
-           or (high is not None and (v > high or (high_open and v == high))))
-    if bad:
-        raise ValueError(f"{where} must be {expected}, got {v!r}")
+    raise ValueError(f"{_label(where, idx)} must be finite"
+                     f"{' and ' + ' and '.join(bounds) if bounds else ''}"
+                     f", got {v!r}")
 
 
 def _int(where, value, low, high_open) -> None:
@@ -120,15 +128,15 @@ def _eps(where, value, read, cls) -> None:
     if isinstance(value, (tuple, list)) or (cls is not None and issubclass(cls, torch.optim.Adafactor)):
         eps1, eps2 = _seq(where, value, 2)
         if eps1 is not None:
-            _real(f"{where}[0]", eps1, read, low=0.0, low_open=True)
-        _real(f"{where}[1]", eps2, read, low=0.0)
+            _real(where, eps1, read, idx=0, low=0.0, low_open=True)
+        _real(where, eps2, read, idx=1, low=0.0)
         return
     _real(where, value, read, low=0.0, low_open=True)
 
 
 def _betas(where, value, read, cls) -> None:
     for i, b in enumerate(_seq(where, value, 2 if cls is not None else None)):
-        _real(f"{where}[{i}]", b, read, low=0.0, high=1.0, high_open=True)
+        _real(where, b, read, idx=i, low=0.0, high=1.0, high_open=True)
 
 
 def _momentum(where, value, read, cls) -> None:
@@ -138,7 +146,7 @@ def _momentum(where, value, read, cls) -> None:
 
 def _ns_coefficients(where, value, read, cls) -> None:
     for i, c in enumerate(_seq(where, value, 3)):
-        _real(f"{where}[{i}]", c, read)
+        _real(where, c, read, idx=i)
 
 
 def _adjust_lr_fn(where, value, read, cls) -> None:
@@ -166,12 +174,18 @@ _RULES: Dict[str, Callable] = {
 }
 
 
+_LR_RULE = (("lr", _nonneg),)
+# "[key]" of each option name, the start of a refusal's message (made once, not per step)
+_KEY_LABEL = {n: f"[{n!r}]" for n in (*_RULES, *_BOOL_OPTIONS, *_BOOL_OR_NONE_OPTIONS)}
+
+
 def _bool(where, value, allow_none: bool) -> None:
     if not (isinstance(value, bool) or (allow_none and value is None)):
         raise TypeError(f"{where} must be True or False{' or None' if allow_none else ''}, "
                         f"got {value!r} ({type(value).__name__})")
 
 
+@functools.lru_cache(maxsize=None)
 def _known(cls) -> bool:
     return isinstance(cls, type) and issubclass(cls, _KNOWN)
 
@@ -185,17 +199,20 @@ def check_group_hyperparameters(cls, group: Mapping, where: str = "param group",
     nothing. Raises TypeError / ValueError naming ``where``, the key and the value."""
     if not isinstance(group, Mapping):
         raise TypeError(f"{where} must be a dict, got {type(group).__name__}")
-    names = _RULES if _known(cls) else ("lr",)
-    for name in names:
-        if name in group:
-            _RULES[name](f"{where}[{name!r}]", group[name], read_tensors, cls)
-    if _known(cls):
-        for name in _BOOL_OPTIONS:
+    known = _known(cls)
+    try:  # the rules name only the key (no string work per step); the group is added below
+        for name, rule in (_RULES.items() if known else _LR_RULE):
             if name in group:
-                _bool(f"{where}[{name!r}]", group[name], False)
-        for name in _BOOL_OR_NONE_OPTIONS:
-            if name in group:
-                _bool(f"{where}[{name!r}]", group[name], True)
+                rule(_KEY_LABEL[name], group[name], read_tensors, cls)
+        if known:
+            for name in _BOOL_OPTIONS:
+                if name in group and type(group[name]) is not bool:
+                    _bool(_KEY_LABEL[name], group[name], False)
+            for name in _BOOL_OR_NONE_OPTIONS:
+                if name in group and group[name] is not None and type(group[name]) is not bool:
+                    _bool(_KEY_LABEL[name], group[name], True)
+    except (TypeError, ValueError) as e:
+        raise type(e)(f"{where}{e.args[0] if e.args else ''}") from None
 
 
 def check_option_values(options: Mapping, where: str = "options") -> None:
