@@ -522,3 +522,38 @@ def test_every_matrix_misuse_case_is_refused_by_tpamp_itself():
 @pytest.mark.parametrize("case", MATRIX_MISUSE, ids=[c.id for c in MATRIX_MISUSE])
 def test_matrix_misuse_is_refused_naming_the_value_and_changes_nothing(case):
     assert_refused_and_unchanged(case)
+
+
+def test_a_wrapped_combined_optimizer_with_parts_in_another_order_resumes_exactly():
+    """MixedPrecisionOptimizer (fp16 params, fp32 main copies per group) over [Muon, AdamW],
+    loaded into one over [AdamW, Muon]: the main params follow their groups (the wrapper's
+    load realigns both by part key) and the run continues as the uninterrupted one."""
+    def build(order):
+        g = torch.Generator().manual_seed(0)
+        w = torch.nn.Parameter(torch.randn(6, 4, generator=g).half())
+        b = torch.nn.Parameter(torch.randn(4, generator=g).half())
+        parts = [tpamp.TensorParallelMuon([w], lr=0.02), torch.optim.AdamW([b], lr=0.01)]
+        inner = tpamp.CombinedOptimizer(parts if order == 0 else parts[::-1])
+        return (w, b), tpamp.MixedPrecisionOptimizer(
+            inner, grad_scaler=tpamp.DynamicGradScaler(2.0 ** 4))
+
+    gw, gb = _grads((6, 4), 3, seed=5), _grads((4,), 3, seed=6)
+
+    def step(params, opt, k):
+        params[0].grad, params[1].grad = gw[k].half() * 16, gb[k].half() * 16
+        assert opt.step().update_successful
+
+    ref_params, ref = build(0)
+    params, opt = build(0)
+    for k in range(3):
+        step(ref_params, ref, k)
+        if k < 2:
+            step(params, opt, k)
+    buf = io.BytesIO()
+    torch.save(opt.state_dict(), buf)
+    buf.seek(0)
+    params2, opt2 = build(1)
+    opt2.load_state_dict(torch.load(buf))
+    step(params2, opt2, 2)
+    for p, q in zip(params2, ref_params):
+        assert torch.equal(p, q)
