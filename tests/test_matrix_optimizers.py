@@ -557,3 +557,61 @@ def test_a_wrapped_combined_optimizer_with_parts_in_another_order_resumes_exactl
     step(params2, opt2, 2)
     for p, q in zip(params2, ref_params):
         assert torch.equal(p, q)
+
+
+def test_combined_optimizer_parts_in_another_order_resume_through_the_sharded_checkpoint(tmp_path):
+    """tpamp.checkpoint: the saved groups are matched to the parts by key (the optimizer's
+    align_param_groups), and a saved hyperparameter the class refuses is a CheckpointError
+    before anything changes."""
+    from tpamp.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
+
+    def build(order):
+        g = torch.Generator().manual_seed(0)
+        named = {"w": torch.nn.Parameter(torch.randn(6, 4, generator=g).half()),
+                 "b": torch.nn.Parameter(torch.randn(4, generator=g).half())}
+        parts = [tpamp.TensorParallelMuon([named["w"]], lr=0.02),
+                 torch.optim.AdamW([named["b"]], lr=0.01)]
+        inner = tpamp.CombinedOptimizer(parts if order == 0 else parts[::-1])
+        return named, tpamp.MixedPrecisionOptimizer(
+            inner, grad_scaler=tpamp.DynamicGradScaler(2.0 ** 4))
+
+    grads = {"w": _grads((6, 4), 4, seed=8), "b": _grads((4,), 4, seed=9)}
+
+    def run(named, opt, steps):
+        for k in steps:
+            for n, p in named.items():
+                p.grad = grads[n][k].half() * 16
+            assert opt.step().update_successful
+        return {n: tensor_bytes(p) for n, p in named.items()}
+
+    want = run(*build(0), range(4))
+    named, opt = build(0)
+    run(named, opt, range(2))
+    path = str(tmp_path / "ckpt")
+    save_checkpoint(path, named, opt)
+    named2, opt2 = build(1)
+    load_checkpoint(path, named2, opt2)
+    assert run(named2, opt2, range(2, 4)) == want
+    # a saved group value the class refuses (here through a part that now says lr=inf)
+    named3, opt3 = build(1)
+    aligned = opt3.align_param_groups([dict(g) for g in opt.optimizer.param_groups])
+    assert [g["optimizer_part"] for g in aligned] == ["AdamW", "TensorParallelMuon"]
+    bad = [dict(g) for g in opt.optimizer.param_groups]
+    bad[0]["momentum"] = 1.0
+    with pytest.raises(ValueError, match=r"checkpoint's param_groups\[1\]\['momentum'\]"):
+        opt3.check_saved_param_groups(opt3.align_param_groups(bad))
+    opt.optimizer.param_groups[0]["momentum"] = 1.0  # saved as the checkpoint's value
+    save_checkpoint(str(tmp_path / "bad"), named, opt)
+    named3_before = {n: tensor_bytes(p) for n, p in named3.items()}
+    with pytest.raises(CheckpointError, match=r"param_groups\[1\]\['momentum'\] must be finite "
+                                              r"and >= 0.0 and < 1.0, got 1.0"):
+        load_checkpoint(str(tmp_path / "bad"), named3, opt3)
+    assert {n: tensor_bytes(p) for n, p in named3.items()} == named3_before
+    named4, _ = build(0)
+    other = tpamp.MixedPrecisionOptimizer(tpamp.CombinedOptimizer(
+        {"x": torch.optim.SGD([named4["w"]], lr=0.1), "y": torch.optim.AdamW([named4["b"]])}),
+        grad_scaler=tpamp.DynamicGradScaler(2.0 ** 4))
+    before = {n: tensor_bytes(p) for n, p in named4.items()}
+    with pytest.raises(CheckpointError, match=r"optimizer parts \['AdamW', 'TensorParallelMuon'\]"):
+        load_checkpoint(path, named4, other)
+    assert {n: tensor_bytes(p) for n, p in named4.items()} == before

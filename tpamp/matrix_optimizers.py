@@ -834,7 +834,7 @@ class CombinedOptimizer(torch.optim.Optimizer):
             opt.step()
         return loss
 
-    def saved_group_order(self, state_dict) -> Optional[List[int]]:
+    def saved_group_order(self, state_dict, where: str = "the state_dict") -> Optional[List[int]]:
         """For each live param group, the index of the saved group of ``state_dict`` it loads
         from, matched by part key (``group["optimizer_part"]``) and within a part by override
         key (else by position); None when a saved group has no part key (load by position) or
@@ -847,7 +847,7 @@ class CombinedOptimizer(torch.optim.Optimizer):
         saved_keys = [g[PART_KEY] for g in saved]
         if set(saved_keys) != set(self.part_keys):
             raise ValueError(
-                f"the state_dict's optimizer parts {sorted(set(saved_keys))} are not this "
+                f"{where}'s optimizer parts {sorted(set(saved_keys))} are not this "
                 f"CombinedOptimizer's {sorted(self.part_keys)}: a state dict of other parts")
         perm, at = [], 0
         for key, n in zip(self.part_keys, self._sizes):
@@ -855,9 +855,9 @@ class CombinedOptimizer(torch.optim.Optimizer):
             live = self.param_groups[at:at + n]
             at += n
             if len(idx) != n:
-                raise ValueError(f"the state_dict's part {key!r} has {len(idx)} param groups, "
+                raise ValueError(f"{where}'s part {key!r} has {len(idx)} param groups, "
                                  f"this CombinedOptimizer's has {n}")
-            sub = match_saved_groups([saved[i] for i in idx], live, "the state_dict")
+            sub = match_saved_groups([saved[i] for i in idx], live, where)
             perm += [idx[j] for j in (sub if sub is not None else range(n))]
         return perm
 

@@ -1504,9 +1504,23 @@ class MixedPrecisionOptimizer(OptimizerWrapper):
         optimizer's inner groups, matched by override key (docs/spec.md section 16); as given
         (by position) when either side has a group without one. Raises ValueError naming the
         key for a key that is new or gone, or an override whose values differ (a changed
-        override); :func:`tpamp.param_groups.match_saved_groups`."""
-        perm = match_saved_groups(list(saved_groups), self.optimizer.param_groups, where)
+        override); :func:`tpamp.param_groups.match_saved_groups`. An inner optimizer of parts
+        (:class:`tpamp.CombinedOptimizer`) matches them to its parts by part key first."""
+        saved_groups = list(saved_groups)
+        by_part = getattr(self.optimizer, "saved_group_order", None)
+        perm = by_part({"param_groups": saved_groups}, where) if callable(by_part) else None
+        if perm is None:
+            perm = match_saved_groups(saved_groups, self.optimizer.param_groups, where)
         return tuple(saved_groups) if perm is None else tuple(saved_groups[j] for j in perm)
+
+    def check_saved_param_groups(self, saved_groups, where: str = "the checkpoint") -> None:
+        """The hook of ``tpamp.checkpoint``: the hyperparameter values of saved param groups
+        (aligned by :meth:`align_param_groups`, one per inner group), each by the rules of the
+        class that steps it (:mod:`tpamp.hyperparameters`: a finite lr, eps > 0, Muon's
+        momentum < 1, ...). Raises TypeError / ValueError naming the group and key; changes
+        nothing."""
+        hyperparameters.check_saved_group_hyperparameters(self.optimizer, list(saved_groups),
+                                                          f"{where}'s param_groups")
 
     def _ckpt_named_mains(self, model_params) -> List[tuple]:
         """[(global name, main param)] in param-group order."""
