@@ -615,3 +615,16 @@ def test_combined_optimizer_parts_in_another_order_resume_through_the_sharded_ch
     with pytest.raises(CheckpointError, match=r"optimizer parts \['AdamW', 'TensorParallelMuon'\]"):
         load_checkpoint(path, named4, other)
     assert {n: tensor_bytes(p) for n, p in named4.items()} == before
+
+
+def test_a_bad_qkv_split_set_later_is_refused_before_any_param_changes():
+    """The second param's qkv_split_sizes (set after construction) do not tile its rows: the
+    step refuses before the first param (in the group before) is stepped."""
+    a, b = _new_param(6, 4), _new_param(12, 4)
+    opt = tpamp.TensorParallelMuon([{"params": [a]}, {"params": [b], "qkv_split_sizes": (2, 1, 1)}])
+    opt.param_groups[1]["qkv_split_sizes"] = (5, 2, 2)
+    a.grad, b.grad = torch.ones_like(a), torch.ones_like(b)
+    before = (tensor_bytes(a), tensor_bytes(b))
+    with pytest.raises(ValueError, match=r"param 0 of group 1: qkv_split_sizes \(5, 2, 2\)"):
+        opt.step()
+    assert (tensor_bytes(a), tensor_bytes(b)) == before and len(opt.state) == 0

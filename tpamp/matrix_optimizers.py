@@ -471,33 +471,37 @@ class TensorParallelMuon(torch.optim.Muon):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        for gi, group in enumerate(self.param_groups):  # values set since (a scheduler)
-            self._check_group(group, gi, read_tensors=False)
+        # everything checked before any param changes: the groups' values (set since, e.g. by a
+        # scheduler), each layout and qkv_split_sizes
+        todo = []
         for gi, group in enumerate(self.param_groups):
-            lr, wd, mu = _scalar(group["lr"]), group["weight_decay"], group["momentum"]
+            self._check_group(group, gi, read_tensors=False)
             for pi, p in enumerate(group["params"]):
                 if p.grad is None:
                     continue
                 if p.grad.is_sparse or torch.is_complex(p):
                     raise RuntimeError("Muon does not support sparse gradients or complex params")
-                layout = _Layout(p, self.tensor_parallel_group,
-                                 f"TensorParallelMuon param {pi} of group {gi}")
-                if _numel(layout.shape) == 0:  # no element: nothing to update (every TP rank)
-                    continue
-                param, grad = local_tensor(p), local_tensor(p.grad)
-                state = self.state[p]
-                if "momentum_buffer" not in state:  # a DTensor like the param's for a DTensor
-                    state["momentum_buffer"] = torch.zeros_like(p.grad)
-                buf = local_tensor(state["momentum_buffer"])
-                buf.lerp_(grad, 1 - mu)
-                update = grad.lerp(buf, mu) if group["nesterov"] else buf
-                sizes = group["qkv_split_sizes"]
-                param.mul_(1 - lr * wd)
-                if sizes is None:
-                    ortho = self._orthogonalise(update, layout, group)
-                    param.add_(ortho, alpha=-_adjust_lr(lr, group["adjust_lr_fn"], layout.shape))
-                else:
-                    param.sub_(self._qkv_delta(update, layout, group, lr, sizes))
+                who = f"TensorParallelMuon param {pi} of group {gi}"
+                layout = _Layout(p, self.tensor_parallel_group, who)
+                _check_qkv(group["qkv_split_sizes"], layout.shape[0], who)
+                if _numel(layout.shape):  # no element: nothing to update (every TP rank)
+                    todo.append((group, p, layout))
+        for group, p, layout in todo:
+            lr, wd, mu = _scalar(group["lr"]), group["weight_decay"], group["momentum"]
+            param, grad = local_tensor(p), local_tensor(p.grad)
+            state = self.state[p]
+            if "momentum_buffer" not in state:  # a DTensor like the param's for a DTensor
+                state["momentum_buffer"] = torch.zeros_like(p.grad)
+            buf = local_tensor(state["momentum_buffer"])
+            buf.lerp_(grad, 1 - mu)
+            update = grad.lerp(buf, mu) if group["nesterov"] else buf
+            sizes = group["qkv_split_sizes"]
+            param.mul_(1 - lr * wd)
+            if sizes is None:
+                ortho = self._orthogonalise(update, layout, group)
+                param.add_(ortho, alpha=-_adjust_lr(lr, group["adjust_lr_fn"], layout.shape))
+            else:
+                param.sub_(self._qkv_delta(update, layout, group, lr, sizes))
         return loss
 
     @staticmethod
@@ -604,13 +608,11 @@ class TensorParallelAdafactor(torch.optim.Adafactor):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        todo = []  # everything checked before any param changes
         for gi, group in enumerate(self.param_groups):
             check_group_hyperparameters(TensorParallelAdafactor, group,
                                         f"TensorParallelAdafactor param group {gi}",
                                         read_tensors=False)
-        for gi, group in enumerate(self.param_groups):
-            lr = _scalar(group["lr"])
-            eps1, eps2 = group["eps"]
             for pi, p in enumerate(group["params"]):
                 if p.grad is None:
                     continue
@@ -619,9 +621,11 @@ class TensorParallelAdafactor(torch.optim.Adafactor):
                         "Adafactor does not support sparse gradients or complex params")
                 layout = _Layout(p, self.tensor_parallel_group,
                                  f"TensorParallelAdafactor param {pi} of group {gi}")
-                if _numel(layout.shape) == 0:  # no element: nothing to update
-                    continue
-                self._step_param(p, layout, group, lr, eps1, eps2)
+                if _numel(layout.shape):  # no element: nothing to update
+                    todo.append((group, p, layout))
+        for group, p, layout in todo:
+            eps1, eps2 = group["eps"]
+            self._step_param(p, layout, group, _scalar(group["lr"]), eps1, eps2)
         return loss
 
     def _step_param(self, p: Tensor, layout: _Layout, group: dict, lr: float, eps1, eps2):
