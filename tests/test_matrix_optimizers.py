@@ -473,7 +473,11 @@ MATRIX_MISUSE = [
     Case("muon-load-adam-state", _on_muon(lambda o, sd: o.load_state_dict(_stepped(torch.optim.Adam(ps := _P(), lr=0.1), ps).state_dict())), ValueError, ["TensorParallelMuon"]),
     Case("muon-load-None", _on_muon(lambda o, sd: o.load_state_dict(None)), TypeError, ["state_dict", "None"]),
     Case("muon-load-two-groups", _on_muon(lambda o, sd: o.load_state_dict({**sd, "param_groups": sd["param_groups"] * 2})), ValueError, ["2", "1", "param_groups"]),
+    Case("muon-tp-group-str", _nothing(lambda: tpamp.TensorParallelMuon(_P(), tensor_parallel_group="tp")), TypeError, ["tensor_parallel_group", "str"]),
+    Case("muon-lr-tensor-2", _nothing(lambda: tpamp.TensorParallelMuon(_P(), lr=torch.tensor([0.1, 0.2]))), TypeError, ["lr", "(2,)"]),
     # TensorParallelAdafactor
+    Case("adafactor-tp-group-int", _nothing(lambda: tpamp.TensorParallelAdafactor(_P(), tensor_parallel_group=0)), TypeError, ["tensor_parallel_group", "int"]),
+    Case("adafactor-eps2-nan", _nothing(lambda: tpamp.TensorParallelAdafactor(_P(), eps=(None, math.nan))), ValueError, ["eps", "nan"]),
     Case("adafactor-eps1-0", _nothing(lambda: tpamp.TensorParallelAdafactor(_P(), eps=(0.0, 1e-3))), ValueError, ["eps", "0.0"]),
     Case("adafactor-eps-number", _nothing(lambda: tpamp.TensorParallelAdafactor(_P(), eps=1e-3)), TypeError, ["eps", "0.001"]),
     Case("adafactor-lr-nan-group", _nothing(lambda: tpamp.TensorParallelAdafactor([{"params": _P(), "lr": math.nan}])), ValueError, ["lr", "nan"]),

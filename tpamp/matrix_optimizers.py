@@ -49,6 +49,7 @@ import torch
 import torch.distributed as dist
 
 from tpamp import _load
+from tpamp._checks import check_group_member
 from tpamp.common import is_dtensor, local_tensor
 from tpamp.hyperparameters import (
     check_group_hyperparameters,
@@ -399,6 +400,7 @@ class TensorParallelMuon(torch.optim.Muon):
         self._check_group(dict(lr=lr, weight_decay=weight_decay, momentum=momentum,
                                nesterov=nesterov, eps=eps, ns_steps=ns_steps,
                                adjust_lr_fn=adjust_lr_fn, tp_mode=tp_mode, **kwargs), "defaults")
+        check_group_member(tensor_parallel_group, "tensor_parallel_group")
         # read by add_param_group, which torch's constructor calls for every group
         self.tensor_parallel_group = tensor_parallel_group
         self._tp_mode = tp_mode
@@ -571,6 +573,7 @@ class TensorParallelAdafactor(torch.optim.Adafactor):
             TensorParallelAdafactor, dict(lr=lr, beta2_decay=beta2_decay, eps=eps, d=d,
                                           weight_decay=weight_decay, foreach=foreach,
                                           maximize=maximize), "TensorParallelAdafactor defaults")
+        check_group_member(tensor_parallel_group, "tensor_parallel_group")
         self.tensor_parallel_group = tensor_parallel_group  # read by add_param_group
         super().__init__(params, lr=lr, beta2_decay=beta2_decay, eps=eps, d=d,
                          weight_decay=weight_decay, foreach=foreach, maximize=maximize)
