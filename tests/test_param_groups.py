@@ -186,8 +186,17 @@ OPTION_MISUSE = [
     ("options-unknown-tuple-inf", lambda: _OV(options={"my_option": (1.0, -math.inf)}), ValueError, ["my_option", "-inf"]),
     ("options-twice", lambda: _OV(options=[("eps", 1e-8), ("eps", 1e-6)]), ValueError, ["eps", "twice"]),
     ("options-dict-form", lambda: _OV.of({"lr_mult": 0.5, "eps": math.inf}), ValueError, ["eps", "inf"]),
+    ("min_lr-above-max_lr", lambda: _OV(max_lr=1e-4, min_lr=1e-3), ValueError, ["min_lr", "0.001", "max_lr"]),
+    ("build-min_lr-above-lr", lambda: tpamp.build_param_groups({"w": torch.nn.Parameter(torch.ones(2))}, lr=1e-4, min_lr=1e-3), ValueError, ["min_lr", "0.001", "lr"]),
+    ("build-decoupled-below-min_lr", lambda: tpamp.build_param_groups({"w": _emb()}, lr=1e-3, min_lr=1e-4, decoupled_lr=1e-5), ValueError, ["max_lr", "1e-05", "min_lr", "0.0001"]),
     ("options-in-build", lambda: tpamp.build_param_groups({"w": torch.nn.Parameter(torch.ones(2))}, lr=1.0, overrides={tpamp.ParamKey(name="w"): {"betas": (0.9, -0.1)}}), ValueError, ["betas", "-0.1"]),
 ]
+
+
+def _emb():
+    p = torch.nn.Parameter(torch.ones(2, 2))
+    p.is_embedding_or_output_parameter = True
+    return p
 
 
 def test_every_option_misuse_is_refused_by_tpamp_itself():
