@@ -69,7 +69,9 @@ def _all_finite(tensors: Sequence[Tensor]) -> List[bool]:
 def check_inner_optimizer_state(optimizer, state_dict, where: str = "state_dict['optimizer']") -> None:
     """Check a ``torch.optim`` state dict against ``optimizer`` without loading it: the same
     number of param groups and params per group, the optimizer class's hyperparameters present
-    in every group (an SGD state dict lacks Adam's ``betas``), state entries for listed params
+    in every group (an SGD state dict lacks Adam's ``betas``; for a :class:`tpamp.
+    CombinedOptimizer` the class of the part that steps the group) with values its rules accept
+    (:mod:`tpamp.hyperparameters`: a finite lr, eps > 0, ...), state entries for listed params
     only, with the keys of the current state (when there is one) and per-element tensors of the
     param's shape, all floating-point state finite, and 8-bit moments with their per-block
     scales (:func:`tpamp.state_formats.check_saved_scales`: present, shape, finite, >= 0).
