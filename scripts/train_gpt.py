@@ -413,8 +413,9 @@ def validate_optimizer_args(args) -> None:
     """The --optimizer / --muon-* checks of :func:`validate_args` (FlagError)."""
     if args.optimizer != "muon":
         return
-    _check(args, "muon_momentum", math.isfinite(args.muon_momentum) and args.muon_momentum >= 0,
-           "expected a finite momentum >= 0")
+    _check(args, "muon_momentum", math.isfinite(args.muon_momentum)
+           and 0 <= args.muon_momentum < 1,  # an average: buf.lerp_(grad, 1 - momentum)
+           "expected a momentum in [0, 1)")
     _check(args, "muon_num_ns_steps", 1 <= args.muon_num_ns_steps < 100,
            "expected an int from 1 to 99")
     narrow = (args.exp_avg_dtype != "fp32" or args.exp_avg_sq_dtype != "fp32"
@@ -604,6 +605,8 @@ def validate_args(args) -> None:
     _check(args, "lr", math.isfinite(args.lr) and args.lr > 0, "expected a finite lr > 0")
     _check(args, "min_lr", math.isfinite(args.min_lr) and args.min_lr >= 0,
            "expected a finite lr >= 0")
+    _check(args, "min_lr", args.min_lr <= args.lr,  # Megatron's scheduler: max_lr >= min_lr
+           f"expected at most --lr {args.lr} (the cosine decays from --lr to --min-lr)")
     _check(args, "lr_warmup_iters", args.lr_warmup_iters >= 0, "expected an int >= 0")
     for dest in ("weight_decay", "clip_grad"):
         _check(args, dest, math.isfinite(getattr(args, dest)) and getattr(args, dest) >= 0,
@@ -626,6 +629,11 @@ def validate_args(args) -> None:
                "expected it only with --decoupled-lr")
         _check(args, "decoupled_min_lr", math.isfinite(args.decoupled_min_lr)
                and args.decoupled_min_lr >= 0, "expected a finite lr >= 0")
+    if args.decoupled_lr is not None:
+        end = args.min_lr if args.decoupled_min_lr is None else args.decoupled_min_lr
+        _check(args, "decoupled_lr", args.decoupled_lr >= end,
+               f"expected at least its end of decay {end} (--decoupled-min-lr, default "
+               "--min-lr)")
     # spike detection (tpamp.SpikeDetector)
     _check(args, "spike_threshold", math.isfinite(args.spike_threshold)
            and args.spike_threshold > 0, "expected a finite number > 0")

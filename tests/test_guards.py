@@ -179,6 +179,32 @@ def _nan_exp_avg(sd):
     return sd
 
 
+# -- hyperparameters: checked at wrapping, at every step and in every load (main e82d3a5: never;
+# eps 0 over a zero grad, an infinite lr: nan params while step() reported success)
+
+
+def _set_later(**values):
+    """A wrapped Adam after a backward, its first group's values then changed (a scheduler)."""
+    def setup():
+        opt, params = _mpo()
+        _backward(opt, params)
+        opt.optimizer.param_groups[0].update(values)
+        return _watch(opt, params), opt.step
+    return setup
+
+
+def _wrap_groups(inner_cls=torch.optim.Adam, **values):
+    """Wrapping an inner optimizer whose second group has its own ``values`` (torch checks only
+    its constructor's defaults)."""
+    def setup():
+        params = [torch.nn.Parameter(torch.ones(3, 2, dtype=torch.float16)) for _ in range(2)]
+        inner = inner_cls([{"params": [params[0]]}, {"params": [params[1]], **values}], lr=0.1)
+        picture = lambda: (_picture(inner, params), wrapped_by(inner))  # noqa: E731
+        return picture, lambda: tpamp.MixedPrecisionOptimizer(
+            inner, grad_scaler=tpamp.DynamicGradScaler(initial_scale=8.0))
+    return setup
+
+
 # -- spike detectors ------------------------------------------------------------------------------
 
 
@@ -263,6 +289,22 @@ CASES = [
     Case("load-spike-negative-count", _with_spikes(_set_in(["spike_detector", "spikes"], -1)), ValueError, ["spike_detector", "spikes", "-1"]),
     Case("load-spike-not-dict", _with_spikes(_set_in(["spike_detector"], [1.0])), TypeError, ["spike_detector", "list"]),
     Case("load-spike-ok-inner-bad", _with_spikes(_nan_exp_avg), ValueError, ["exp_avg", "nan"]),
+    # hyperparameters of the inner optimizer's groups (tpamp.hyperparameters)
+    Case("load-group-lr-inf", _load(_set_in(["optimizer", "param_groups", 0, "lr"], math.inf)), ValueError, ["lr", "inf"]),
+    Case("load-group-lr-str", _load(_set_in(["optimizer", "param_groups", 1, "lr"], "0.1")), TypeError, ["lr", "'0.1'"]),
+    Case("load-group-eps-0", _load(_set_in(["optimizer", "param_groups", 1, "eps"], 0.0)), ValueError, ["eps", "0.0"]),
+    Case("load-group-betas-1", _load(_set_in(["optimizer", "param_groups", 0, "betas"], (0.9, 1.0))), ValueError, ["betas", "1.0"]),
+    Case("load-group-weight_decay-nan", _load(_set_in(["optimizer", "param_groups", 0, "weight_decay"], NAN)), ValueError, ["weight_decay", "nan"]),
+    Case("load-group-amsgrad-int", _load(_set_in(["optimizer", "param_groups", 0, "amsgrad"], 1)), TypeError, ["amsgrad", "1"]),
+    Case("step-lr-inf-set-later", _set_later(lr=math.inf), ValueError, ["lr", "inf"]),
+    Case("step-lr-nan-set-later", _set_later(lr=NAN), ValueError, ["lr", "nan"]),
+    Case("step-eps-0-set-later", _set_later(eps=0.0), ValueError, ["eps", "0.0"]),
+    Case("step-betas-set-later", _set_later(betas=(1.0, 0.999)), ValueError, ["betas", "1.0"]),
+    Case("wrap-adam-group-eps-0", _wrap_groups(eps=0.0), ValueError, ["eps", "0.0", "Adam"]),
+    Case("wrap-adam-group-lr-inf", _wrap_groups(lr=math.inf), ValueError, ["lr", "inf"]),
+    Case("wrap-sgd-group-momentum-nan", _wrap_groups(torch.optim.SGD, momentum=NAN), ValueError, ["momentum", "nan"]),
+    Case("wrap-muon-group-momentum-1", _wrap_groups(torch.optim.Muon, momentum=1.0), ValueError, ["momentum", "1.0", "Muon"]),
+    Case("wrap-muon-group-ns_coefficients", _wrap_groups(torch.optim.Muon, ns_coefficients=(1.0, 2.0)), ValueError, ["ns_coefficients", "3"]),
     # one detector, one optimizer
     Case("det-shared-two-mpo", _shared_detector("MixedPrecisionOptimizer"), ValueError, ["SpikeDetector", "MixedPrecisionOptimizer"]),
     Case("det-shared-mpo-fp32", _shared_detector("FP32Optimizer"), ValueError, ["SpikeDetector", "MixedPrecisionOptimizer"]),

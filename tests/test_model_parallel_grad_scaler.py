@@ -33,7 +33,15 @@ import pytest
 import torch
 import torch.distributed as dist
 from dist_utils import run_workers
-from misuse_utils import assert_every_case_refused_by_tpamp, assert_raises_naming, case_ids
+from misuse_utils import (
+    DROP,
+    Case,
+    assert_every_case_refused_by_tpamp,
+    assert_every_setup_case_refused_by_tpamp,
+    assert_raises_naming,
+    assert_refused_and_unchanged,
+    case_ids,
+)
 from torch import nn
 
 import tpamp
@@ -649,3 +657,67 @@ def test_every_case_is_refused_by_tpamp_itself():
 @pytest.mark.parametrize("case_id,call,exc,words", MISUSE_CASES, ids=case_ids(MISUSE_CASES))
 def test_misuse_raises_a_clear_error_naming_the_argument(case_id, call, exc, words):
     assert_raises_naming(case_id, call, exc, words)
+
+
+# ---- load_state_dict: the constructor's rules, all or nothing (main e82d3a5 loaded anything) --
+
+
+def _good_state(**changes):
+    state = {"scale": 8.0, "growth_factor": 2.0, "backoff_factor": 0.5, "growth_interval": 10,
+             "_growth_tracker": 3}
+    for k, v in changes.items():
+        if v is DROP:
+            del state[k]
+        else:
+            state[k] = v
+    return state
+
+
+def _load_into_scaler(state):
+    def setup():
+        scaler = tpamp.ModelParallelGradScaler("cpu", init_scale=2.0 ** 10, growth_interval=7)
+        scaler.scale(torch.ones(())).item()  # the scale tensor exists
+        picture = lambda: (scaler.state_dict(), scaler.get_scale())  # noqa: E731
+        return picture, lambda: scaler.load_state_dict(state)
+    return setup
+
+
+SCALER_LOAD_MISUSE = [
+    Case("mpgs-load-scale-nan", _load_into_scaler(_good_state(scale=NAN)), ValueError, ["scale", "nan"]),
+    Case("mpgs-load-scale-inf", _load_into_scaler(_good_state(scale=math.inf)), ValueError, ["scale", "inf"]),
+    Case("mpgs-load-scale-0", _load_into_scaler(_good_state(scale=0.0)), ValueError, ["scale", "0.0"]),
+    Case("mpgs-load-scale-1e39", _load_into_scaler(_good_state(scale=1e39)), ValueError, ["scale", "float32"]),
+    Case("mpgs-load-scale-str", _load_into_scaler(_good_state(scale="8")), TypeError, ["scale", "'8'"]),
+    Case("mpgs-load-growth_factor-1", _load_into_scaler(_good_state(growth_factor=1.0)), ValueError, ["growth_factor", "1.0"]),
+    Case("mpgs-load-growth_factor-inf", _load_into_scaler(_good_state(growth_factor=math.inf)), ValueError, ["growth_factor", "inf"]),
+    Case("mpgs-load-backoff_factor-0", _load_into_scaler(_good_state(backoff_factor=0.0)), ValueError, ["backoff_factor", "0.0"]),
+    Case("mpgs-load-backoff_factor-nan", _load_into_scaler(_good_state(backoff_factor=NAN)), ValueError, ["backoff_factor", "nan"]),
+    Case("mpgs-load-growth_interval-0", _load_into_scaler(_good_state(growth_interval=0)), ValueError, ["growth_interval", "0"]),
+    Case("mpgs-load-growth_interval-float", _load_into_scaler(_good_state(growth_interval=10.0)), TypeError, ["growth_interval", "10.0"]),
+    Case("mpgs-load-growth_interval-2**31", _load_into_scaler(_good_state(growth_interval=2 ** 31)), ValueError, ["growth_interval", str(2 ** 31)]),
+    Case("mpgs-load-tracker-negative", _load_into_scaler(_good_state(_growth_tracker=-1)), ValueError, ["_growth_tracker", "-1"]),
+    Case("mpgs-load-tracker-interval", _load_into_scaler(_good_state(_growth_tracker=10)), ValueError, ["_growth_tracker", "10"]),
+    Case("mpgs-load-tracker-float", _load_into_scaler(_good_state(_growth_tracker=1.5)), TypeError, ["_growth_tracker", "1.5"]),
+    Case("mpgs-load-missing", _load_into_scaler(_good_state(backoff_factor=DROP)), KeyError, ["backoff_factor"]),
+    Case("mpgs-load-None", _load_into_scaler(None), TypeError, ["state_dict", "None"]),
+    Case("mpgs-load-list", _load_into_scaler([8.0]), TypeError, ["state_dict", "list"]),
+]
+
+
+def test_every_scaler_load_case_is_refused_by_tpamp_itself():
+    assert_every_setup_case_refused_by_tpamp(SCALER_LOAD_MISUSE, case_ids(MISUSE_CASES))
+
+
+@pytest.mark.parametrize("case", SCALER_LOAD_MISUSE, ids=[c.id for c in SCALER_LOAD_MISUSE])
+def test_a_bad_scaler_state_is_refused_and_changes_nothing(case):
+    assert_refused_and_unchanged(case)
+
+
+def test_a_good_scaler_state_loads_every_number():
+    scaler = tpamp.ModelParallelGradScaler("cpu", init_scale=2.0 ** 10, growth_interval=7)
+    scaler.load_state_dict(_good_state())
+    assert scaler.state_dict() == _good_state()
+    # a disabled scaler loads nothing, as torch's
+    off = tpamp.ModelParallelGradScaler("cpu", enabled=False)
+    off.load_state_dict(_good_state(scale=NAN))
+    assert off.state_dict() == {}

@@ -5,6 +5,7 @@ too) continues bit-identically through MixedPrecisionOptimizer, DistributedOptim
 ranks) and the sharded checkpoint path; a changed override is refused, naming the key."""
 
 import io
+import math
 import zlib
 
 import numpy as np
@@ -12,6 +13,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from dist_utils import run_workers, tensor_bytes
+from misuse_utils import assert_every_case_refused_by_tpamp, assert_raises_naming, case_ids
 
 import tpamp
 from tpamp.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
@@ -161,6 +163,56 @@ def test_an_override_that_matches_nothing_raises_unless_allowed():
 def test_bad_arguments_raise(call, err, match):
     with pytest.raises(err, match=match):
         call()
+
+
+# ParamGroupOverride(options=...): the values torch checks only in a constructor (main e82d3a5
+# took any: eps 0 gave nan params at the first zero grad)
+_OV = tpamp.ParamGroupOverride
+OPTION_MISUSE = [
+    ("options-eps-0", lambda: _OV(options={"eps": 0.0}), ValueError, ["eps", "0.0", ">"]),
+    ("options-eps-nan", lambda: _OV(options={"eps": math.nan}), ValueError, ["eps", "nan"]),
+    ("options-eps-str", lambda: _OV(options={"eps": "1e-8"}), TypeError, ["eps", "'1e-8'"]),
+    ("options-eps-pair-negative", lambda: _OV(options={"eps": (None, -1.0)}), ValueError, ["eps", "-1.0"]),
+    ("options-betas-1", lambda: _OV(options={"betas": (0.9, 1.0)}), ValueError, ["betas", "1.0"]),
+    ("options-betas-inf", lambda: _OV(options={"betas": (math.inf, 0.99)}), ValueError, ["betas", "inf"]),
+    ("options-betas-number", lambda: _OV(options={"betas": 0.9}), TypeError, ["betas", "0.9"]),
+    ("options-momentum-negative", lambda: _OV(options={"momentum": -0.5}), ValueError, ["momentum", "-0.5"]),
+    ("options-momentum-inf", lambda: _OV(options={"momentum": math.inf}), ValueError, ["momentum", "inf"]),
+    ("options-ns_steps-100", lambda: _OV(options={"ns_steps": 100}), ValueError, ["ns_steps", "100"]),
+    ("options-ns_coefficients-2", lambda: _OV(options={"ns_coefficients": (3.4, -4.7)}), ValueError, ["ns_coefficients", "3"]),
+    ("options-nesterov-str", lambda: _OV(options={"nesterov": "yes"}), TypeError, ["nesterov", "'yes'"]),
+    ("options-foreach-int", lambda: _OV(options={"foreach": 1}), TypeError, ["foreach", "1"]),
+    ("options-unknown-nan", lambda: _OV(options={"my_option": math.nan}), ValueError, ["my_option", "nan"]),
+    ("options-unknown-tuple-inf", lambda: _OV(options={"my_option": (1.0, -math.inf)}), ValueError, ["my_option", "-inf"]),
+    ("options-twice", lambda: _OV(options=[("eps", 1e-8), ("eps", 1e-6)]), ValueError, ["eps", "twice"]),
+    ("options-dict-form", lambda: _OV.of({"lr_mult": 0.5, "eps": math.inf}), ValueError, ["eps", "inf"]),
+    ("min_lr-above-max_lr", lambda: _OV(max_lr=1e-4, min_lr=1e-3), ValueError, ["min_lr", "0.001", "max_lr"]),
+    ("build-min_lr-above-lr", lambda: tpamp.build_param_groups({"w": torch.nn.Parameter(torch.ones(2))}, lr=1e-4, min_lr=1e-3), ValueError, ["min_lr", "0.001", "lr"]),
+    ("build-decoupled-below-min_lr", lambda: tpamp.build_param_groups({"w": _emb()}, lr=1e-3, min_lr=1e-4, decoupled_lr=1e-5), ValueError, ["max_lr", "1e-05", "min_lr", "0.0001"]),
+    ("options-in-build", lambda: tpamp.build_param_groups({"w": torch.nn.Parameter(torch.ones(2))}, lr=1.0, overrides={tpamp.ParamKey(name="w"): {"betas": (0.9, -0.1)}}), ValueError, ["betas", "-0.1"]),
+]
+
+
+def _emb():
+    p = torch.nn.Parameter(torch.ones(2, 2))
+    p.is_embedding_or_output_parameter = True
+    return p
+
+
+def test_every_option_misuse_is_refused_by_tpamp_itself():
+    assert_every_case_refused_by_tpamp(OPTION_MISUSE)
+
+
+@pytest.mark.parametrize("case_id,call,exc,words", OPTION_MISUSE, ids=case_ids(OPTION_MISUSE))
+def test_a_bad_option_value_is_refused_naming_it(case_id, call, exc, words):
+    assert_raises_naming(case_id, call, exc, words)
+
+
+def test_good_option_values_are_kept():
+    ov = _OV(options={"eps": 1e-10, "betas": (0.9, 0.95), "nesterov": True, "adjust_lr_fn": None,
+                      "eps_pair": (None, 1e-3)})
+    assert dict(ov.options) == {"eps": 1e-10, "betas": (0.9, 0.95), "nesterov": True,
+                                "adjust_lr_fn": None, "eps_pair": (None, 1e-3)}
 
 
 def test_a_predicate_key_matches_and_names_the_group():

@@ -5,6 +5,7 @@ a step), against a single-process reference computed by hand with plain autograd
 from __future__ import annotations
 
 import contextlib
+import math
 
 import pytest
 import torch
@@ -125,3 +126,34 @@ def test_two_stage_schedule_matches_plain_autograd(schedule_name):
         torch.testing.assert_close(got[name], ref, rtol=1e-5, atol=1e-6, msg=name)
     # every backward but the last of the step ran under no_sync, on each stage
     assert [r[2] for r in results] == [M - 1, M - 1]
+
+
+@pytest.mark.parametrize("optimizer, name", [
+    ("adam", "str"),
+    (torch.optim.SGD([nn.Parameter(torch.zeros(2))], lr=0.1), "SGD"),
+    (3.0, "float"),
+])
+def test_pipeline_loss_refuses_an_optimizer_without_a_loss_scale(optimizer, name):
+    """main e82d3a5: accepted, then a raw AttributeError at the first call."""
+    with pytest.raises(TypeError, match=rf"optimizer must be a tpamp optimizer .*\({name}\)"):
+        PipelineLoss(F.mse_loss, M, optimizer)
+
+
+def test_pipeline_loss_unscale_takes_a_number_scale_and_refuses_a_bad_one():
+    """main e82d3a5: a float loss_scale raised a raw AttributeError ('float' has no reshape)."""
+    loss = PipelineLoss(F.mse_loss, M)
+    losses = [torch.tensor(2.5 / M * 8.0), torch.tensor(1.0 / M * 8.0)]
+    # an independent reference: x * M / scale by hand
+    assert [x.item() for x in loss.unscale(losses, 8.0)] == [2.5, 1.0]
+    assert [x.item() for x in loss.unscale(losses, 8)] == [2.5, 1.0]
+    for bad, exc, words in [(math.nan, ValueError, "loss_scale must be not nan"),
+                            (0.0, ValueError, "loss_scale must be finite and > 0"),
+                            (1e39, ValueError, "float32"),
+                            ("8", TypeError, "loss_scale must be a real number"),
+                            (torch.ones(2), TypeError, r"loss_scale must be a number or a one-element")]:
+        with pytest.raises(exc, match=words):
+            loss.unscale(losses, bad)
+    with pytest.raises(TypeError, match=r"losses\[1\] must be a tensor, got 2.0"):
+        loss.unscale([losses[0], 2.0], 8.0)
+    with pytest.raises(TypeError, match="losses must be a list"):
+        loss.unscale(losses[0], 8.0)

@@ -215,9 +215,11 @@ def test_no_import_cycle_between_tpamp_modules():
     assert "tpamp._validation" not in graph["tpamp.common"] and graph["tpamp.common"] == set()
     assert graph["tpamp._checks"] == set()  # the argument checks are a leaf
     assert graph["tpamp._load"] == {"tpamp._checks", "tpamp._guards", "tpamp.common",
+                                    "tpamp.hyperparameters",  # the option rules: a leaf
                                     "tpamp.param_groups",  # the override keys: a leaf
                                     "tpamp.state_formats"}  # the formats: a leaf over common
-    assert graph["tpamp.param_groups"] == set()
+    assert graph["tpamp.hyperparameters"] == set()
+    assert graph["tpamp.param_groups"] == {"tpamp.hyperparameters"}
     for a in ("tpamp.grad_stats", "tpamp._validation", "tpamp._checks", "tpamp._guards",
               "tpamp._load", "tpamp.common", "tpamp.optimizer", "tpamp.distributed_optimizer",
               "tpamp.param_norms", "tpamp.spikes", "tpamp.grad_scaler", "tpamp.amp_init"):

@@ -164,6 +164,44 @@ def test_clean_up_interrupted_saves_removes_staging_and_puts_a_set_aside_checkpo
     assert clean_up_interrupted_saves(str(tmp_path / "missing")) == []
 
 
+@pytest.mark.parametrize("root, exc, words", [
+    (b"/tmp", TypeError, r"root must be a path \(str or os.PathLike\), got b'/tmp' \(bytes\)"),
+    (None, TypeError, r"root must be a path .*\(NoneType\)"),
+    (3, TypeError, r"root must be a path .*\(int\)"),
+    ("", ValueError, "root must not be empty"),
+])
+def test_clean_up_interrupted_saves_refuses_a_root_that_is_not_a_str_path(tmp_path, root, exc, words):
+    """main e82d3a5: bytes listed the directory as bytes and failed in its regex (raw TypeError);
+    a PathLike is accepted."""
+    from tpamp.checkpoint import clean_up_interrupted_saves
+
+    os.makedirs(tmp_path / ".iter_0000001.saving-0123456789ab")
+    with pytest.raises(exc, match=words):
+        clean_up_interrupted_saves(root)
+    assert os.listdir(tmp_path) == [".iter_0000001.saving-0123456789ab"]
+    assert clean_up_interrupted_saves(tmp_path) == [".iter_0000001.saving-0123456789ab"]
+
+
+def test_the_tracker_helpers_refuse_a_root_or_iteration_of_the_wrong_type(tmp_path):
+    """main e82d3a5: raw os.path errors ("Can't mix strings and bytes", "expected str, bytes
+    or os.PathLike object") and a ValueError for a float or bool iteration."""
+    from tpamp.checkpoint import iteration_dir, read_latest_iteration, write_latest_iteration
+
+    root = str(tmp_path)
+    for call in (lambda: iteration_dir(root.encode(), 3), lambda: iteration_dir(None, 3),
+                 lambda: read_latest_iteration(root.encode()), lambda: read_latest_iteration(None),
+                 lambda: write_latest_iteration(root.encode(), 3)):
+        with pytest.raises(TypeError, match=r"root must be a (str )?path"):
+            call()
+    for it in (3.0, True, "3"):
+        with pytest.raises(TypeError, match=rf"iteration must be an int >= 0, got {it!r}"):
+            iteration_dir(root, it)
+    with pytest.raises(ValueError, match="iteration must be an int >= 0, got -1"):
+        write_latest_iteration(root, -1)
+    assert os.listdir(root) == []
+    assert iteration_dir(tmp_path, 7) == os.path.join(root, "iter_0000007")  # a PathLike
+
+
 def _flag_error(monkeypatch, capsys, *flags):
     """parse_args of one process (WORLD_SIZE 4 as torchrun would set) with ``flags``: the
     exit status and the line on stderr."""

@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 
 from tpamp.common import collective_device, local_tensor
+from tpamp.hyperparameters import check_optimizer_hyperparameters
 
 Tensor = torch.Tensor
 
@@ -212,7 +213,8 @@ def check_param_groups(wrapper) -> None:
 # The one step guard of MixedPrecisionOptimizer, DistributedOptimizer and TorchAMPOptimizer
 # (``@guard_step`` on their ``step``). Before the step body runs, and so before the loss scaler
 # or any other state moves:
-#   1. the inner optimizer's param groups are the wrapped ones (check_param_groups);
+#   1. the inner optimizer's param groups are the wrapped ones (check_param_groups), and their
+#      hyperparameters pass tpamp.hyperparameters' rules (a finite lr set by a scheduler, ...);
 #   2. every gradient the step will read has the param's shape, a float dtype (float32 for a
 #      float32 param) and the param's device (check_step_grads);
 #   3. a gradient changed since the last step consumed gradients: a backward, zero_grad() or a
@@ -341,6 +343,8 @@ def guard_step(step):
     @functools.wraps(step)
     def guarded(self, *args, **kwargs):
         check_param_groups(self)
+        # values set since construction (a scheduler, a user): host values only, no sync
+        check_optimizer_hyperparameters(self.optimizer, read_tensors=False)
         sources = step_grad_sources(self)
         check_step_grads(sources)
         check_new_backward(self, sources)

@@ -14,6 +14,7 @@ import torch.distributed as dist
 from tpamp._checks import check_mapping
 from tpamp._guards import gather_rows, reset_step_guard
 from tpamp.common import local_tensor
+from tpamp.hyperparameters import check_group_hyperparameters, group_optimizers
 from tpamp.param_groups import OVERRIDE_KEY, match_saved_groups
 from tpamp.state_formats import check_saved_scales, restore_code_dtypes
 
@@ -68,7 +69,9 @@ def _all_finite(tensors: Sequence[Tensor]) -> List[bool]:
 def check_inner_optimizer_state(optimizer, state_dict, where: str = "state_dict['optimizer']") -> None:
     """Check a ``torch.optim`` state dict against ``optimizer`` without loading it: the same
     number of param groups and params per group, the optimizer class's hyperparameters present
-    in every group (an SGD state dict lacks Adam's ``betas``), state entries for listed params
+    in every group (an SGD state dict lacks Adam's ``betas``; for a :class:`tpamp.
+    CombinedOptimizer` the class of the part that steps the group) with values its rules accept
+    (:mod:`tpamp.hyperparameters`: a finite lr, eps > 0, ...), state entries for listed params
     only, with the keys of the current state (when there is one) and per-element tensors of the
     param's shape, all floating-point state finite, and 8-bit moments with their per-block
     scales (:func:`tpamp.state_formats.check_saved_scales`: present, shape, finite, >= 0).
@@ -87,10 +90,11 @@ def check_inner_optimizer_state(optimizer, state_dict, where: str = "state_dict[
             f"{where}['param_groups'] has {len(groups)} param groups, this optimizer has {len(mine)}"
         )
     cls = type(optimizer)
-    needed = set(getattr(optimizer, "defaults", {})) - _keys_filled_on_load(cls)
+    owners = group_optimizers(optimizer)  # the part of a CombinedOptimizer that steps a group
     by_id = {}
-    for gi, (saved, group) in enumerate(zip(groups, mine)):
+    for gi, (saved, group, owner) in enumerate(zip(groups, mine, owners)):
         gwhere = f"{where}['param_groups'][{gi}]"
+        needed = set(getattr(owner, "defaults", {})) - _keys_filled_on_load(type(owner))
         check_mapping(gwhere, saved)
         if "params" not in saved:
             raise KeyError(f"{gwhere} has no 'params' entry")
@@ -105,9 +109,12 @@ def check_inner_optimizer_state(optimizer, state_dict, where: str = "state_dict[
         missing = needed - set(saved)
         if missing:
             raise ValueError(
-                f"{gwhere} lacks {sorted(missing)}, which {cls.__name__} needs: is this the state "
-                f"dict of another optimizer class (it has {sorted(k for k in saved if k != 'params')})?"
+                f"{gwhere} lacks {sorted(missing)}, which {type(owner).__name__} needs: is this "
+                f"the state dict of another optimizer class (it has "
+                f"{sorted(k for k in saved if k != 'params')})?"
             )
+        # the values too: torch checks them only in its constructor (tpamp.hyperparameters)
+        check_group_hyperparameters(type(owner), saved, gwhere)
         for pid, p in zip(ids, group["params"]):
             by_id[pid] = p
     to_check, names = [], []
@@ -224,7 +231,11 @@ def _group_alignment(optimizer, inner_sd, fixed_layout: Optional[str] = None):
     if not isinstance(saved, (list, tuple)) or not all(isinstance(g, dict) for g in saved):
         return None
     live = optimizer.param_groups
-    perm = match_saved_groups(saved, live, "the state_dict")
+    # an optimizer of parts (tpamp.CombinedOptimizer) matches the saved groups to its parts
+    by_part = getattr(optimizer, "saved_group_order", None)
+    perm = by_part(inner_sd) if callable(by_part) else None
+    if perm is None:
+        perm = match_saved_groups(saved, live, "the state_dict")
     if perm is None:
         return None
     if fixed_layout is not None:

@@ -101,7 +101,9 @@ class ModelParallelGradScaler(torch.amp.GradScaler):
     backoff_factor, a non-int growth_interval, a non-bool enabled, a device that is not a str,
     or a group that is not a ProcessGroup; ValueError unless init_scale is finite and > 0 in
     float32, growth_factor > 1, 0 < backoff_factor < 1, growth_interval in [1, 2**31 - 1], and
-    for a model_parallel_group this rank is not a member of. On a detached scaler
+    for a model_parallel_group this rank is not a member of. ``load_state_dict`` checks what
+    it loads by the same rules (:meth:`check_state_dict`) before any number changes. On a
+    detached scaler
     (unpickled, see above) ``unscale_``, ``step`` and ``update`` raise RuntimeError naming
     :meth:`set_model_parallel_group`.
     """
@@ -245,6 +247,27 @@ class ModelParallelGradScaler(torch.amp.GradScaler):
         memo[id(self)] = new
         new.__setstate__(copy.deepcopy(state, memo))
         return new
+
+    # ---- state dicts ------------------------------------------------------------------------
+
+    def check_state_dict(self, state_dict: Dict[str, Any]) -> None:
+        """Check a state dict :meth:`load_state_dict` would load, changing nothing: a dict with
+        torch.amp.GradScaler's keys (``scale``, ``growth_factor``, ``backoff_factor``,
+        ``growth_interval``, ``_growth_tracker``) whose values pass this class's constructor
+        checks (scale finite and > 0 in float32, growth_factor > 1, backoff_factor in (0, 1),
+        growth_interval in [1, 2**31 - 1]) and a growth tracker in [0, growth_interval - 1].
+        An empty dict (a disabled scaler's) is left to torch's RuntimeError; a disabled scaler
+        loads nothing and checks only that it is a dict. Raises TypeError / KeyError /
+        ValueError naming the key and the value."""
+        _validation.check_mapping("state_dict", state_dict)
+        if self.is_enabled() and len(state_dict):
+            _check_torch_scaler_state(state_dict, "state_dict")
+
+    def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
+        """torch.amp.GradScaler's load after :meth:`check_state_dict` (all or nothing: a
+        refused state dict changes no number of this scaler)."""
+        self.check_state_dict(state_dict)
+        super().load_state_dict(state_dict)
 
     # ---- the agreed found_inf ----------------------------------------------------------------
 
@@ -450,14 +473,16 @@ class TorchAMPOptimizer(OptimizerWrapper):
         scaler_state = state_dict.get("grad_scaler")
         if scaler_state:
             _check_torch_scaler_state(scaler_state)
+        elif scaler_state is not None:
+            _validation.check_mapping("state_dict['grad_scaler']", scaler_state)
         _validation.load_inner_state(self.optimizer, inner)
         if scaler_state:
             self.scaler.load_state_dict(scaler_state)
 
 
-def _check_torch_scaler_state(state: Dict[str, Any]) -> None:
-    """A torch.amp.GradScaler state dict: the keys it writes, with values it could have."""
-    where = "state_dict['grad_scaler']"
+def _check_torch_scaler_state(state: Dict[str, Any], where: str = "state_dict['grad_scaler']") -> None:
+    """A torch.amp.GradScaler state dict: the keys it writes, with values its constructor
+    (ModelParallelGradScaler's checks) accepts and a growth tracker below the interval."""
     _validation.check_mapping(where, state)
     keys = {"scale", "growth_factor", "backoff_factor", "growth_interval", "_growth_tracker"}
     missing = keys - set(state)
@@ -468,6 +493,7 @@ def _check_torch_scaler_state(state: Dict[str, Any]) -> None:
                            low_inclusive=False)
     _validation.check_real(f"{where}['backoff_factor']", state["backoff_factor"], low=0.0,
                            low_inclusive=False, high=1.0, high_inclusive=False)
-    interval = _validation.check_int(f"{where}['growth_interval']", state["growth_interval"], low=1)
+    interval = _validation.check_int(f"{where}['growth_interval']", state["growth_interval"], low=1,
+                                     high=2**31 - 1)
     _validation.check_int(f"{where}['_growth_tracker']", state["_growth_tracker"], low=0,
                           high=interval - 1)

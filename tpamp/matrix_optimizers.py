@@ -42,12 +42,21 @@ from __future__ import annotations
 
 import fnmatch
 import math
+from collections.abc import Mapping
 from typing import Callable, Dict, Iterable, List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
 
+from tpamp import _load
+from tpamp._checks import check_group_member
 from tpamp.common import is_dtensor, local_tensor
+from tpamp.hyperparameters import (
+    check_group_hyperparameters,
+    check_optimizer_hyperparameters,
+    group_optimizer_classes,
+)
+from tpamp.param_groups import match_saved_groups
 
 __all__ = [
     "MUON_TP_MODES",
@@ -115,8 +124,12 @@ def check_sharded_math(optimizer, *, flat_pieces: bool = False) -> None:
     over flat pieces; any other optimizer only over unsharded params.
 
     Raises:
+        TypeError: anything but a torch.optim.Optimizer;
         ValueError: naming the optimizer class, one offending param and what to use instead.
     """
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        raise TypeError(f"check_sharded_math takes a torch.optim.Optimizer, got "
+                        f"{type(optimizer).__name__}")
     if isinstance(optimizer, CombinedOptimizer):
         for part in optimizer.optimizers:
             check_sharded_math(part, flat_pieces=flat_pieces)
@@ -229,6 +242,27 @@ class _Layout:
 
 def _scalar(x) -> float:
     return float(x.item()) if isinstance(x, Tensor) else float(x)
+
+
+def _checked_state_dict(opt: torch.optim.Optimizer, state_dict, keep: Sequence[str] = ()) -> dict:
+    """``state_dict`` checked against ``opt`` before anything changes (the wrappers' check,
+    :func:`tpamp._load.check_inner_optimizer_state`: group and param counts, the class's
+    hyperparameter keys and values, state keys, shapes and finiteness), with the entries
+    ``keep`` that a saved group lacks (a torch.optim state dict has no tp_mode) taken from the
+    live group. A new dict; the caller's is not changed."""
+    _load.check_inner_optimizer_state(opt, state_dict, "state_dict")
+    groups = []
+    for saved, live in zip(state_dict["param_groups"], opt.param_groups):
+        g = dict(saved)
+        for k in keep:
+            if k not in g:
+                g[k] = live[k]
+        groups.append(g)
+    return {**state_dict, "param_groups": groups}
+
+
+def _numel(shape) -> int:
+    return math.prod(shape)
 
 
 # -- Muon ---------------------------------------------------------------------------------------
@@ -359,58 +393,117 @@ class TensorParallelMuon(torch.optim.Muon):
                  momentum: float = 0.95, nesterov: bool = True, ns_coefficients=None,
                  eps: float = 1e-7, ns_steps: int = 5, adjust_lr_fn: Optional[str] = None, *,
                  tp_mode: str = "duplicated", tensor_parallel_group=None):
-        kwargs = {} if ns_coefficients is None else {"ns_coefficients": tuple(ns_coefficients)}
+        kwargs = {} if ns_coefficients is None else {"ns_coefficients": tuple(ns_coefficients)
+                                                     if isinstance(ns_coefficients, list)
+                                                     else ns_coefficients}
+        # the defaults before torch's constructor reads them (it compares them with numbers)
+        self._check_group(dict(lr=lr, weight_decay=weight_decay, momentum=momentum,
+                               nesterov=nesterov, eps=eps, ns_steps=ns_steps,
+                               adjust_lr_fn=adjust_lr_fn, tp_mode=tp_mode, **kwargs), "defaults")
+        check_group_member(tensor_parallel_group, "tensor_parallel_group")
+        # read by add_param_group, which torch's constructor calls for every group
+        self.tensor_parallel_group = tensor_parallel_group
+        self._tp_mode = tp_mode
         super().__init__(params, lr=lr, weight_decay=weight_decay, momentum=momentum,
                          nesterov=nesterov, eps=eps, ns_steps=ns_steps,
                          adjust_lr_fn=adjust_lr_fn, **kwargs)
-        self.tensor_parallel_group = tensor_parallel_group
-        for gi, group in enumerate(self.param_groups):
-            group.setdefault("tp_mode", tp_mode)
-            group.setdefault("qkv_split_sizes", None)
-            if group["tp_mode"] not in MUON_TP_MODES:
-                raise ValueError(f"param group {gi}: tp_mode must be one of {MUON_TP_MODES}, "
-                                 f"got {group['tp_mode']!r}")
-            for pi, p in enumerate(group["params"]):
-                who = f"TensorParallelMuon param {pi} of group {gi}"
-                layout = _Layout(p, tensor_parallel_group, who)
-                sizes = _check_qkv(group["qkv_split_sizes"], layout.shape[0], who)
-                if (sizes is not None and group["tp_mode"] != "duplicated"
-                        and layout.dim == 0 and (layout.shape[0] // sum(sizes)) % layout.size):
-                    raise ValueError(
-                        f"{who}: qkv_split_sizes {sizes} with tp_mode {group['tp_mode']!r} "
-                        f"need whole blocks on each of the {layout.size} TP ranks "
-                        f"({layout.shape[0] // sum(sizes)} blocks); use tp_mode='duplicated'")
+
+    def add_param_group(self, param_group: dict) -> None:
+        """torch's, after checking the group as it will be stepped (the defaults filled in,
+        before anything changes): the hyperparameters (:mod:`tpamp.hyperparameters`: momentum
+        in [0, 1), eps > 0, three ns_coefficients, ns_steps in [0, 100), a finite lr >= 0,
+        ...), tp_mode, qkv_split_sizes and each param's layout. Used by the constructor for
+        every group and for a group added later alike."""
+        gi = len(getattr(self, "param_groups", ()))
+        group = {**self.defaults, "tp_mode": self._tp_mode, "qkv_split_sizes": None,
+                 **(param_group if isinstance(param_group, Mapping) else {})}
+        self._check_group(group, gi)
+        params = param_group.get("params") if isinstance(param_group, Mapping) else None
+        if isinstance(params, (list, tuple)):
+            for pi, p in enumerate(params):
+                if isinstance(p, Tensor):
+                    self._check_param(p, group, f"TensorParallelMuon param {pi} of group {gi}")
+        param_group = dict(param_group) if isinstance(param_group, Mapping) else param_group
+        if isinstance(param_group, dict):
+            param_group.setdefault("tp_mode", self._tp_mode)
+            param_group.setdefault("qkv_split_sizes", None)
+        super().add_param_group(param_group)
+
+    @staticmethod
+    def _check_group(group: Mapping, gi, read_tensors: bool = True) -> None:
+        where = (f"TensorParallelMuon param group {gi}" if isinstance(gi, int)
+                 else f"TensorParallelMuon {gi}")
+        check_group_hyperparameters(TensorParallelMuon, group, where, read_tensors=read_tensors)
+        if group.get("tp_mode") not in MUON_TP_MODES:
+            raise ValueError(f"{where}: tp_mode must be one of {MUON_TP_MODES}, "
+                             f"got {group.get('tp_mode')!r}")
+
+    def _check_param(self, p: Tensor, group: Mapping, who: str) -> None:
+        if p.dim() != 2:  # torch.optim.Muon's rule (its constructor checks only its own groups)
+            raise ValueError(f"{who}: Muon only supports 2D parameters, got one of shape "
+                             f"{tuple(p.shape)}")
+        layout = _Layout(p, self.tensor_parallel_group, who)
+        sizes = _check_qkv(group["qkv_split_sizes"], layout.shape[0], who)
+        if (sizes is not None and group["tp_mode"] != "duplicated"
+                and layout.dim == 0 and (layout.shape[0] // sum(sizes)) % layout.size):
+            raise ValueError(
+                f"{who}: qkv_split_sizes {sizes} with tp_mode {group['tp_mode']!r} "
+                f"need whole blocks on each of the {layout.size} TP ranks "
+                f"({layout.shape[0] // sum(sizes)} blocks); use tp_mode='duplicated'")
+
+    def load_state_dict(self, state_dict) -> None:
+        """torch's load, checked first (nothing changes when refused): the saved groups'
+        hyperparameters by this class's rules (:mod:`tpamp.hyperparameters`), tp_mode and
+        qkv_split_sizes. A state dict of ``torch.optim.Muon`` (its groups have no tp_mode
+        or qkv_split_sizes) loads: each group keeps its live tp_mode and qkv_split_sizes."""
+        state_dict = _checked_state_dict(self, state_dict, ("tp_mode", "qkv_split_sizes"))
+        for gi, saved in enumerate(state_dict["param_groups"]):
+            self._check_group(saved, gi)
+            for pi, p in enumerate(self.param_groups[gi]["params"]):
+                self._check_param(p, saved, f"TensorParallelMuon param {pi} of group {gi}")
+        super().load_state_dict(state_dict)
 
     @torch.no_grad()
     def step(self, closure=None):
-        """One Muon step of every param with a grad (class docstring); returns closure()."""
+        """One Muon step of every param with a grad (class docstring); returns closure().
+        The groups' hyperparameters are checked first (values set since construction, e.g. by
+        a scheduler; a tensor lr on an accelerator is not read); a param of no element is left
+        alone."""
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        # everything checked before any param changes: the groups' values (set since, e.g. by a
+        # scheduler), each layout and qkv_split_sizes
+        todo = []
         for gi, group in enumerate(self.param_groups):
-            lr, wd, mu = _scalar(group["lr"]), group["weight_decay"], group["momentum"]
+            self._check_group(group, gi, read_tensors=False)
             for pi, p in enumerate(group["params"]):
                 if p.grad is None:
                     continue
                 if p.grad.is_sparse or torch.is_complex(p):
                     raise RuntimeError("Muon does not support sparse gradients or complex params")
-                layout = _Layout(p, self.tensor_parallel_group,
-                                 f"TensorParallelMuon param {pi} of group {gi}")
-                param, grad = local_tensor(p), local_tensor(p.grad)
-                state = self.state[p]
-                if "momentum_buffer" not in state:  # a DTensor like the param's for a DTensor
-                    state["momentum_buffer"] = torch.zeros_like(p.grad)
-                buf = local_tensor(state["momentum_buffer"])
-                buf.lerp_(grad, 1 - mu)
-                update = grad.lerp(buf, mu) if group["nesterov"] else buf
-                sizes = group["qkv_split_sizes"]
-                param.mul_(1 - lr * wd)
-                if sizes is None:
-                    ortho = self._orthogonalise(update, layout, group)
-                    param.add_(ortho, alpha=-_adjust_lr(lr, group["adjust_lr_fn"], layout.shape))
-                else:
-                    param.sub_(self._qkv_delta(update, layout, group, lr, sizes))
+                who = f"TensorParallelMuon param {pi} of group {gi}"
+                layout = _Layout(p, self.tensor_parallel_group, who)
+                _check_qkv(group["qkv_split_sizes"], layout.shape[0], who)
+                if _numel(layout.shape):  # no element: nothing to update (every TP rank)
+                    todo.append((group, p, layout))
+        for group, p, layout in todo:
+            lr, wd, mu = _scalar(group["lr"]), group["weight_decay"], group["momentum"]
+            param, grad = local_tensor(p), local_tensor(p.grad)
+            state = self.state[p]
+            if "momentum_buffer" not in state:  # a DTensor like the param's for a DTensor
+                state["momentum_buffer"] = torch.zeros_like(p.grad)
+            buf = local_tensor(state["momentum_buffer"])
+            buf.lerp_(grad, 1 - mu)
+            update = grad.lerp(buf, mu) if group["nesterov"] else buf
+            sizes = group["qkv_split_sizes"]
+            param.mul_(1 - lr * wd)
+            if sizes is None:
+                ortho = self._orthogonalise(update, layout, group)
+                param.add_(ortho, alpha=-_adjust_lr(lr, group["adjust_lr_fn"], layout.shape))
+            else:
+                param.sub_(self._qkv_delta(update, layout, group, lr, sizes))
         return loss
 
     @staticmethod
@@ -476,23 +569,53 @@ class TensorParallelAdafactor(torch.optim.Adafactor):
     def __init__(self, params, lr=1e-2, beta2_decay: float = -0.8, eps=(None, 1e-3),
                  d: float = 1.0, weight_decay: float = 0.0, *, foreach=None,
                  maximize: bool = False, tensor_parallel_group=None):
+        check_group_hyperparameters(  # the defaults before torch's constructor reads them
+            TensorParallelAdafactor, dict(lr=lr, beta2_decay=beta2_decay, eps=eps, d=d,
+                                          weight_decay=weight_decay, foreach=foreach,
+                                          maximize=maximize), "TensorParallelAdafactor defaults")
+        check_group_member(tensor_parallel_group, "tensor_parallel_group")
+        self.tensor_parallel_group = tensor_parallel_group  # read by add_param_group
         super().__init__(params, lr=lr, beta2_decay=beta2_decay, eps=eps, d=d,
                          weight_decay=weight_decay, foreach=foreach, maximize=maximize)
-        self.tensor_parallel_group = tensor_parallel_group
-        for gi, group in enumerate(self.param_groups):
-            for pi, p in enumerate(group["params"]):
-                _Layout(p, tensor_parallel_group, f"TensorParallelAdafactor param {pi} of group {gi}")
+
+    def add_param_group(self, param_group: dict) -> None:
+        """torch's, after checking the group as it will be stepped (the defaults filled in,
+        before anything changes): the hyperparameters (:mod:`tpamp.hyperparameters`: eps1
+        None or > 0, eps2 >= 0, beta2_decay <= 0, d >= 1, a finite lr >= 0, ...) and each
+        param's layout. Used by the constructor for every group and for a group added later."""
+        gi = len(getattr(self, "param_groups", ()))
+        if isinstance(param_group, Mapping):
+            check_group_hyperparameters(TensorParallelAdafactor, {**self.defaults, **param_group},
+                                        f"TensorParallelAdafactor param group {gi}")
+            params = param_group.get("params")
+            for pi, p in enumerate(params if isinstance(params, (list, tuple)) else ()):
+                if isinstance(p, Tensor):
+                    _Layout(p, self.tensor_parallel_group,
+                            f"TensorParallelAdafactor param {pi} of group {gi}")
+        super().add_param_group(param_group)
+
+    def load_state_dict(self, state_dict) -> None:
+        """torch's load, checked first (nothing changes when refused): group and param counts,
+        state keys, shapes and finiteness, and the saved groups' hyperparameters by this
+        class's rules (:mod:`tpamp.hyperparameters`). A ``torch.optim.Adafactor`` state dict
+        loads (same keys)."""
+        super().load_state_dict(_checked_state_dict(self, state_dict))
 
     @torch.no_grad()
     def step(self, closure=None):
-        """One Adafactor step of every param with a grad (class docstring); returns closure()."""
+        """One Adafactor step of every param with a grad (class docstring); returns closure().
+        The groups' hyperparameters are checked first (values set since construction, e.g.
+        by a scheduler; a tensor lr on an accelerator is not read); a param of no element is
+        left alone."""
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        todo = []  # everything checked before any param changes
         for gi, group in enumerate(self.param_groups):
-            lr = _scalar(group["lr"])
-            eps1, eps2 = group["eps"]
+            check_group_hyperparameters(TensorParallelAdafactor, group,
+                                        f"TensorParallelAdafactor param group {gi}",
+                                        read_tensors=False)
             for pi, p in enumerate(group["params"]):
                 if p.grad is None:
                     continue
@@ -501,7 +624,11 @@ class TensorParallelAdafactor(torch.optim.Adafactor):
                         "Adafactor does not support sparse gradients or complex params")
                 layout = _Layout(p, self.tensor_parallel_group,
                                  f"TensorParallelAdafactor param {pi} of group {gi}")
-                self._step_param(p, layout, group, lr, eps1, eps2)
+                if _numel(layout.shape):  # no element: nothing to update
+                    todo.append((group, p, layout))
+        for group, p, layout in todo:
+            eps1, eps2 = group["eps"]
+            self._step_param(p, layout, group, _scalar(group["lr"]), eps1, eps2)
         return loss
 
     def _step_param(self, p: Tensor, layout: _Layout, group: dict, lr: float, eps1, eps2):
@@ -595,6 +722,9 @@ def _own_factor(p: Tensor, layout: _Layout, factor: Tensor, grad: Tensor, key: s
 # -- one optimizer of several parts (Muon + AdamW) ------------------------------------------
 
 
+PART_KEY = "optimizer_part"  # the param-group entry naming the CombinedOptimizer part of a group
+
+
 class CombinedOptimizer(torch.optim.Optimizer):
     """Several torch optimizers over disjoint params, stepped as one ``torch.optim.Optimizer``.
 
@@ -607,27 +737,90 @@ class CombinedOptimizer(torch.optim.Optimizer):
     chains whole wrappers instead; here the parts are inner optimizers). Parts with no params
     are left out.
 
+    Each part has a key: the name it is given (``optimizers`` as a dict ``{name: part}``), else
+    its class name (``"TensorParallelMuon"``, ``"AdamW"``; a second part of one class
+    ``"AdamW#1"``, and so on). Every group of a part holds it as ``group["optimizer_part"]``, so
+    ``load_state_dict`` (and every tpamp wrapper's load) matches the saved groups to the parts by
+    key, not by position: parts given in another order load as they were saved. Within a part,
+    groups with override keys (:func:`tpamp.build_param_groups`) are matched by key, others by
+    position. A state dict without part keys (written before they existed, or by another
+    optimizer) loads by position, and each saved group is checked against the class of the
+    part that will step it. A :class:`CombinedOptimizer` given as a part is replaced by its
+    parts (keys ``"name.key"`` when named): the combined optimizer is flat, one state, one
+    ``state_dict`` of every part's state. Drive the parts through the combined optimizer only
+    (a part's own ``state_dict()`` would see the other parts' state).
+
     Args:
-        optimizers: the parts (torch.optim.Optimizer instances, disjoint params).
+        optimizers: the parts (torch.optim.Optimizer instances, disjoint params), a list or a
+            dict ``{name: part}``.
 
     Raises:
-        TypeError: a part that is not a torch.optim.Optimizer; ValueError: no part with params,
-            or a param in two parts.
+        TypeError: a part that is not a torch.optim.Optimizer, a name that is not a non-empty
+            str; ValueError: no part with params, a param in two parts, two parts with one key,
+            a group's hyperparameter refused by :mod:`tpamp.hyperparameters` (torch checked
+            only each part's constructor defaults: a group's own eps 0, say).
     """
 
-    def __init__(self, optimizers: Sequence[torch.optim.Optimizer]):
-        parts = []
-        for i, opt in enumerate(optimizers):
+    def __init__(self, optimizers):
+        if isinstance(optimizers, torch.optim.Optimizer):
+            raise TypeError("CombinedOptimizer takes a list (or a dict) of optimizers, got one "
+                            f"{type(optimizers).__name__}: pass [optimizer]")
+        if isinstance(optimizers, Mapping):
+            named = list(optimizers.items())
+            for name, _ in named:
+                if not isinstance(name, str) or not name or "#" in name:
+                    raise TypeError(f"CombinedOptimizer part names must be non-empty strs "
+                                    f"without '#', got {name!r}")
+        elif isinstance(optimizers, (str, bytes)) or not isinstance(optimizers, Iterable):
+            raise TypeError("CombinedOptimizer takes a list (or a dict) of torch optimizers, "
+                            f"got {type(optimizers).__name__}")
+        else:
+            named = [(None, opt) for opt in optimizers]
+        flat = []
+        for i, (name, opt) in enumerate(named):
             if not isinstance(opt, torch.optim.Optimizer):
-                raise TypeError(f"CombinedOptimizer part {i} must be a torch.optim.Optimizer, "
-                                f"got {type(opt).__name__}")
-            if any(g["params"] for g in opt.param_groups):
-                parts.append(opt)
-        if not parts:
+                raise TypeError(f"CombinedOptimizer part {name if name else i} must be a "
+                                f"torch.optim.Optimizer, got {type(opt).__name__}")
+            if isinstance(opt, CombinedOptimizer):  # nested: its parts, one flat state
+                flat += [(f"{name}.{k}" if name else k, sub)
+                         for k, sub in zip(opt.part_keys, opt.optimizers)]
+            elif any(g["params"] for g in opt.param_groups):
+                flat.append((name, opt))
+        if not flat:
             raise ValueError("CombinedOptimizer needs at least one part with params")
+        named_keys = [name for name, _ in flat if name is not None]
+        twice = sorted({k for k in named_keys if named_keys.count(k) > 1})
+        if twice:
+            raise ValueError(f"CombinedOptimizer: two parts have the key(s) {twice}")
+        keys, seen = [], {}
+        for name, opt in flat:  # an unnamed part: its class name, '#n' for the n-th repeat
+            key = name
+            while key is None or (name is None and key in named_keys):
+                base = type(opt).__name__
+                n = seen.get(base, 0)
+                seen[base] = n + 1
+                key = base if n == 0 else f"{base}#{n}"
+            keys.append(key)
+        parts = [opt for _, opt in flat]
+        owner: Dict[int, int] = {}
+        for i, opt in enumerate(parts):
+            for g in opt.param_groups:
+                for p in g["params"]:
+                    j = owner.setdefault(id(p), i)
+                    if j != i:
+                        raise ValueError(
+                            f"CombinedOptimizer: a param of shape {tuple(p.shape)} is in parts "
+                            f"{keys[j]!r} and {keys[i]!r}; the parts must hold disjoint params")
+        for key, opt in zip(keys, parts):  # torch checked only each constructor's defaults
+            for gi, (cls, g) in enumerate(zip(group_optimizer_classes(opt), opt.param_groups)):
+                check_group_hyperparameters(cls, g, f"CombinedOptimizer part {key!r} param group {gi}")
         self.optimizers: List[torch.optim.Optimizer] = parts
+        self.part_keys: List[str] = keys
         groups = [g for opt in parts for g in opt.param_groups]
         super().__init__(groups, {})  # the same dicts: add_param_group refuses a shared param
+        for key, opt in zip(keys, parts):
+            for g in opt.param_groups:
+                g[PART_KEY] = key
         state = self.state
         for opt in parts:
             state.update(opt.state)
@@ -636,7 +829,10 @@ class CombinedOptimizer(torch.optim.Optimizer):
 
     @torch.no_grad()
     def step(self, closure=None):
-        """Step every part (closure evaluated once, before the parts step)."""
+        """Step every part (closure evaluated once, before the parts step). The groups'
+        hyperparameters are checked first, each by its part's class
+        (:mod:`tpamp.hyperparameters`; a tensor lr on an accelerator is not read)."""
+        check_optimizer_hyperparameters(self, read_tensors=False)
         loss = None
         if closure is not None:
             with torch.enable_grad():
@@ -645,9 +841,47 @@ class CombinedOptimizer(torch.optim.Optimizer):
             opt.step()
         return loss
 
+    def saved_group_order(self, state_dict, where: str = "the state_dict") -> Optional[List[int]]:
+        """For each live param group, the index of the saved group of ``state_dict`` it loads
+        from, matched by part key (``group["optimizer_part"]``) and within a part by override
+        key (else by position); None when a saved group has no part key (load by position) or
+        ``state_dict`` is malformed (the load's checks name it). Raises ValueError naming the
+        keys when the saved parts are not this optimizer's parts or a part's groups differ."""
+        saved = state_dict.get("param_groups") if isinstance(state_dict, Mapping) else None
+        if not isinstance(saved, (list, tuple)) or not all(
+                isinstance(g, Mapping) and isinstance(g.get(PART_KEY), str) for g in saved):
+            return None
+        saved_keys = [g[PART_KEY] for g in saved]
+        if set(saved_keys) != set(self.part_keys):
+            raise ValueError(
+                f"{where}'s optimizer parts {sorted(set(saved_keys))} are not this "
+                f"CombinedOptimizer's {sorted(self.part_keys)}: a state dict of other parts")
+        perm, at = [], 0
+        for key, n in zip(self.part_keys, self._sizes):
+            idx = [i for i, k in enumerate(saved_keys) if k == key]
+            live = self.param_groups[at:at + n]
+            at += n
+            if len(idx) != n:
+                raise ValueError(f"{where}'s part {key!r} has {len(idx)} param groups, "
+                                 f"this CombinedOptimizer's has {n}")
+            sub = match_saved_groups([saved[i] for i in idx], live, where)
+            perm += [idx[j] for j in (sub if sub is not None else range(n))]
+        return perm
+
     def load_state_dict(self, state_dict) -> None:
-        """torch's load over all groups, then the parts take the loaded groups and state."""
+        """torch's load over all groups, after the checks of every tpamp load (nothing changes
+        when refused): the saved groups matched to the parts by key (:meth:`saved_group_order`),
+        group and param counts, each saved group against the class of the part that steps it
+        (its hyperparameter keys and values), state keys, shapes and finiteness. Then the parts
+        take the loaded groups and state; entries of a live group that the saved one lacks
+        (a part key, a TensorParallelMuon's tp_mode) are kept."""
+        state_dict = _load.align_inner_state(self, state_dict)
+        _load.check_inner_optimizer_state(self, state_dict, "state_dict")
+        live_entries = [dict(g) for g in self.param_groups]
         super().load_state_dict(state_dict)
+        for g, before in zip(self.param_groups, live_entries):
+            for k, v in before.items():
+                g.setdefault(k, v)
         at = 0
         for opt, n in zip(self.optimizers, self._sizes):
             opt.param_groups = self.param_groups[at:at + n]
@@ -682,8 +916,15 @@ def split_muon_params(named_params: Iterable[Tuple[str, Tensor]], *,
     requires_grad are left out. Order is kept.
 
     Raises:
-        TypeError: an item that is not a (str, Tensor) pair.
+        TypeError: an item that is not a (str, Tensor) pair, ``adamw_names`` that is not a
+            tuple or list of strs (a bare str would be read letter by letter), an ``is_adamw``
+            that is neither None nor callable.
     """
+    if not (isinstance(adamw_names, (tuple, list)) and all(isinstance(g, str) for g in adamw_names)):
+        raise TypeError(f"adamw_names must be a tuple or list of glob strs, got {adamw_names!r:.80}"
+                        f" ({type(adamw_names).__name__})")
+    if is_adamw is not None and not callable(is_adamw):
+        raise TypeError(f"is_adamw must be callable or None, got {type(is_adamw).__name__}")
     muon, adamw = [], []
     for item in named_params:
         if not (isinstance(item, tuple) and len(item) == 2 and isinstance(item[0], str)
@@ -715,10 +956,22 @@ def muon_with_adamw(named_params: Iterable[Tuple[str, Tensor]], *, lr: float,
     (:class:`TensorParallelMuon`); each such weight gets its own Muon param group.
 
     Raises:
-        ValueError: a qkv_split_sizes name that is not a Muon param; what the parts raise.
+        TypeError: qkv_split_sizes that is not a dict, adamw_betas that is not a pair;
+        ValueError: a qkv_split_sizes name that is not a Muon param; what the parts and
+            :class:`CombinedOptimizer` raise (every hyperparameter checked by
+            :mod:`tpamp.hyperparameters`: a finite lr, momentum in [0, 1), eps > 0, ...).
     """
     named = list(named_params)
     muon_params, adamw_params = split_muon_params(named, adamw_names=adamw_names)
+    if qkv_split_sizes is not None and not isinstance(qkv_split_sizes, Mapping):
+        raise TypeError("qkv_split_sizes must be a dict {param name: (q, k, v) rows} or None, "
+                        f"got {type(qkv_split_sizes).__name__}")
+    if not (isinstance(adamw_betas, (tuple, list)) and len(adamw_betas) == 2):
+        raise TypeError(f"adamw_betas must be a pair (beta1, beta2), got {adamw_betas!r:.80}")
+    wd = weight_decay if adamw_weight_decay is None else adamw_weight_decay
+    check_group_hyperparameters(  # before any part is built (torch's own words otherwise)
+        torch.optim.AdamW, {"lr": lr if adamw_lr is None else adamw_lr, "betas": adamw_betas,
+                            "eps": adamw_eps, "weight_decay": wd}, "muon_with_adamw AdamW options")
     qkv = dict(qkv_split_sizes or {})
     ids = {id(p) for p in muon_params}
     by_name = {n: p for n, p in named}
@@ -736,7 +989,6 @@ def muon_with_adamw(named_params: Iterable[Tuple[str, Tensor]], *, lr: float,
             groups, lr=lr, weight_decay=weight_decay, momentum=momentum, nesterov=nesterov,
             ns_steps=ns_steps, adjust_lr_fn=adjust_lr_fn, tp_mode=tp_mode,
             tensor_parallel_group=tensor_parallel_group))
-    wd = weight_decay if adamw_weight_decay is None else adamw_weight_decay
     adamw_groups = [{"params": [p for p in adamw_params if p.dim() >= 2], "weight_decay": wd},
                     {"params": [p for p in adamw_params if p.dim() < 2], "weight_decay": 0.0}]
     adamw_groups = [g for g in adamw_groups if g["params"]]

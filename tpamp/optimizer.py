@@ -28,7 +28,7 @@ import torch
 import torch.distributed as dist
 import torch.optim.optimizer as _torch_optimizer
 
-from tpamp import _validation, matrix_optimizers, ops, parallel, state_formats
+from tpamp import _validation, hyperparameters, matrix_optimizers, ops, parallel, state_formats
 from tpamp.common import FUSED_KINDS, collective_device, is_dtensor, local_tensor, placed_like
 from tpamp.grad_scaler import MegatronGradScaler
 from tpamp.grad_stats import clip_coefficient, counts_toward_norm, is_expert_param
@@ -1509,9 +1509,23 @@ class MixedPrecisionOptimizer(OptimizerWrapper):
         optimizer's inner groups, matched by override key (docs/spec.md section 16); as given
         (by position) when either side has a group without one. Raises ValueError naming the
         key for a key that is new or gone, or an override whose values differ (a changed
-        override); :func:`tpamp.param_groups.match_saved_groups`."""
-        perm = match_saved_groups(list(saved_groups), self.optimizer.param_groups, where)
+        override); :func:`tpamp.param_groups.match_saved_groups`. An inner optimizer of parts
+        (:class:`tpamp.CombinedOptimizer`) matches them to its parts by part key first."""
+        saved_groups = list(saved_groups)
+        by_part = getattr(self.optimizer, "saved_group_order", None)
+        perm = by_part({"param_groups": saved_groups}, where) if callable(by_part) else None
+        if perm is None:
+            perm = match_saved_groups(saved_groups, self.optimizer.param_groups, where)
         return tuple(saved_groups) if perm is None else tuple(saved_groups[j] for j in perm)
+
+    def check_saved_param_groups(self, saved_groups, where: str = "the checkpoint") -> None:
+        """The hook of ``tpamp.checkpoint``: the hyperparameter values of saved param groups
+        (aligned by :meth:`align_param_groups`, one per inner group), each by the rules of the
+        class that steps it (:mod:`tpamp.hyperparameters`: a finite lr, eps > 0, Muon's
+        momentum < 1, ...). Raises TypeError / ValueError naming the group and key; changes
+        nothing."""
+        hyperparameters.check_saved_group_hyperparameters(self.optimizer, list(saved_groups),
+                                                          f"{where}'s param_groups")
 
     def _ckpt_named_mains(self, model_params) -> List[tuple]:
         """[(global name, main param)] in param-group order."""
@@ -1577,7 +1591,8 @@ def check_wrapper_args(optimizer, grad_scaler, clip_grad) -> None:
     """The arguments every tpamp optimizer wrapper shares, checked before anything changes:
     a torch.optim.Optimizer not wrapped yet whose params have supported dtypes (TypeError /
     ValueError), a tpamp scaler or None (TypeError), clip_grad a finite number >= 0 (TypeError
-    for a non-number, ValueError for nan, inf or a negative value)."""
+    for a non-number, ValueError for nan, inf or a negative value), and the hyperparameters
+    of every param group (:mod:`tpamp.hyperparameters`: a finite lr, eps > 0, ...)."""
     if not isinstance(optimizer, torch.optim.Optimizer):
         raise TypeError(
             f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}"
@@ -1589,6 +1604,8 @@ def check_wrapper_args(optimizer, grad_scaler, clip_grad) -> None:
         )
     _validation.check_wrappable(optimizer)
     _validation.check_real("clip_grad", clip_grad, low=0.0)
+    # every group's values, which torch checks only for its constructor's defaults
+    hyperparameters.check_optimizer_hyperparameters(optimizer)
 
 
 def check_fp16_scaler(has_fp16: bool, grad_scaler) -> None:

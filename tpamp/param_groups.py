@@ -26,6 +26,8 @@ from typing import Any, Callable, Dict, Iterable, List, Mapping, Optional, Seque
 
 import torch
 
+from tpamp.hyperparameters import check_option_values
+
 __all__ = [
     "DEFAULT_OVERRIDE_KEY",
     "OVERRIDE_KEY",
@@ -141,8 +143,11 @@ class ParamGroupOverride:
         options: other hyperparameters of the torch optimizer for these params (e.g.
             ``{"eps": 1e-10}``), given as a dict or (name, value) pairs.
 
-    Raises TypeError / ValueError for a value that is not a finite number >= 0 (lr > 0), or
-    an option that names a membership entry or a field above."""
+    Raises TypeError / ValueError for a value that is not a finite number >= 0 (lr > 0), a
+    min_lr above max_lr, an option that names a membership entry or a field above or is given twice, and an option
+    value that breaks the rules every torch optimizer shares (:func:`tpamp.hyperparameters.
+    check_option_values`: every number finite, ``eps`` > 0, ``betas`` in [0, 1), ``momentum``
+    >= 0, ...); the optimizer class's own rules apply when the groups reach it."""
 
     max_lr: Optional[float] = None
     min_lr: Optional[float] = None
@@ -156,6 +161,9 @@ class ParamGroupOverride:
             if v is not None:
                 object.__setattr__(self, f, _check_number(f"ParamGroupOverride.{f}", v,
                                                           positive=f == "max_lr"))
+        if self.max_lr is not None and self.min_lr is not None and self.min_lr > self.max_lr:
+            raise ValueError(f"ParamGroupOverride.min_lr={self.min_lr!r} is above max_lr="
+                             f"{self.max_lr!r}: the schedule decays from max_lr to min_lr")
         opts = self.options
         if isinstance(opts, Mapping):
             opts = tuple(opts.items())
@@ -168,6 +176,12 @@ class ParamGroupOverride:
                 f"ParamGroupOverride.options may not set {bad}: use max_lr / lr_mult for the "
                 "learning rate and wd_mult for weight decay"
             )
+        names = [k for k, _ in opts]
+        twice = sorted({k for k in names if names.count(k) > 1})
+        if twice:
+            raise ValueError(f"ParamGroupOverride.options sets {twice} twice")
+        # the values torch would check only in a constructor (tpamp.hyperparameters)
+        check_option_values(dict(opts), "ParamGroupOverride.options")
         object.__setattr__(self, "options", tuple(sorted((k, v) for k, v in opts)))
 
     @classmethod
@@ -286,13 +300,17 @@ def build_param_groups(
         allow_unmatched: True lets an override in ``overrides`` match no param (otherwise a
             ValueError; the built-in ones may always match nothing).
 
-    Raises TypeError for a wrong type, ValueError for a name or param listed twice, two
+    Raises TypeError for a wrong type, ValueError for a name or param listed twice, a group
+    whose min_lr is above its max_lr (Megatron's scheduler asserts max_lr >= min_lr), two
     overrides with one key, conflicting overrides of one param (naming the param, both keys
     and the field) and an override that matches nothing."""
     lr = _check_number("lr", lr, positive=True)
     weight_decay = _check_number("weight_decay", weight_decay)
     if min_lr is not None:
         min_lr = _check_number("min_lr", min_lr)
+        if min_lr > lr:
+            raise ValueError(f"min_lr={min_lr!r} is above lr={lr!r}: the schedule decays from "
+                             "lr to min_lr (Megatron's scheduler: max_lr >= min_lr)")
     if not isinstance(decoupled_lr_key, ParamKey):
         raise TypeError(f"decoupled_lr_key must be a ParamKey, got {type(decoupled_lr_key).__name__}")
     if decoupled_min_lr is not None and decoupled_lr is None:
@@ -356,6 +374,10 @@ def build_param_groups(
 
 def _new_group(key, merged, lr, weight_decay, min_lr) -> Dict[str, Any]:
     max_lr = merged.get("max_lr", lr)
+    end = merged.get("min_lr", min_lr)
+    if end is not None and end > max_lr:
+        raise ValueError(f"the group {key!r} decays from max_lr={max_lr!r} to min_lr={end!r}, "
+                         "which is above it: give the override a min_lr <= its max_lr")
     lr_mult = merged.get("lr_mult", 1.0)
     wd_mult = merged.get("wd_mult", 1.0)
     group = {

@@ -28,10 +28,13 @@ previous stage waits for it until the process group's timeout). See docs/guide/p
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Iterable
 from typing import Callable, Optional
 
 import torch
 from torch.distributed.pipelining import PipelineStage
+
+from tpamp._checks import check_f32_scale
 
 __all__ = ["NoSyncPipelineStage", "PipelineLoss"]
 
@@ -50,8 +53,10 @@ class PipelineLoss:
 
     Returns from a call the 0-dim loss ``loss / M * scale`` in the loss's dtype promoted with
     fp32 (the scale is fp32): what the schedule runs backward on. Raises TypeError for a
-    ``num_microbatches`` that is not an int, ValueError for one < 1, and TypeError when
-    ``loss_fn`` returns no floating-point tensor.
+    ``loss_fn`` that is not callable, a ``num_microbatches`` that is not an int, an optimizer
+    without ``get_loss_scale``/``scale_loss`` (a string, a torch optimizer: wrap it first),
+    ValueError for a ``num_microbatches`` < 1, and TypeError when ``loss_fn`` returns no
+    floating-point tensor.
     """
 
     def __init__(self, loss_fn: Callable, num_microbatches: int, optimizer=None):
@@ -64,6 +69,13 @@ class PipelineLoss:
             )
         if num_microbatches < 1:
             raise ValueError(f"num_microbatches must be >= 1, got {num_microbatches}")
+        if optimizer is not None and not (callable(getattr(optimizer, "get_loss_scale", None))
+                                          and callable(getattr(optimizer, "scale_loss", None))):
+            raise TypeError(
+                "optimizer must be a tpamp optimizer (with get_loss_scale() and scale_loss(), "
+                "e.g. tpamp.MixedPrecisionOptimizer; wrap a torch optimizer first) or None, got "
+                + (f"{optimizer!r:.60} " if isinstance(optimizer, (str, bytes, int, float)) else "")
+                + f"({type(optimizer).__name__})")
         self.loss_fn = loss_fn
         self.num_microbatches = num_microbatches
         self.optimizer = optimizer
@@ -91,8 +103,27 @@ class PipelineLoss:
         ``schedule.step`` / ``eval``): each ``loss * M / scale``, detached fp32 0-dim tensors.
         ``loss_scale``: the scale those losses were multiplied by (default: the current one;
         pass the scale read before ``optimizer.step()``, which may change it). Exact when the
-        scale and M are powers of two, else within fp32 rounding."""
-        scale = self.loss_scale() if loss_scale is None else loss_scale.reshape(())
+        scale and M are powers of two, else within fp32 rounding. ``loss_scale``: a
+        one-element floating-point tensor or a number (finite and > 0 in float32). Raises
+        TypeError for a loss that is not a tensor or a loss_scale of another type, ValueError
+        for a non-finite or non-positive number."""
+        if loss_scale is None:
+            scale = self.loss_scale()
+        elif isinstance(loss_scale, torch.Tensor):
+            if loss_scale.numel() != 1 or not loss_scale.is_floating_point():
+                raise TypeError(f"loss_scale must be a number or a one-element floating-point "
+                                f"tensor, got a tensor of shape {tuple(loss_scale.shape)} and "
+                                f"dtype {loss_scale.dtype}")
+            scale = loss_scale.reshape(())
+        else:
+            scale = torch.tensor(check_f32_scale("loss_scale", loss_scale), dtype=torch.float32)
+        if isinstance(losses, torch.Tensor) or not isinstance(losses, Iterable):
+            raise TypeError("losses must be a list of loss tensors (the schedule's losses=), got "
+                            f"{type(losses).__name__}")
+        losses = list(losses)
+        for i, x in enumerate(losses):
+            if not isinstance(x, torch.Tensor):
+                raise TypeError(f"losses[{i}] must be a tensor, got {x!r:.80} ({type(x).__name__})")
         return [(x.detach().float() / scale) * self.num_microbatches for x in losses]
 
 

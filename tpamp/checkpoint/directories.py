@@ -18,7 +18,7 @@ from tpamp.checkpoint.storage import MANIFEST, METADATA, fsync_dir
 
 __all__ = [
     "looks_like_checkpoint", "clean_up_after_killed_saves", "clean_up_interrupted_saves", "publish", "rename_exchange", "TRACKER_FILENAME",
-    "iteration_dir", "read_latest_iteration", "write_latest_iteration",
+    "iteration_dir", "read_latest_iteration", "write_latest_iteration", "check_root",
 ]
 
 
@@ -48,6 +48,21 @@ def clean_up_after_killed_saves(parent: str, base: str) -> None:
 _LEFTOVER = re.compile(r"^\.(?P<base>.+)\.(?:saving|old)-[0-9a-f]+$")
 
 
+def check_root(root) -> str:
+    """The directory of the checkpoints as a str: TypeError for anything but a str or a str
+    ``os.PathLike`` (bytes included: the names of the checkpoint API are str), ValueError for
+    ''."""
+    if isinstance(root, bytes) or not isinstance(root, (str, os.PathLike)):
+        raise TypeError(f"root must be a path (str or os.PathLike), got {root!r:.80} "
+                        f"({type(root).__name__})")
+    root = os.fspath(root)
+    if isinstance(root, bytes):  # a PathLike that gives bytes
+        raise TypeError(f"root must be a str path, got the bytes path {root!r:.80}")
+    if not root:
+        raise ValueError("root must not be empty (give the directory of the checkpoints)")
+    return root
+
+
 def clean_up_interrupted_saves(root: str) -> List[str]:
     """Remove what saves into ``root`` that were killed part-way left behind, for every
     checkpoint name in it: the hidden staging directories (``.NAME.saving-TOKEN``), never
@@ -57,8 +72,10 @@ def clean_up_interrupted_saves(root: str) -> List[str]:
     does for one name at the next save of that name, done for all of them at once: call it on
     one rank when a job (re)starts, before any save into ``root`` begins (docs/spec.md
     section 20). Returns the sorted names removed or put back; [] when ``root`` does not
-    exist. Raises OSError when ``root`` cannot be listed or a set-aside checkpoint cannot be
-    renamed back."""
+    exist. Raises TypeError for a ``root`` that is not a str or ``os.PathLike`` path (bytes
+    included: the names of the checkpoint API are str), ValueError for '', OSError when
+    ``root`` cannot be listed or a set-aside checkpoint cannot be renamed back."""
+    root = check_root(root)
     if not os.path.isdir(root):
         return []
     bases = sorted({m.group("base") for m in map(_LEFTOVER.match, os.listdir(root)) if m})
@@ -106,16 +123,23 @@ TRACKER_FILENAME = "latest_checkpointed_iteration.txt"  # Megatron-LM's name
 
 
 def iteration_dir(root: str, iteration: int) -> str:
-    """Megatron-LM's directory of one iteration's checkpoint: ``root/iter_0000100``."""
-    if isinstance(iteration, bool) or not isinstance(iteration, int) or iteration < 0:
+    """Megatron-LM's directory of one iteration's checkpoint: ``root/iter_0000100``. Raises
+    TypeError for a root that is not a str path (:func:`check_root`) or an iteration that is
+    not an int (a bool, a float), ValueError for a negative one."""
+    root = check_root(root)
+    if isinstance(iteration, bool) or not isinstance(iteration, int):
+        raise TypeError(f"iteration must be an int >= 0, got {iteration!r} "
+                        f"({type(iteration).__name__})")
+    if iteration < 0:
         raise ValueError(f"iteration must be an int >= 0, got {iteration!r}")
     return os.path.join(root, f"iter_{iteration:07d}")
 
 
 def read_latest_iteration(root: str) -> Optional[int]:
     """The iteration in ``root/latest_checkpointed_iteration.txt``, or None when there is none.
-    Raises ValueError when the file does not hold an int >= 0."""
-    path = os.path.join(root, TRACKER_FILENAME)
+    Raises TypeError for a root that is not a str path, ValueError when the file does not
+    hold an int >= 0."""
+    path = os.path.join(check_root(root), TRACKER_FILENAME)
     if not os.path.isfile(path):
         return None
     with open(path) as f:
@@ -133,7 +157,9 @@ def write_latest_iteration(root: str, iteration: int) -> None:
     """Record ``iteration`` as the latest complete checkpoint: write a new file, fsync, and
     rename it over the marker (atomic), so the marker always names a whole checkpoint. Call
     on one rank after :func:`save_checkpoint` returned (the checkpoint is then in place on
-    every rank). Raises ValueError when ``root/iter_NNNNNNN`` is not a saved checkpoint."""
+    every rank). Raises TypeError / ValueError as :func:`iteration_dir`, ValueError when
+    ``root/iter_NNNNNNN`` is not a saved checkpoint."""
+    root = check_root(root)
     ckpt = iteration_dir(root, iteration)  # validates
     if not os.path.isfile(os.path.join(ckpt, METADATA)):
         raise ValueError(f"{ckpt} is not a saved checkpoint (no {METADATA}): not recording it")

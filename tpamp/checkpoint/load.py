@@ -274,6 +274,13 @@ def _check_groups(groups, live_groups, optimizer) -> List[str]:
                 msg = group_value_problem(i, k, v, live[k])
                 if msg:
                     problems.append(msg)
+    # the values by the optimizer class's rules (a finite lr, eps > 0, ...), through its hook
+    check = getattr(optimizer, "check_saved_param_groups", None)
+    if not problems and callable(check):
+        try:
+            check(groups)
+        except (TypeError, ValueError) as e:
+            problems.append(str(e))
     return problems
 
 

@@ -90,7 +90,9 @@ def optimizer_record(optimizer, group_of: Mapping[str, int]) -> dict:
              "params": sorted(n for n, gi in group_of.items() if gi == i),
              # the override key of docs/spec.md section 16, when the group has one
              **({"override_key": g["override_key"], "override": g.get("override")}
-                if "override_key" in g else {})}
+                if "override_key" in g else {}),
+             # the part of a tpamp.CombinedOptimizer that steps the group, when it has one
+             **({"optimizer_part": g["optimizer_part"]} if "optimizer_part" in g else {})}
             for i, g in enumerate(inner.param_groups if inner is not None else [])
         ],
     }
