@@ -38,7 +38,7 @@ import torch.distributed as dist
 from tpamp.common import is_dtensor, local_tensor
 from tpamp.grad_stats import is_expert_param
 
-__all__ = ["PEER_KINDS", "check_parallel_groups", "check_partition_dims", "describe",
+__all__ = ["PEER_KINDS", "check_parallel_groups", "check_inner_groups", "check_partition_dims", "describe",
            "explain", "mismatches", "payload"]
 
 Tensor = torch.Tensor
@@ -282,6 +282,25 @@ def check_partition_dims(optimizer) -> None:
                     f"param {pi} of param group {gi} (shape {tuple(p.shape)}) is a Megatron TP "
                     f"shard (tensor_model_parallel=True) with partition_dim={dim!r}; expected "
                     f"an int in [0, {p.dim()}): the dim along which the TP ranks split it")
+
+
+def check_inner_groups(optimizer, tensor_parallel_group) -> None:
+    """ValueError when the inner optimizer (or a part of a CombinedOptimizer) has a
+    ``tensor_parallel_group`` (TensorParallelMuon, TensorParallelAdafactor) of other ranks
+    than the wrapper's: the two would count and reduce over different TP peers."""
+    if tensor_parallel_group is None or not dist.is_initialized():
+        return
+    want = _group_ranks(tensor_parallel_group)
+    for part in getattr(optimizer, "optimizers", None) or [optimizer]:
+        group = getattr(part, "tensor_parallel_group", None)
+        if group is None or not isinstance(group, dist.ProcessGroup):
+            continue
+        ranks = _group_ranks(group)
+        if sorted(ranks) != sorted(want):
+            raise ValueError(
+                f"the inner {type(part).__name__}'s tensor_parallel_group (ranks {ranks}) is "
+                f"not the wrapper's tensor_parallel_group (ranks {want}): both must be the "
+                "same TP group")
 
 
 def _group_ranks(group) -> List[int]:

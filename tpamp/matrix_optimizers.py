@@ -47,6 +47,7 @@ from typing import Callable, Dict, Iterable, List, Optional, Sequence, Tuple
 import torch
 import torch.distributed as dist
 
+from tpamp._checks import check_group_member
 from tpamp.common import is_dtensor, local_tensor
 
 __all__ = [
@@ -365,6 +366,7 @@ class TensorParallelMuon(torch.optim.Muon):
                  momentum: float = 0.95, nesterov: bool = True, ns_coefficients=None,
                  eps: float = 1e-7, ns_steps: int = 5, adjust_lr_fn: Optional[str] = None, *,
                  tp_mode: str = "duplicated", tensor_parallel_group=None):
+        check_group_member(tensor_parallel_group, "tensor_parallel_group")
         kwargs = {} if ns_coefficients is None else {"ns_coefficients": tuple(ns_coefficients)}
         super().__init__(params, lr=lr, weight_decay=weight_decay, momentum=momentum,
                          nesterov=nesterov, eps=eps, ns_steps=ns_steps,
@@ -482,6 +484,7 @@ class TensorParallelAdafactor(torch.optim.Adafactor):
     def __init__(self, params, lr=1e-2, beta2_decay: float = -0.8, eps=(None, 1e-3),
                  d: float = 1.0, weight_decay: float = 0.0, *, foreach=None,
                  maximize: bool = False, tensor_parallel_group=None):
+        check_group_member(tensor_parallel_group, "tensor_parallel_group")
         super().__init__(params, lr=lr, beta2_decay=beta2_decay, eps=eps, d=d,
                          weight_decay=weight_decay, foreach=foreach, maximize=maximize)
         self.tensor_parallel_group = tensor_parallel_group

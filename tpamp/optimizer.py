@@ -310,6 +310,7 @@ class MixedPrecisionOptimizer(OptimizerWrapper):
             parallel_state, tensor_parallel_group=tensor_parallel_group,
             expert_grad_stats_group=expert_grad_stats_group,
             expert_tensor_parallel_group=expert_tensor_parallel_group)
+        _peer_settings.check_inner_groups(optimizer, tensor_parallel_group)
         if (parallel_state is not None and expert_grad_stats_group is None
                 and _same_group(grad_stats_group, parallel_state.model_parallel_group)):
             # the expert model-parallel group beside the dense model-parallel one (Megatron-core)
