@@ -545,7 +545,7 @@ def _gather_groups(wrapper) -> list:
             if g is not None and dist.is_initialized() and dist.get_world_size(g) > 1]
 
 
-def _agree_over(wrapper, name: str, group, row: List[float], description) -> None:
+def _agree_over(wrapper, name: str, group, row: List[float]) -> None:
     """One all-gather of ``row`` over ``group``; ValueError on every rank on a difference."""
     ranks = dist.get_process_group_ranks(group)
     try:
@@ -571,7 +571,7 @@ def _agree_over(wrapper, name: str, group, row: List[float], description) -> Non
     n = len(_SETTING_NAMES)
     found = _peer_settings.mismatches([r[n:] for r in table], ranks)
     if found:  # every rank has the same table: all of them take this branch together
-        raise _peer_settings.explain(found, description, group, ranks)
+        raise _peer_settings.explain(found, wrapper, group, ranks)
 
 
 def agree_on_settings(wrapper) -> None:
@@ -597,10 +597,9 @@ def agree_on_settings(wrapper) -> None:
     that did raise RuntimeError saying so."""
     groups = _gather_groups(wrapper)
     if groups:
-        extra, description = _peer_settings.payload(wrapper)
-        row = _settings(wrapper) + extra
+        row = _settings(wrapper) + _peer_settings.payload(wrapper)
         for name, group in groups:
-            _agree_over(wrapper, name, group, row, description)
+            _agree_over(wrapper, name, group, row)
     dp = getattr(wrapper, "data_parallel_group", None)
     layout = getattr(wrapper, "bucket_layout", None)
     if dp is None or layout is None or not dist.is_initialized() or dist.get_world_size(dp) < 2:

@@ -15,7 +15,7 @@ and placements): even TP shards.
 **In the one all-gather.** :func:`payload` is appended to the settings row that
 ``tpamp._guards.agree_on_settings`` all-gathers: per peer kind, an id of this rank's group of
 that kind (a 52-bit hash of its global ranks; -1 for none or one rank), and three 52-bit
-digests (hyperparameters, dense layout, expert layout). Every rank receives every row, so every
+digests (hyperparameters, dense layout, expert layout; the layouts as int64 numbers, fast). Every rank receives every row, so every
 rank finds the same mismatches (:func:`mismatches`): rows with the same id of a kind are peers
 and must carry the same digests. Only when one differs does a second collective (one
 ``all_gather_object`` of the full descriptions, :func:`explain`) find the first option that
@@ -30,6 +30,7 @@ object of another type by its class name only (its ``repr`` may hold an address)
 from __future__ import annotations
 
 import hashlib
+from array import array
 from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
@@ -56,10 +57,14 @@ _DIGESTS = ("hp", "dense", "expert")
 _MEMBERSHIP = ("params", "param_names")  # group entries that are not hyperparameters
 
 
+def _bits52_bytes(data: bytes) -> float:
+    """A 52-bit hash of ``data``, exact in a float64."""
+    return float(int.from_bytes(hashlib.blake2b(data, digest_size=8).digest(), "little") >> 12)
+
+
 def _bits52(text: str) -> float:
     """A 52-bit hash of ``text``, exact in a float64."""
-    return float(int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "little")
-                 >> 12)
+    return _bits52_bytes(text.encode())
 
 
 def _ranks(group) -> Optional[Tuple[int, ...]]:
@@ -133,54 +138,89 @@ def _shown(v) -> str:
     return f"a {type(v).__qualname__}"
 
 
-def _layout(p: Tensor) -> List[Tuple[str, object]]:
-    """(what, value) of one param's layout that TP peers share."""
-    out = [("dtype", str(p.dtype)), ("requires_grad", bool(p.requires_grad))]
+_PLAIN_FIELDS = ("dtype", "requires_grad", "local shape", "tensor_model_parallel",
+                 "partition_dim", "partition_stride")
+_DTENSOR_FIELDS = ("dtype", "requires_grad", "global shape", "placements")
+
+
+def _layout(p: Tensor) -> Tuple[Tuple[str, ...], tuple]:
+    """(field names, values) of one param's layout that TP peers share."""
     if is_dtensor(p):
-        return out + [("global shape", tuple(p.shape)),
-                      ("placements", tuple(str(pl) for pl in p.placements))]
+        return _DTENSOR_FIELDS, (str(p.dtype), bool(p.requires_grad), tuple(p.shape),
+                                 tuple(str(pl) for pl in p.placements))
     tp = bool(getattr(p, "tensor_model_parallel", False))
-    out += [("local shape", tuple(p.shape)), ("tensor_model_parallel", tp)]
+    return _PLAIN_FIELDS, (str(p.dtype), bool(p.requires_grad), tuple(p.shape), tp,
+                           getattr(p, "partition_dim", None) if tp else None,
+                           getattr(p, "partition_stride", 1) if tp else None)
+
+
+_CODES: Dict[str, int] = {}
+
+
+def _code(text: str) -> int:
+    """A 52-bit number for a string (the same on every rank; cached)."""
+    code = _CODES.get(text)
+    if code is None:
+        code = _CODES[text] = int(_bits52(text))
+    return code
+
+
+def _layout_ints(p: Tensor, out: array) -> None:
+    """Append one param's layout as int64 numbers (what :func:`_layout` holds; fast: the
+    digest of every param is taken on each rank's first step)."""
+    shape = p.shape
+    if is_dtensor(p):
+        out.extend((-2, _code(str(p.dtype)), int(p.requires_grad), len(shape), *shape,
+                    _code(repr(tuple(str(pl) for pl in p.placements)))))
+        return
+    tp = getattr(p, "tensor_model_parallel", False)
     if tp:
-        out += [("partition_dim", getattr(p, "partition_dim", None)),
-                ("partition_stride", getattr(p, "partition_stride", 1))]
-    return out
+        dim, stride = getattr(p, "partition_dim", None), getattr(p, "partition_stride", 1)
+        extra = (dim if isinstance(dim, int) else _code(repr(dim)),
+                 stride if isinstance(stride, int) else _code(repr(stride)))
+    else:
+        extra = (-1, -1)
+    out.extend((-3, _code(str(p.dtype)), int(p.requires_grad), len(shape), *shape,
+                int(bool(tp)), *extra))
+
+
+def _named_params(wrapper) -> List[Tuple[str, Tensor]]:
+    named = getattr(wrapper, "named_model_params", None)
+    if named is not None:
+        return list(named())
+    return [(f"param {pi} of param group {gi}", p)
+            for gi, g in enumerate(wrapper.optimizer.param_groups)
+            for pi, p in enumerate(g["params"])]
+
+
+def _hyperparameters(wrapper) -> list:
+    """Per param group of the inner optimizer, [(key, canonical value, shown value)] of every
+    entry but the params (and their names)."""
+    return [[(str(k), _canonical(v), _shown(v)) for k, v in sorted(
+        group.items(), key=lambda kv: str(kv[0])) if k not in _MEMBERSHIP]
+        for group in wrapper.optimizer.param_groups]
 
 
 def describe(wrapper) -> Dict[str, list]:
-    """This rank's description: ``"hp"``: per param group of the inner optimizer, [(key,
-    canonical value, shown value)] of every entry but the params (and their names);
-    ``"dense"`` / ``"expert"``: per model param of that kind, (name, [(what, value)])."""
-    hp = []
-    for group in wrapper.optimizer.param_groups:
-        hp.append([(str(k), _canonical(v), _shown(v)) for k, v in sorted(
-            group.items(), key=lambda kv: str(kv[0])) if k not in _MEMBERSHIP])
-    named = getattr(wrapper, "named_model_params", None)
-    if named is not None:
-        params = named()
-    else:
-        params = [(f"param {pi} of param group {gi}", p)
-                  for gi, g in enumerate(wrapper.optimizer.param_groups)
-                  for pi, p in enumerate(g["params"])]
+    """This rank's description (taken only on a mismatch, for the message): ``"hp"``: per
+    param group of the inner optimizer, [(key, canonical value, shown value)];
+    ``"dense"`` / ``"expert"``: per model param of that kind, (name, field names, values)."""
     dense, expert = [], []
-    for name, p in params:
-        (expert if is_expert_param(p) else dense).append((str(name), _layout(p)))
-    return {"hp": hp, "dense": dense, "expert": expert}
+    for name, p in _named_params(wrapper):
+        (expert if is_expert_param(p) else dense).append((str(name), *_layout(p)))
+    return {"hp": _hyperparameters(wrapper), "dense": dense, "expert": expert}
 
 
-def _digest(description: Dict[str, list], what: str) -> float:
-    if what == "hp":
-        return _bits52(repr([[(k, c) for k, c, _ in g] for g in description["hp"]]))
-    # layouts by position: names may differ per rank (experts named by global index)
-    return _bits52(repr([layout for _, layout in description[what]]))
-
-
-def payload(wrapper) -> Tuple[List[float], Dict[str, list]]:
-    """(floats appended to the settings row, this rank's description): per PEER_KINDS an id
-    of this rank's group, then the digests of hyperparameters, dense and expert layout."""
-    description = describe(wrapper)
+def payload(wrapper) -> List[float]:
+    """The floats appended to the settings row: per PEER_KINDS an id of this rank's group,
+    then the digests of the hyperparameters and of the dense and expert params' layout (by
+    position: names may differ per rank, experts named by their global index)."""
+    hp = _bits52(repr([[(k, c) for k, c, _ in g] for g in _hyperparameters(wrapper)]))
+    dense, expert = array("q"), array("q")
+    for _, p in _named_params(wrapper):
+        _layout_ints(p, expert if is_expert_param(p) else dense)
     ids = [-1.0 if r is None else _bits52(repr(r)) for r in _peer_groups(wrapper)]
-    return ids + [_digest(description, k) for k in _DIGESTS], description
+    return ids + [hp, _bits52_bytes(dense.tobytes()), _bits52_bytes(expert.tobytes())]
 
 
 def mismatches(rows: Sequence[Sequence[float]], ranks: Sequence[int]) -> List[tuple]:
@@ -229,10 +269,9 @@ def _first_difference(descriptions: List[Dict[str, list]], what: str) -> str:
                     return f"{key!r} of param group {i}", [g[j][2] for g in items]
         else:
             name = items[0][0]
-            layouts = [lay for _, lay in items]
-            for j, (field, _) in enumerate(layouts[0]):
-                values = [lay[j][1] if j < len(lay) and lay[j][0] == field else None
-                          for lay in layouts]
+            layouts = [dict(zip(fields, values)) for _, fields, values in items]
+            for field in items[0][1]:
+                values = [lay.get(field) for lay in layouts]
                 if any(v != values[0] for v in values):
                     return (f"the {field} of {what} param {i} ({name!r})",
                             [repr(v) for v in values])
@@ -242,11 +281,12 @@ def _first_difference(descriptions: List[Dict[str, list]], what: str) -> str:
     return f"the {noun}", ["(differs)"] * len(parts)
 
 
-def explain(found: List[tuple], description: Dict[str, list], group, ranks: Sequence[int]):
+def explain(found: List[tuple], wrapper, group, ranks: Sequence[int]):
     """Collective over ``group`` (global ``ranks``), on a mismatch only: gather every rank's
-    description and return the ValueError (the same on every rank) for the first of ``found``."""
+    :func:`describe` and return the ValueError (the same on every rank) for the first of
+    ``found``."""
     every: List[Optional[Dict[str, list]]] = [None] * len(ranks)
-    dist.all_gather_object(every, description, group=group)
+    dist.all_gather_object(every, describe(wrapper), group=group)
     label, members, what = found[0]
     by_rank = dict(zip(ranks, every))
     thing, values = _first_difference([by_rank[r] for r in members], what)
