@@ -23,8 +23,9 @@ differs, so that every rank raises the same ValueError naming the option, the gr
 and each rank's value.
 
 Hyperparameters are compared by value: numbers exactly (``repr`` of the float), strings, None,
-tuples and dicts element by element, a tensor (a tensor ``lr``) by dtype, shape and values; an
-object of another type by its class name only (its ``repr`` may hold an address).
+tuples and dicts element by element, a tensor (a tensor ``lr``) by dtype, shape and values (not
+its device), a ``torch.device`` by its type; an object of another type by its class name only
+(its ``repr`` may hold an address).
 """
 
 from __future__ import annotations
@@ -39,8 +40,8 @@ import torch.distributed as dist
 from tpamp.common import is_dtensor, local_tensor
 from tpamp.grad_stats import is_expert_param
 
-__all__ = ["PEER_KINDS", "check_parallel_groups", "check_inner_groups", "check_partition_dims", "describe",
-           "explain", "mismatches", "payload"]
+__all__ = ["PEER_KINDS", "check_inner_groups", "check_parallel_groups", "check_partition_dims",
+           "describe", "explain", "mismatches", "payload"]
 
 Tensor = torch.Tensor
 
@@ -117,8 +118,10 @@ def _canonical(v):
         return tuple(_canonical(x) for x in v)
     if isinstance(v, dict):
         return ("dict",) + tuple(sorted((str(k), _canonical(x)) for k, x in v.items()))
-    if isinstance(v, (torch.dtype, torch.device)):
+    if isinstance(v, torch.dtype):
         return str(v)
+    if isinstance(v, torch.device):  # each rank has its own device index
+        return ("device", v.type)
     return ("object", f"{type(v).__module__}.{type(v).__qualname__}")
 
 
