@@ -507,6 +507,10 @@ def _peer_misuse(rank, world_size):
         "tp-muon-second-group": _tp_step_case(rank, lambda ps: tpamp.TensorParallelMuon(
             [{"params": ps[:1]}, {"params": [], "momentum": _by_rank(rank, 0.95, 0.9)}],
             lr=0.02, tensor_parallel_group=W)),
+        # a CombinedOptimizer's parts: AdamW's lr per TP rank beside an agreed Muon
+        "tp-combined-adamw-lr": _tp_step_case(rank, lambda ps: tpamp.CombinedOptimizer([
+            tpamp.TensorParallelMuon(ps, lr=0.02, tensor_parallel_group=W),
+            torch.optim.AdamW([torch.nn.Parameter(torch.ones(3))], lr=_by_rank(rank, 1e-3, 3e-3))])),
         "tp-uneven-shards": _tp_step_case(rank, lambda ps: tpamp.TensorParallelMuon(
             ps, lr=0.02, tensor_parallel_group=W), rows=_by_rank(rank, 4, 2)),
         # rank 1 wraps TP-group-[0, 1] Muon with a wrapper whose TP group is [1]
@@ -536,6 +540,7 @@ PEER_CASES = [
     ("tp-adamw-lr", ["'lr'", "tensor-parallel", "0.001", "0.002"]),
     ("tp-adamw-tensor-lr", ["'lr'", "tensor-parallel", "tensor(0.5", "tensor(0.25"]),
     ("tp-muon-second-group", ["'momentum'", "group", "1", "0.95", "0.9"]),
+    ("tp-combined-adamw-lr", ["'lr'", "param", "group", "1", "tensor-parallel", "0.001", "0.003"]),
     ("tp-uneven-shards", ["local shape", "(4, 3)", "(2, 3)", "tensor-parallel", "even"]),
     ("tp-muon-tp-mode", ["'tp_mode'", "'duplicated'", "'distributed'", "tensor-parallel"]),
 ]

@@ -545,18 +545,24 @@ def _gather_groups(wrapper) -> list:
             if g is not None and dist.is_initialized() and dist.get_world_size(g) > 1]
 
 
-def _agree_over(wrapper, name: str, group, row: List[float]) -> None:
-    """One all-gather of ``row`` over ``group``; ValueError on every rank on a difference."""
-    ranks = dist.get_process_group_ranks(group)
+def _gather_settings(name: str, group, row: List[float]) -> List[List[float]]:
+    """One all-gather of ``row`` over ``group``; RuntimeError naming the group when a peer
+    never joins."""
     try:
-        table = gather_rows(row, group)
+        return gather_rows(row, group)
     except RuntimeError as e:  # a peer that never joins: gloo's timeout or closed connection
         raise RuntimeError(
-            f"the cross-rank settings check over {name} (ranks {ranks}) failed: "
+            f"the cross-rank settings check over {name} (ranks "
+            f"{dist.get_process_group_ranks(group)}) failed: "
             f"{e}. Every rank of that group must pass the same {name} to its "
             "optimizer wrapper and reach step() together: a rank that passed "
             f"{name}=None (or another group), or that crashed, never joins"
         ) from e
+
+
+def _compare(wrapper, name: str, group, table: List[List[float]]) -> None:
+    """ValueError, the same on every rank of ``group``, when its rows differ."""
+    ranks = dist.get_process_group_ranks(group)
     for j, setting in enumerate(_SETTING_NAMES):
         column = [r[j] for r in table]
         if all(c == column[0] for c in column):
@@ -598,8 +604,10 @@ def agree_on_settings(wrapper) -> None:
     groups = _gather_groups(wrapper)
     if groups:
         row = _settings(wrapper) + _peer_settings.payload(wrapper)
-        for name, group in groups:
-            _agree_over(wrapper, name, group, row)
+        # every gather first: a rank that raises has then joined all of them (no peer waits)
+        tables = [_gather_settings(name, group, row) for name, group in groups]
+        for (name, group), table in zip(groups, tables):
+            _compare(wrapper, name, group, table)
     dp = getattr(wrapper, "data_parallel_group", None)
     layout = getattr(wrapper, "bucket_layout", None)
     if dp is None or layout is None or not dist.is_initialized() or dist.get_world_size(dp) < 2:
