@@ -406,10 +406,10 @@ def test_spike_policy_raise_raises_on_every_dp_rank_with_the_scaler_as_before():
 # ---- groups that do not match parallel_state (docs/spec.md section 19) -----------------------
 
 
-def _layout_case(build, params):
-    """build() must raise before any collective; (type, message, params unchanged, inner not
-    wrapped)."""
-    inner = torch.optim.Adam(list(params.values()), lr=0.1)
+def _layout_case(build, params, lr=0.1):
+    """build(inner Adam) must raise (the group cases: before any collective); (type, message,
+    params unchanged, inner not wrapped)."""
+    inner = torch.optim.Adam(list(params.values()), lr=lr)
     before = [tensor_bytes(p) for p in params.values()]
     try:
         build(inner)
@@ -425,15 +425,22 @@ def _layout_cases(rank, world):
     cp = initialize_model_parallel(1, 1, context_parallel_size=2)  # dp 1, cp 2
     ep = initialize_model_parallel(1, 1, expert_model_parallel_size=2)  # dp 2, ep 2, edp 1
     out = {}
+    def scaler():
+        return tpamp.ConstantGradScaler(1.0)
+
     out["cp-dp-group"] = _layout_case(lambda inner: tpamp.DistributedOptimizer(
-        inner, data_parallel_group=cp.dp_group, parallel_state=cp), _params())
+        inner, grad_scaler=scaler(), data_parallel_group=cp.dp_group, parallel_state=cp), _params())
     params = _params()
     out["ep-expert-dp-group"] = _layout_case(lambda inner: tpamp.DistributedOptimizer(
-        inner, data_parallel_group=ep.dp_group, parallel_state=ep,
+        inner, grad_scaler=scaler(), data_parallel_group=ep.dp_group, parallel_state=ep,
         expert_data_parallel_group=ep.dp_group), {k: tpamp.mark_expert_param(p) for k, p in params.items()})
     out["ep-tp-group"] = _layout_case(lambda inner: tpamp.DistributedOptimizer(
-        inner, data_parallel_group=ep.dp_group, parallel_state=ep,
+        inner, grad_scaler=scaler(), data_parallel_group=ep.dp_group, parallel_state=ep,
         tensor_parallel_group=ep.dp_group), _params())
+    # the DP x CP group: its ranks compare the inner optimizer's hyperparameters too
+    out["cp-lr"] = _layout_case(lambda inner: tpamp.DistributedOptimizer(
+        inner, grad_scaler=scaler(), data_parallel_group=cp.dp_cp_group, parallel_state=cp),
+        _params(), lr=0.1 * (rank + 1))
     # the DP x CP group: the CP ranks' grads are summed, the replicas stay equal
     params = _params(torch.float32)
     opt = tpamp.DistributedOptimizer(torch.optim.SGD(list(params.values()), lr=0.5),
@@ -457,6 +464,7 @@ def layout_results():
     ("cp-dp-group", ["data_parallel_group", "parallel_state.dp_cp_group", "cp = 2", "[0, 1]"]),
     ("ep-expert-dp-group", ["expert_data_parallel_group", "parallel_state.expert_data_parallel_group", "[0, 1]"]),
     ("ep-tp-group", ["tensor_parallel_group", "parallel_state.tp_group", "[0, 1]"]),
+    ("cp-lr", ["'lr'", "data-parallel", "[0, 1]", "rank 0: 0.1", "rank 1: 0.2"]),
 ])
 def test_a_group_that_is_not_the_parallel_states_is_refused_before_any_collective(layout_results, cid, words):
     for rank in range(2):
