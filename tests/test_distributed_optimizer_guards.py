@@ -246,6 +246,11 @@ SETTINGS_CASES = [
     ("xr-mpo-clip_grad", dict(mpo=True, clip_grad=1.0), dict(mpo=True), ["clip_grad"]),
     ("xr-mpo-hysteresis", dict(mpo=True), dict(mpo=True, scaler={"hysteresis": 3}), ["hysteresis", "3"]),
     ("xr-mpo-spike-policy", dict(mpo=True, spike=SPIKE), dict(mpo=True, spike={**SPIKE, "policy": "log"}), ["spike policy", "log", "skip"]),
+    # the inner optimizer's hyperparameters between DP replicas (docs/spec.md section 2.4)
+    ("xr-betas", dict(), dict(inner={"betas": (0.8, 0.999)}), ["'betas'", "param", "group", "0", "data-parallel", "rank 0: (0.9, 0.999)", "rank 1: (0.8, 0.999)"]),
+    ("xr-lr", dict(), dict(inner={"lr": 0.2}), ["'lr'", "data-parallel", "rank 0: 0.1", "rank 1: 0.2"]),
+    ("xr-amsgrad", dict(), dict(inner={"amsgrad": True}), ["'amsgrad'", "data-parallel", "False", "True"]),
+    ("xr-mpo-tp-lr", dict(mpo=True, tp=True), dict(mpo=True, tp=True, inner={"lr": 0.2}), ["'lr'", "tensor-parallel", "0.1", "0.2"]),
 ]
 
 
@@ -257,7 +262,7 @@ def _settings_setup(kw):
     kw = dict(kw)
     is_mpo = kw.get("mpo", False)
     params = _params()
-    inner = torch.optim.Adam(list(params.values()), lr=0.1)
+    inner = torch.optim.Adam(list(params.values()), **{"lr": 0.1, **kw.pop("inner", {})})
     before = list(inner.param_groups[0]["params"])
 
     class Watch:
@@ -272,6 +277,8 @@ def _settings_setup(kw):
         spike = kw.pop("spike", None)
         det = tpamp.SpikeDetector(**spike) if spike else None
         scaler = tpamp.DynamicGradScaler(**{"initial_scale": 8.0, "hysteresis": 1, **kw.pop("scaler", {})})
+        if kw.pop("tp", False):  # both ranks TP peers (the params then replicated over TP)
+            kw["tensor_parallel_group"] = dist.group.WORLD
         if kw.pop("mpo", False):
             opt = tpamp.MixedPrecisionOptimizer(inner, grad_scaler=scaler, spike_detector=det,
                                                 grad_stats_group=dist.group.WORLD, **kw)
@@ -394,3 +401,82 @@ def _raise_policy(rank, world):
 def test_spike_policy_raise_raises_on_every_dp_rank_with_the_scaler_as_before():
     for raised, same, scaler_same in run_workers(_raise_policy, 2, timeout=60):
         assert raised and same and scaler_same
+
+
+# ---- groups that do not match parallel_state (docs/spec.md section 19) -----------------------
+
+
+def _layout_case(build, params, lr=0.1):
+    """build(inner Adam) must raise (the group cases: before any collective); (type, message,
+    params unchanged, inner not wrapped)."""
+    inner = torch.optim.Adam(list(params.values()), lr=lr)
+    before = [tensor_bytes(p) for p in params.values()]
+    try:
+        build(inner)
+    except Exception as e:
+        return (type(e).__name__, str(e),
+                [tensor_bytes(p) for p in params.values()] == before and wrapped_by(inner) is None)
+    return None, "", None
+
+
+def _layout_cases(rank, world):
+    from tpamp.parallel import initialize_model_parallel
+
+    cp = initialize_model_parallel(1, 1, context_parallel_size=2)  # dp 1, cp 2
+    ep = initialize_model_parallel(1, 1, expert_model_parallel_size=2)  # dp 2, ep 2, edp 1
+    out = {}
+    def scaler():
+        return tpamp.ConstantGradScaler(1.0)
+
+    out["cp-dp-group"] = _layout_case(lambda inner: tpamp.DistributedOptimizer(
+        inner, grad_scaler=scaler(), data_parallel_group=cp.dp_group, parallel_state=cp), _params())
+    params = _params()
+    out["ep-expert-dp-group"] = _layout_case(lambda inner: tpamp.DistributedOptimizer(
+        inner, grad_scaler=scaler(), data_parallel_group=ep.dp_group, parallel_state=ep,
+        expert_data_parallel_group=ep.dp_group), {k: tpamp.mark_expert_param(p) for k, p in params.items()})
+    out["ep-tp-group"] = _layout_case(lambda inner: tpamp.DistributedOptimizer(
+        inner, grad_scaler=scaler(), data_parallel_group=ep.dp_group, parallel_state=ep,
+        tensor_parallel_group=ep.dp_group), _params())
+    # the DP x CP group: its ranks compare the inner optimizer's hyperparameters too
+    out["cp-lr"] = _layout_case(lambda inner: tpamp.DistributedOptimizer(
+        inner, grad_scaler=scaler(), data_parallel_group=cp.dp_cp_group, parallel_state=cp),
+        _params(), lr=0.1 * (rank + 1))
+    # the DP x CP group: the CP ranks' grads are summed, the replicas stay equal
+    params = _params(torch.float32)
+    opt = tpamp.DistributedOptimizer(torch.optim.SGD(list(params.values()), lr=0.5),
+                                     data_parallel_group=cp.dp_cp_group, parallel_state=cp)
+    for p in params.values():
+        p.grad = torch.full_like(p, float(rank + 1))  # CP ranks' grads differ: mean 1.5
+    before = {k: p.detach().clone() for k, p in params.items()}
+    opt.step()
+    out["cp-dp-cp-group"] = {k: ((p.detach().double() - before[k].double()).tolist(), tensor_bytes(p))
+                             for k, p in params.items()}
+    return out
+
+
+@pytest.fixture(scope="module")
+def layout_results():
+    return run_workers(_layout_cases, 2, timeout=30)
+
+
+@pytest.mark.parametrize("cid,words", [
+    # under cp = 2 the DP group alone would never sum the CP ranks' grads (replicas drift)
+    ("cp-dp-group", ["data_parallel_group", "parallel_state.dp_cp_group", "cp = 2", "[0, 1]"]),
+    ("ep-expert-dp-group", ["expert_data_parallel_group", "parallel_state.expert_data_parallel_group", "[0, 1]"]),
+    ("ep-tp-group", ["tensor_parallel_group", "parallel_state.tp_group", "[0, 1]"]),
+    ("cp-lr", ["'lr'", "data-parallel", "[0, 1]", "rank 0: 0.1", "rank 1: 0.2"]),
+])
+def test_a_group_that_is_not_the_parallel_states_is_refused_before_any_collective(layout_results, cid, words):
+    for rank in range(2):
+        kind, msg, unchanged = layout_results[rank][cid]
+        assert kind == "ValueError", (rank, kind, msg)
+        assert re.search(_words(words), msg), f"rank {rank}: {words} not all in: {msg}"
+        assert unchanged, f"rank {rank}: the refusal changed the params or wrapped the optimizer"
+
+
+def test_the_dp_cp_group_steps_both_cp_ranks_with_the_mean_gradient(layout_results):
+    for rank in range(2):
+        for name, (delta, _) in layout_results[rank]["cp-dp-cp-group"].items():
+            flat = torch.tensor(delta, dtype=torch.float64).reshape(-1)  # lr 0.5 x mean 1.5
+            torch.testing.assert_close(flat, torch.full_like(flat, -0.75), rtol=0, atol=1e-6)
+            assert layout_results[1]["cp-dp-cp-group"][name][1] == layout_results[0]["cp-dp-cp-group"][name][1]

@@ -1,7 +1,7 @@
 """A group this rank is not a member of is refused, naming the argument (docs/spec.md sections
 1-3): one 4-rank gloo run (tests/dist_utils) tries every public constructor and function that
 takes a process group (the optimizer wrappers, the grad statistics, ModelParallelGradScaler,
-TorchAMPOptimizer) on a rank outside the group."""
+TorchAMPOptimizer, TensorParallelMuon, TensorParallelAdafactor) on a rank outside the group."""
 
 from __future__ import annotations
 
@@ -49,6 +49,10 @@ def _not_member_checks(rank, world_size):
     attempt("torch_amp_optimizer", lambda: tpamp.TorchAMPOptimizer(
         torch.optim.SGD([p], lr=0.1), tpamp.ModelParallelGradScaler("cpu"),
         grad_stats_group=group01))
+    attempt("tp_muon", lambda: tpamp.TensorParallelMuon(
+        [torch.nn.Parameter(torch.zeros(2, 2))], tensor_parallel_group=group01))
+    attempt("tp_adafactor", lambda: tpamp.TensorParallelAdafactor(
+        [torch.nn.Parameter(torch.zeros(2, 2))], tensor_parallel_group=group01))
     dist.barrier()
     return out
 
@@ -73,6 +77,8 @@ def not_member_results():
         ("filter_tp", "tensor_parallel_group"),
         ("mp_grad_scaler", "model_parallel_group"),
         ("torch_amp_optimizer", "grad_stats_group"),
+        ("tp_muon", "tensor_parallel_group"),
+        ("tp_adafactor", "tensor_parallel_group"),
     ],
 )
 def test_group_this_rank_is_not_in_raises_value_error_naming_it(not_member_results, case, group_name):

@@ -536,3 +536,58 @@ def test_pp2_dp2_equals_float64_with_the_tied_embedding_summed_before_the_step()
         for k, v in got.items():
             np.testing.assert_allclose(v, _np(params["embed" if k == "head" else k]),
                                        rtol=1e-5, atol=1e-6, err_msg=f"{pp_rank} {k}")
+
+
+# -- per-rank differences and layouts that parallel_state refuses (docs/spec.md sections 2.4, 19) --
+
+
+def _peer_misuse(rank, world):
+    from dist_utils import freeze, tensor_bytes
+
+    from tpamp.parallel import initialize_model_parallel
+
+    out = {}
+    # the inner optimizer's lr per DP rank: the owners would step with two lrs and broadcast
+    # a model that mixes both; refused at the first step on every rank, nothing changed
+    params = {k: torch.nn.Parameter(v) for k, v in _values(MATRICES, torch.float32).items()}
+    inner = torch.optim.Muon(list(params.values()), lr=0.02 if rank == 0 else 0.04)
+    opt = tpamp.LayerWiseDistributedOptimizer(inner, data_parallel_group=dist.group.WORLD)
+    _feed(params, opt, rank, world, 0)
+
+    def picture():
+        return [tensor_bytes(p) for p in params.values()], freeze(opt.state_dict())
+
+    before = picture()
+    try:
+        opt.step()
+        out["lr"] = (None, "", False)
+    except Exception as e:
+        out["lr"] = (type(e).__name__, str(e), picture() == before)
+    # under cp = 2 the DP group alone never sums the CP ranks' grads: refused at construction
+    st = initialize_model_parallel(1, 1, context_parallel_size=2)
+    params = {k: torch.nn.Parameter(v) for k, v in _values(MATRICES, torch.float32).items()}
+    inner = _inner("muon", list(params.values()))
+    try:
+        tpamp.LayerWiseDistributedOptimizer(inner, data_parallel_group=st.dp_group,
+                                            parallel_state=st)
+        out["cp"] = (None, "")
+    except Exception as e:
+        out["cp"] = (type(e).__name__, str(e))
+    out["cp_untouched"] = len(inner.param_groups[0]["params"]) == len(MATRICES)
+    return out
+
+
+def test_a_per_rank_lr_and_a_dp_group_without_the_cp_ranks_are_refused():
+    msgs = []
+    for rank, out in enumerate(run_workers(_peer_misuse, DP)):
+        kind, msg, unchanged = out["lr"]
+        assert kind == "ValueError", (rank, kind, msg)
+        for word in ("'lr'", "data-parallel", "rank 0: 0.02", "rank 1: 0.04"):
+            assert word in msg, (word, msg)
+        assert unchanged, f"rank {rank}: the refused step changed state"
+        msgs.append(msg)
+        kind, msg = out["cp"]
+        assert kind == "ValueError", (rank, kind, msg)
+        assert "parallel_state.dp_cp_group" in msg and "cp = 2" in msg, msg
+        assert out["cp_untouched"]
+    assert msgs[0] == msgs[1]

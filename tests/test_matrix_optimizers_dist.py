@@ -18,6 +18,8 @@ shows the same code bit-identical to torch.optim.Muon on whole params.) Adafacto
 step: equal to 1e-4 (fp32), 3e-2 (the fp16 model's rounding).
 """
 
+import re
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -438,3 +440,148 @@ def test_a_resumed_tp2_run_is_bit_identical(kind, style, tmp_path):
     """Muon's sharded momentum and Adafactor's factored state (the row factor of a row-split
     param saved in its global shape, cut again on load) survive a checkpoint."""
     assert run_workers(_resume, 2, kind, style, str(tmp_path / "ckpt")) == [True, True]
+
+
+# ---- per-rank mismatches and bad layouts (docs/spec.md sections 2.4 and 17) -------------------
+#
+# TP peers step the same matrices: an inner-optimizer hyperparameter that differs between them
+# (lr, d, tp_mode, ...) or shards that are not even are refused at the first step, by the
+# cross-rank settings check, before anything changes, with the same ValueError on every rank.
+# Every case runs in ONE pair of worker processes; each reports (exception type, message,
+# unchanged) per rank.
+
+
+def _shard(rank, rows=4, dim=0):
+    p = torch.nn.Parameter(torch.full((rows, 3), 0.5 + rank, dtype=torch.float16))
+    p.tensor_model_parallel, p.partition_dim, p.partition_stride = True, dim, 1
+    return p
+
+
+def _tp_step_case(rank, make_inner, rows=4):
+    """Wrap make_inner([shard]) at TP 2 (the WORLD group), step once; (type, message,
+    unchanged: the model param, the wrapper's state dict and the scale)."""
+    from dist_utils import freeze, tensor_bytes
+
+    world = dist.group.WORLD
+    p = _shard(rank, rows)
+    opt = tpamp.MixedPrecisionOptimizer(
+        make_inner([p]), grad_scaler=tpamp.DynamicGradScaler(initial_scale=8.0),
+        grad_stats_group=world, tensor_parallel_group=world)
+    p.grad = torch.full_like(p, 8.0)
+
+    def picture():
+        return tensor_bytes(p), freeze(opt.state_dict())
+
+    before = picture()
+    try:
+        opt.step()
+    except Exception as e:
+        return type(e).__name__, str(e), picture() == before
+    return None, "", picture() == before
+
+
+def _construction_case(build):
+    try:
+        build()
+    except Exception as e:
+        return type(e).__name__, str(e), True
+    return None, "", True
+
+
+def _by_rank(rank, a, b):
+    return a if rank == 0 else b
+
+
+def _peer_misuse(rank, world_size):
+    W = dist.group.WORLD
+    other = dist.new_group([1])  # every rank takes part in creating it
+    out = {
+        "tp-muon-lr": _tp_step_case(rank, lambda ps: tpamp.TensorParallelMuon(
+            ps, lr=_by_rank(rank, 0.02, 0.04), tensor_parallel_group=W)),
+        "tp-adafactor-d": _tp_step_case(rank, lambda ps: tpamp.TensorParallelAdafactor(
+            ps, d=_by_rank(rank, 1.0, 2.0), tensor_parallel_group=W)),
+        "tp-adamw-lr": _tp_step_case(rank, lambda ps: torch.optim.AdamW(
+            ps, lr=_by_rank(rank, 1e-3, 2e-3))),
+        "tp-adamw-tensor-lr": _tp_step_case(rank, lambda ps: torch.optim.AdamW(
+            ps, lr=torch.tensor(_by_rank(rank, 0.5, 0.25)), foreach=False)),
+        "tp-muon-second-group": _tp_step_case(rank, lambda ps: tpamp.TensorParallelMuon(
+            [{"params": ps[:1]}, {"params": [], "momentum": _by_rank(rank, 0.95, 0.9)}],
+            lr=0.02, tensor_parallel_group=W)),
+        # a CombinedOptimizer's parts: AdamW's lr per TP rank beside an agreed Muon
+        "tp-combined-adamw-lr": _tp_step_case(rank, lambda ps: tpamp.CombinedOptimizer([
+            tpamp.TensorParallelMuon(ps, lr=0.02, tensor_parallel_group=W),
+            torch.optim.AdamW([torch.nn.Parameter(torch.ones(3))], lr=_by_rank(rank, 1e-3, 3e-3))])),
+        "tp-uneven-shards": _tp_step_case(rank, lambda ps: tpamp.TensorParallelMuon(
+            ps, lr=0.02, tensor_parallel_group=W), rows=_by_rank(rank, 4, 2)),
+        # rank 1 wraps TP-group-[0, 1] Muon with a wrapper whose TP group is [1]
+        "tp-muon-group-elsewhere": _construction_case(lambda: tpamp.MixedPrecisionOptimizer(
+            tpamp.TensorParallelMuon([_shard(rank)], tensor_parallel_group=W),
+            grad_scaler=tpamp.ConstantGradScaler(1.0),
+            tensor_parallel_group=other if rank == 1 else W)),
+        "tp-partition-dim-2-muon": _construction_case(lambda: tpamp.TensorParallelMuon(
+            [_shard(rank, dim=2)], tensor_parallel_group=W)),
+        "tp-partition-dim-2-wrapper": _construction_case(lambda: tpamp.MixedPrecisionOptimizer(
+            torch.optim.SGD([_shard(rank, dim=2)], lr=0.1), grad_scaler=tpamp.ConstantGradScaler(1.0),
+            tensor_parallel_group=W)),
+        # the same settings on both ranks: stepped (the check refuses only differences)
+        "tp-muon-alike": _tp_step_case(rank, lambda ps: tpamp.TensorParallelMuon(
+            ps, lr=0.02, tensor_parallel_group=W)),
+        # last: on the old code the two modes run different collectives and hang
+        "tp-muon-tp-mode": _tp_step_case(rank, lambda ps: tpamp.TensorParallelMuon(
+            ps, lr=0.02, tp_mode=_by_rank(rank, "duplicated", "distributed"),
+            tensor_parallel_group=W)),
+    }
+    return out
+
+
+PEER_CASES = [
+    ("tp-muon-lr", ["'lr'", "param", "group", "0", "tensor-parallel", "rank 0: 0.02", "rank 1: 0.04"]),
+    ("tp-adafactor-d", ["'d'", "tensor-parallel", "rank 0: 1.0", "rank 1: 2.0"]),
+    ("tp-adamw-lr", ["'lr'", "tensor-parallel", "0.001", "0.002"]),
+    ("tp-adamw-tensor-lr", ["'lr'", "tensor-parallel", "tensor(0.5", "tensor(0.25"]),
+    ("tp-muon-second-group", ["'momentum'", "group", "1", "0.95", "0.9"]),
+    ("tp-combined-adamw-lr", ["'lr'", "param", "group", "1", "tensor-parallel", "0.001", "0.003"]),
+    ("tp-uneven-shards", ["local shape", "(4, 3)", "(2, 3)", "tensor-parallel", "even"]),
+    ("tp-muon-tp-mode", ["'tp_mode'", "'duplicated'", "'distributed'", "tensor-parallel"]),
+]
+
+
+@pytest.fixture(scope="module")
+def peer_results():
+    return run_workers(_peer_misuse, 2, timeout=20)
+
+
+@pytest.mark.parametrize("cid,words", PEER_CASES, ids=[c[0] for c in PEER_CASES])
+def test_a_per_rank_difference_between_tp_peers_is_refused_on_every_rank_unchanged(
+        peer_results, cid, words):
+    from misuse_utils import words_pattern
+
+    msgs = []
+    for rank in range(2):
+        kind, msg, unchanged = peer_results[rank][cid]
+        assert kind == "ValueError", (rank, kind, msg)
+        assert re.search(words_pattern(words), msg), f"rank {rank}: {words} not all in: {msg}"
+        assert unchanged, f"rank {rank}: the refused step changed state"
+        msgs.append(msg)
+    assert msgs[0] == msgs[1], msgs
+
+
+def test_the_same_settings_on_both_tp_ranks_step(peer_results):
+    for rank in range(2):
+        assert peer_results[rank]["tp-muon-alike"] == (None, "", False)  # stepped: changed
+
+
+@pytest.mark.parametrize("cid", ["tp-partition-dim-2-muon", "tp-partition-dim-2-wrapper"])
+def test_partition_dim_outside_the_params_dims_is_refused(peer_results, cid):
+    # partition_dim=2 of a 2-D param was taken modulo 2 (a column split handled as a row split)
+    for rank in range(2):
+        kind, msg, _ = peer_results[rank][cid]
+        assert kind == "ValueError", (rank, kind, msg)
+        assert "partition_dim=2" in msg and "[0, 2)" in msg, msg
+
+
+def test_an_inner_tp_group_other_than_the_wrappers_is_refused(peer_results):
+    assert peer_results[0]["tp-muon-group-elsewhere"][0] is None  # the same groups: accepted
+    kind, msg, _ = peer_results[1]["tp-muon-group-elsewhere"]
+    assert kind == "ValueError", (kind, msg)
+    assert "tensor_parallel_group" in msg and "[0, 1]" in msg and "[1]" in msg, msg

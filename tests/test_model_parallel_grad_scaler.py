@@ -721,3 +721,32 @@ def test_a_good_scaler_state_loads_every_number():
     off = tpamp.ModelParallelGradScaler("cpu", enabled=False)
     off.load_state_dict(_good_state(scale=NAN))
     assert off.state_dict() == {}
+
+
+# ---- a scaler group on one rank only -----------------------------------------------------------
+
+
+def _group_on_one_rank(rank, world):
+    """Rank 0's scaler has the WORLD group, rank 1's none (the mistake): rank 1 steps alone and
+    leaves; rank 0's found_inf all-reduce cannot complete."""
+    p = nn.Parameter(torch.ones(2))
+    opt = torch.optim.SGD([p], lr=0.5)
+    scaler = ModelParallelGradScaler(
+        "cpu", init_scale=8.0, model_parallel_group=dist.group.WORLD if rank == 0 else None)
+    scaler.scale(p.sum()).backward()
+    try:
+        scaler.step(opt)
+        scaler.update()
+    except RuntimeError as e:
+        return "RuntimeError", str(e), p.detach().tolist(), scaler.get_scale()
+    return None, "", p.detach().tolist(), scaler.get_scale()
+
+
+def test_a_scaler_group_on_one_rank_only_is_named_by_the_rank_that_waits():
+    (kind, msg, params, scale), rank1 = run_workers(_group_on_one_rank, 2, timeout=5)
+    assert rank1[0] is None and rank1[2] == [0.5, 0.5]  # rank 1 steps alone: nothing to detect
+    assert kind == "RuntimeError", (kind, msg)
+    for word in ("ModelParallelGradScaler", "model_parallel_group", "[0, 1]",
+                 "model_parallel_group=None"):
+        assert word in msg, (word, msg)
+    assert params == [1.0, 1.0] and scale == 8.0  # the params and the scale unchanged

@@ -18,6 +18,7 @@ from typing import List, Optional, Tuple
 import torch
 import torch.distributed as dist
 
+from tpamp import _peer_settings
 from tpamp.common import collective_device, local_tensor
 from tpamp.hyperparameters import check_optimizer_hyperparameters
 
@@ -537,42 +538,80 @@ def gather_rows(values: List[float], group) -> List[List[float]]:
     return torch.stack(every).cpu().tolist()
 
 
+def _gather_groups(wrapper) -> list:
+    """(name, group) of each group the settings are all-gathered over: the grad-stats group,
+    and the expert grad-stats group where expert statistics are reduced apart (its EP and
+    expert-TP peers are not all in the dense one)."""
+    groups = [("grad_stats_group", _grad_stats_group(wrapper))]
+    if getattr(wrapper, "experts_apart", False):
+        groups.append(("expert_grad_stats_group", wrapper.expert_grad_stats_group))
+    return [(n, g) for n, g in groups
+            if g is not None and dist.is_initialized() and dist.get_world_size(g) > 1]
+
+
+def _gather_settings(name: str, group, row: List[float]) -> List[List[float]]:
+    """One all-gather of ``row`` over ``group``; RuntimeError naming the group when a peer
+    never joins."""
+    try:
+        return gather_rows(row, group)
+    except RuntimeError as e:  # a peer that never joins: gloo's timeout or closed connection
+        raise RuntimeError(
+            f"the cross-rank settings check over {name} (ranks "
+            f"{dist.get_process_group_ranks(group)}) failed: "
+            f"{e}. Every rank of that group must pass the same {name} to its "
+            "optimizer wrapper and reach step() together: a rank that passed "
+            f"{name}=None (or another group), or that crashed, never joins"
+        ) from e
+
+
+def _compare(wrapper, name: str, group, table: List[List[float]]) -> None:
+    """ValueError, the same on every rank of ``group``, when its rows differ."""
+    ranks = dist.get_process_group_ranks(group)
+    for j, setting in enumerate(_SETTING_NAMES):
+        column = [r[j] for r in table]
+        if all(c == column[0] for c in column):
+            continue
+        per_rank = ", ".join(f"rank {r}: {s}" for r, s in zip(ranks, _shown(setting, column)))
+        where = "grad-stats group" if name == "grad_stats_group" else "expert grad-stats group"
+        raise ValueError(
+            f"{setting} differs across the {len(ranks)} ranks of the {where} "
+            f"({per_rank}); every rank of the group must use the same settings, or their "
+            "collectives and skip decisions diverge"
+        )
+    n = len(_SETTING_NAMES)
+    found = _peer_settings.mismatches([r[n:] for r in table], ranks)
+    if found:  # every rank has the same table: all of them take this branch together
+        raise _peer_settings.explain(found, wrapper, group, ranks)
+
+
 def agree_on_settings(wrapper) -> None:
     """The one cross-rank settings check: one all-gather over the wrapper's grad-stats group
     compares the wrapper kind, norm type, zero counting, clip, skip policy, loss-scaler
     settings and scale, the DistributedOptimizer's bucketing options and the spike detector's
-    settings (present or not, policy, watched series, threshold, window, warm-up, floors); a
-    wrapper with ``data_parallel_group`` and ``bucket_layout()`` also compares its bucket
-    layout over that group (a second all-gather).
+    settings (present or not, policy, watched series, threshold, window, warm-up, floors); in
+    the same all-gather, the inner optimizer's hyperparameters of every param group between
+    the ranks of each group the wrapper reduces over (TP, DP or DP x CP, expert-TP, expert-DP,
+    EP; never between pipeline stages) and the params' layout between TP peers
+    (:mod:`tpamp._peer_settings`); where expert statistics are reduced over a group of their
+    own, the same all-gather over that group too. A wrapper with ``data_parallel_group`` and
+    ``bucket_layout()`` also compares its bucket layout over that group (a second all-gather).
 
     Ranks that differ would run different collectives (a zero count or a spike detector's loss
-    all-reduce on some ranks only: a gloo error or a hang; reduce-scatters of different sizes)
-    or take different skip decisions (silently diverging replicas). Every rank raises the same
-    ValueError, naming the first setting that differs and each rank's value. Collective: every
-    rank of the grad-stats group must call it; when a peer never joins (it passed
-    ``grad_stats_group=None`` or crashed) the ranks that did raise RuntimeError saying so."""
-    group = _grad_stats_group(wrapper)
-    if group is not None and dist.is_initialized() and dist.get_world_size(group) > 1:
-        ranks = dist.get_process_group_ranks(group)
-        try:
-            table = gather_rows(_settings(wrapper), group)
-        except RuntimeError as e:  # a peer that never joins: gloo's timeout or closed connection
-            raise RuntimeError(
-                f"the cross-rank settings check over grad_stats_group (ranks {ranks}) failed: "
-                f"{e}. Every rank of that group must pass the same grad_stats_group to its "
-                "optimizer wrapper and reach step() together: a rank that passed "
-                "grad_stats_group=None (or another group), or that crashed, never joins"
-            ) from e
-        for j, name in enumerate(_SETTING_NAMES):
-            column = [row[j] for row in table]
-            if all(c == column[0] for c in column):
-                continue
-            per_rank = ", ".join(f"rank {r}: {s}" for r, s in zip(ranks, _shown(name, column)))
-            raise ValueError(
-                f"{name} differs across the {len(ranks)} ranks of the grad-stats group "
-                f"({per_rank}); every rank of the group must use the same settings, or their "
-                "collectives and skip decisions diverge"
-            )
+    all-reduce on some ranks only: a gloo error or a hang; reduce-scatters of different sizes;
+    TensorParallelMuon tp_modes) or take different skip decisions or steps (silently diverging
+    replicas, a gathered model that mixes two settings). Every rank raises the same
+    ValueError, naming the first setting that differs and each rank's value (for a
+    hyperparameter or layout difference after one more collective, ``all_gather_object`` of
+    the descriptions, taken only then). Collective: every rank of the grad-stats group must
+    call it; when a peer never joins (it passed ``grad_stats_group=None`` or crashed) the ranks
+    that did raise RuntimeError saying so."""
+    groups = _gather_groups(wrapper)
+    if groups:
+        row = _settings(wrapper) + _peer_settings.payload(wrapper)
+        # every gather first: a rank that raises has then joined all of them (no peer waits)
+        tables = [_gather_settings(name, group, row) for name, group in groups]
+        for (name, group), table in zip(groups, tables):
+            _compare(wrapper, name, group, table)
     dp = getattr(wrapper, "data_parallel_group", None)
     layout = getattr(wrapper, "bucket_layout", None)
     if dp is None or layout is None or not dist.is_initialized() or dist.get_world_size(dp) < 2:

@@ -282,7 +282,17 @@ class ModelParallelGradScaler(torch.amp.GradScaler):
         combined = torch.zeros(found_inf.shape, dtype=torch.float32, device=found_inf.device)
         for flag in per_device.values():
             combined += flag.to(combined.device).reshape(combined.shape)
-        dist.all_reduce(combined, op=dist.ReduceOp.MAX, group=self._model_parallel_group)
+        try:
+            dist.all_reduce(combined, op=dist.ReduceOp.MAX, group=self._model_parallel_group)
+        except RuntimeError as e:  # a peer that never joins: gloo's timeout or closed connection
+            ranks = dist.get_process_group_ranks(self._model_parallel_group)
+            raise RuntimeError(
+                f"ModelParallelGradScaler: the found_inf all-reduce over model_parallel_group "
+                f"(ranks {ranks}) failed: {e}. Every rank of that group must give its scaler "
+                "the same model_parallel_group and call unscale_/step together: a rank whose "
+                "scaler has model_parallel_group=None (or another group), or that crashed, "
+                "never joins. The scale and the params are unchanged (the grads are already "
+                "unscaled: end the job, the process groups cannot be trusted)") from e
         return {combined.device: combined}
 
     def found_inf(self, optimizer: torch.optim.Optimizer) -> torch.Tensor:

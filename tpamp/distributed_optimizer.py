@@ -33,7 +33,7 @@ from typing import Dict, List, Optional, Tuple
 import torch
 import torch.distributed as dist
 
-from tpamp import _validation, ops, state_formats
+from tpamp import _peer_settings, _validation, ops, state_formats
 from tpamp.common import local_tensor, placed_like
 from tpamp.dp_collectives import all_gather_tensor, start_all_gather, start_reduce_scatter, uses_ring
 from tpamp.grad_scaler import MegatronGradScaler
@@ -342,6 +342,12 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
             grad_stats_group = data_parallel_group
         _validation.check_group_member(grad_stats_group, "grad_stats_group")
         _validation.check_group_member(tensor_parallel_group, "tensor_parallel_group")
+        _validation.check_group_member(expert_data_parallel_group, "expert_data_parallel_group")
+        _peer_settings.check_parallel_groups(  # the layout's groups, before any collective
+            parallel_state, data_parallel_group=data_parallel_group,
+            tensor_parallel_group=tensor_parallel_group,
+            expert_data_parallel_group=expert_data_parallel_group,
+            expert_tensor_parallel_group=expert_tensor_parallel_group)
         self._init_core(  # sync_free: the step reads the host once (class docstring)
             optimizer, grad_scaler=grad_scaler, clip_grad=clip_grad, norm_type=norm_type,
             log_num_zeros_in_grad=log_num_zeros_in_grad, grad_stats_group=grad_stats_group,

@@ -98,15 +98,17 @@ _EP_DIM_NAMES = ("ep", "expert", "expert_parallel", "expert_model_parallel")
 def is_expert_param(param: Tensor) -> bool:
     """True if ``param`` is a mixture-of-experts expert param (docs/spec.md section 19).
 
-    As Megatron-core marks them: the attribute ``allreduce=False`` (set by
-    :func:`mark_expert_param`; Megatron's expert layers set it on their weights); or a DTensor
+    As Megatron-core recognizes them, exactly: ``not getattr(param, "allreduce", True)`` (the
+    attribute ``allreduce=False``, set by :func:`mark_expert_param` and by Megatron's expert
+    layers; any false value such as 0 or None counts, as in Megatron-core's DDP and
+    optimizer, and a param without the attribute is dense); or a DTensor
     whose mesh has an expert-parallel dim (named "ep", as on ``ParallelState.expert_mesh``, or
     "expert"...), as torchtitan recognises them. Expert params are sharded over the
     expert-parallel group and replicated over the expert-data-parallel group, so their grad
     statistics are reduced over the expert model-parallel group (expert-TP x EP x PP), not the
     dense model-parallel group.
     """
-    if getattr(param, "allreduce", True) is False:
+    if not getattr(param, "allreduce", True):  # megatron/core: not getattr(p, "allreduce", True)
         return True
     if DTensor is not None and isinstance(param, DTensor):
         names = param.device_mesh.mesh_dim_names or ()

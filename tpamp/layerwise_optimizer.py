@@ -37,7 +37,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 import torch
 import torch.distributed as dist
 
-from tpamp import _validation, ops, state_formats
+from tpamp import _peer_settings, _validation, ops, state_formats
 from tpamp.common import local_tensor, placed_like
 from tpamp.grad_scaler import MegatronGradScaler
 from tpamp.grad_stats import counts_toward_norm
@@ -219,6 +219,9 @@ class LayerWiseDistributedOptimizer(MixedPrecisionOptimizer):
             grad_stats_group = data_parallel_group
         _validation.check_group_member(grad_stats_group, "grad_stats_group")
         _validation.check_group_member(tensor_parallel_group, "tensor_parallel_group")
+        _peer_settings.check_parallel_groups(  # the layout's groups, before any collective
+            parallel_state, data_parallel_group=data_parallel_group,
+            tensor_parallel_group=tensor_parallel_group)
         dp_size = dist.get_world_size(data_parallel_group)
         tp_size = dist.get_world_size(tensor_parallel_group) if tensor_parallel_group else 1
         stats_size = dist.get_world_size(grad_stats_group)

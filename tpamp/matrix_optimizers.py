@@ -194,7 +194,13 @@ class _Layout:
                 raise ValueError(
                     f"{who}: a Megatron TP param (tensor_model_parallel=True) needs "
                     "tensor_parallel_group (the TP process group), got None")
-            self.dim, self.group = param.partition_dim % len(local), tensor_parallel_group
+            dim = getattr(param, "partition_dim", None)
+            if isinstance(dim, bool) or not isinstance(dim, int) or not 0 <= dim < len(local):
+                raise ValueError(
+                    f"{who}: a Megatron TP param (tensor_model_parallel=True) of shape {local} "
+                    f"with partition_dim={dim!r}; expected an int in [0, {len(local)}): the "
+                    "dim along which the TP ranks split it")
+            self.dim, self.group = dim, tensor_parallel_group
             shape = list(local)
             shape[self.dim] *= dist.get_world_size(tensor_parallel_group)
             self.shape = tuple(shape)

@@ -28,7 +28,15 @@ import torch
 import torch.distributed as dist
 import torch.optim.optimizer as _torch_optimizer
 
-from tpamp import _validation, hyperparameters, matrix_optimizers, ops, parallel, state_formats
+from tpamp import (
+    _peer_settings,
+    _validation,
+    hyperparameters,
+    matrix_optimizers,
+    ops,
+    parallel,
+    state_formats,
+)
 from tpamp.common import FUSED_KINDS, collective_device, is_dtensor, local_tensor, placed_like
 from tpamp.grad_scaler import MegatronGradScaler
 from tpamp.grad_stats import clip_coefficient, counts_toward_norm, is_expert_param
@@ -309,6 +317,11 @@ class MixedPrecisionOptimizer(OptimizerWrapper):
         _validation.check_group_member(grad_stats_group, "grad_stats_group")
         _validation.check_group_member(tensor_parallel_group, "tensor_parallel_group")
         coords = rank_coords(parallel_state, tensor_parallel_group=tensor_parallel_group)
+        _peer_settings.check_parallel_groups(  # the layout's groups, before any collective
+            parallel_state, tensor_parallel_group=tensor_parallel_group,
+            expert_grad_stats_group=expert_grad_stats_group,
+            expert_tensor_parallel_group=expert_tensor_parallel_group)
+        _peer_settings.check_inner_groups(optimizer, tensor_parallel_group)
         if (parallel_state is not None and expert_grad_stats_group is None
                 and _same_group(grad_stats_group, parallel_state.model_parallel_group)):
             # the expert model-parallel group beside the dense model-parallel one (Megatron-core)
@@ -376,6 +389,7 @@ class MixedPrecisionOptimizer(OptimizerWrapper):
         store_param_remainders) as tpamp.state_formats normalises them."""
         check_wrapper_args(optimizer, grad_scaler, clip_grad)
         matrix_optimizers.check_sharded_math(optimizer, flat_pieces=flat_pieces)
+        _peer_settings.check_partition_dims(optimizer)
         options = state_formats.check_state_options(
             optimizer, FUSED_KINDS.get(type(optimizer)), bool(fused_step), exp_avg_dtype,
             exp_avg_sq_dtype, store_param_remainders,
@@ -476,6 +490,8 @@ class MixedPrecisionOptimizer(OptimizerWrapper):
         self.expert_rank_coords = expert_rank_coords(
             parallel_state, expert_tensor_parallel_group=expert_tensor_parallel_group)
         self.expert_parallel_size = parallel_state.dims.ep if parallel_state is not None else None
+        # the EP peers, whose settings the cross-rank check compares (tpamp._peer_settings)
+        self.expert_parallel_group = parallel_state.ep_group if parallel_state is not None else None
 
     def _counts(self, param: Tensor) -> bool:
         """Whether ``param``'s grad counts toward the norm and zeros on this rank: TP

@@ -84,7 +84,7 @@ def global_view(t: Tensor, tensor_parallel_group=None, *, name: str = "tensor"):
     dim = getattr(t, "partition_dim", None)
     expert_dim = getattr(t, "expert_dim", None)
     expert_mesh = getattr(t, "expert_mesh", None)
-    if expert_dim is not None and getattr(t, "allreduce", True) is False:
+    if expert_dim is not None and not getattr(t, "allreduce", True):  # is_expert_param
         return _expert_view(t.detach(), expert_dim, expert_mesh, is_tp, dim, stride, name)
     t = t.detach()
     if not is_tp:
