@@ -9,7 +9,7 @@ with the same grads. The params must come out bit for bit the same, and the stat
 to the param's elements (each moment decoded, read in the param's logical order, equals the
 twin's). Through MixedPrecisionOptimizer (the kernel and the PyTorch reference), and through
 DistributedOptimizer on gloo ranks (LayerWiseDistributedOptimizer takes no narrow-state
-option; FSDP2 steps its own contiguous sharded params).
+option; the FSDP2 path is not covered here).
 
 (On e82d3a5 a transposed bf16 param with ``store_param_remainders=True`` stepped to wrong values,
 and a transposed param with stochastic rounding kept its float32 moments in another element

@@ -834,7 +834,10 @@ def layout_free_state(state: Dict) -> Dict:
     their scales, whose blocks depend on this rank's layout. Loading re-encodes them:
     float8_e4m3fn codes come back identical, a scale to within one float32 ulp; uint8 codes
     too, except in a block whose largest |value| is negative (the signed map's most negative
-    entry is -0.993, not -1: that block's scale shrinks by 0.7% and a code may move by one)."""
+    entry is -0.993, not -1: that block's scale shrinks by 0.7% and a code may move by one),
+    an exp_avg_sq code 0 (it reads as code 1's value and comes back as code 1: the same value)
+    and an exp_avg_sq block holding inf (its largest finite value read back is at most 0.9965
+    of d, which becomes the new d: codes may move by one; the inf stays inf)."""
     if not any(k in state for k in SCALE_KEYS.values()):
         return state
     out = {k: v for k, v in state.items() if k not in SCALE_KEYS.values()}

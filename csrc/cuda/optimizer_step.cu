@@ -104,7 +104,7 @@ __device__ __forceinline__ float load_moment(const void* data, int64_t i, int ki
   if (kind == kMomentBf16) return bf16_to_float(static_cast<const uint16_t*>(data)[i]);
   if (kind == kMomentDynamic) {  // exp_avg_sq (sq): the unsigned map, the value itself
     const uint8_t c = static_cast<const uint8_t*>(data)[i];
-    return sq ? dynamic_sq_decode(c, scale) : kDynamicMapSigned[c] * scale;
+    return sq ? dynamic_sq_decode(c, scale, kDynamicMapUnsigned) : kDynamicMapSigned[c] * scale;
   }
   const float r = fp8_e4m3_decode(static_cast<const uint8_t*>(data)[i]) * scale;
   return sq ? r * r : r;

@@ -498,10 +498,11 @@ TPAMP_INLINE DynamicScale dynamic_scale(float absmax) {
 //   capped at 254 (read back as map[code] * d: the block's other elements keep their precision).
 //   Only such a block has a negative scale. exp_avg (the signed map) keeps dynamic_scale's
 //   saturation.
-// The value of exp_avg_sq code c in a block with scale `scale` (the CUDA launcher's decode; the
-// CPU launcher decodes with the same table: dynamic_decode_table).
-TPAMP_INLINE float dynamic_sq_decode(uint32_t c, float scale) {
-  const float q = kDynamicMapUnsigned[c == 0u ? 1u : c];
+// The value of exp_avg_sq code c in a block with scale `scale`, map = kDynamicMapUnsigned (passed
+// in, as to dynamic_encode_bits: a __constant__ table on CUDA; the CUDA launcher's decode; the
+// CPU launcher decodes with the same values: dynamic_decode_table).
+TPAMP_INLINE float dynamic_sq_decode(uint32_t c, float scale, const float* map) {
+  const float q = map[c == 0u ? 1u : c];
   return scale < 0.0f ? (c == 255u ? bits_to_float(0x7f800000u) : q * -scale) : q * scale;
 }
 
