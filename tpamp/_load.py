@@ -74,7 +74,8 @@ def check_inner_optimizer_state(optimizer, state_dict, where: str = "state_dict[
     (:mod:`tpamp.hyperparameters`: a finite lr, eps > 0, ...), state entries for listed params
     only, with the keys of the current state (when there is one) and per-element tensors of the
     param's shape, all floating-point state finite, and 8-bit moments with their per-block
-    scales (:func:`tpamp.state_formats.check_saved_scales`: present, shape, finite, >= 0).
+    scales (:func:`tpamp.state_formats.check_saved_scales`: present, shape, finite, >= 0 except
+    a uint8 exp_avg_sq's blocks holding inf).
     Raises TypeError/KeyError/ValueError naming the key."""
     check_mapping(where, state_dict)
     for key in ("state", "param_groups"):

@@ -962,12 +962,18 @@ def _adam_step_torch(params, grads, exp_avgs, exp_avg_sqs, steps, model_params, 
             denom = v.sqrt() / bias_correction2.sqrt().float() + eps
             new_p = new_p + neg_step_size * m / denom
         new_step = step.to(steps[i].dtype).reshape(steps[i].shape)
+        # the new values laid out as the tensors they are stored in, whatever layout the ops
+        # above gave them: 8-bit blocks and stochastic rounding's element indices follow the
+        # stored tensor's memory order, as the kernels walk it
+        m = torch.empty_like(exp_avgs[i], dtype=torch.float32).copy_(m)
+        v = torch.empty_like(exp_avg_sqs[i], dtype=torch.float32).copy_(v)
         new_m, new_ms = encode_moment(m, exp_avgs[i].dtype)
         new_v, new_vs = encode_moment(v, exp_avg_sqs[i].dtype, sqrt=True)
         outs = [(exp_avgs[i], new_m), (exp_avg_sqs[i], new_v), (steps[i], new_step)]
         outs += [(sc, new) for sc, new in ((m_scales, new_ms), (v_scales, new_vs)) if new is not None]
         if sr:
             key, first = sr_rows[i]
+            new_p = torch.empty_like(stored_p, dtype=torch.float32).copy_(new_p)
             outs.append((stored_p, stochastic_round_bf16(new_p, key, int(step.item()), first)))
         elif rem:
             model_new, rem_new = split_remainders(new_p)
@@ -1002,6 +1008,9 @@ def _adam_update_dynamic(p, g, exp_avg, exp_avg_sq, step, lr, beta1, beta2, eps,
             g = g + wd32 * p
     m = _lerp_decomposed(exp_avg, g, 1.0 - beta1)
     v = _lerp_decomposed(exp_avg_sq, g * g, 1.0 - beta2)
+    # an inf exp_avg_sq stays inf (the lerp would give inf - inf = NaN), as v * beta2 + ...
+    # keeps it in the float32 step: that element's update stays 0
+    v = torch.where(exp_avg_sq == math.inf, exp_avg_sq, v)
     bc1 = 1.0 - torch.pow(torch.tensor(beta1, dtype=f32, device=p.device), step32)
     bc2 = 1.0 - torch.pow(torch.tensor(beta2, dtype=f32, device=p.device), step32)
     root = v.double().sqrt().float()  # correctly rounded (torch's vectorized float sqrt is not)

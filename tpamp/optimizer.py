@@ -1147,8 +1147,13 @@ class MixedPrecisionOptimizer(OptimizerWrapper):
                         local, _scalar_dtype(), m_dtype, v_dtype), main))
                 else:
                     state["step"] = torch.zeros((), dtype=_scalar_dtype(), device=local.device)
-                    state["exp_avg"] = torch.zeros_like(main, memory_format=torch.preserve_format)
-                    state["exp_avg_sq"] = torch.zeros_like(main, memory_format=torch.preserve_format)
+                    # laid out as the tensor the kernel steps (a remainder or a bf16 param of
+                    # stochastic rounding has the param's strides; its placeholder main has none)
+                    like = main if local is main else state_formats.dtensor_like(local, main)
+                    state["exp_avg"] = torch.zeros_like(like, dtype=f32,
+                                                        memory_format=torch.preserve_format)
+                    state["exp_avg_sq"] = torch.zeros_like(like, dtype=f32,
+                                                           memory_format=torch.preserve_format)
             else:
                 if state["step"].device != local.device:
                     state["step"] = state["step"].to(local.device)  # once, after a CPU load

@@ -72,6 +72,7 @@ __all__ = [
     "BLOCKWISE_DTYPES",
     "SATURATED_SCALE",
     "dynamic_map",
+    "dynamic_decode_map",
     "moment_blocks",
     "encode_moment",
     "decode_moment",
@@ -115,6 +116,7 @@ Tensor = torch.Tensor
 MOMENT_BLOCK = 256
 _FP8_MAX = 448.0
 _FLT_MAX = torch.finfo(torch.float32).max
+_FLT_MIN = torch.finfo(torch.float32).tiny  # the smallest normal float32, 2^-126
 #: The scale of an 8-bit block holding +-inf: FLT_MAX / 448 in float32 (0x1.249248p+119), as
 #: csrc/kernels/optimizer_step.h kFp8SaturatedScale; 448 times it is FLT_MAX.
 SATURATED_SCALE = float.fromhex("0x1.249248p+119")
@@ -172,6 +174,27 @@ def dynamic_map(signed: bool, device=None) -> Tensor:
     return _DYNAMIC_MAPS[key].to(device, copy=True)
 
 
+_DECODE_MAPS = {}
+
+
+def dynamic_decode_map(signed: bool, device=None) -> Tensor:
+    """The values the uint8 format's codes read back as (before the block's scale): for
+    exp_avg (signed=True) :func:`dynamic_map` itself; for exp_avg_sq (signed=False) the unsigned
+    map with code 0 reading as the smallest positive entry (code 1's, 3.25e-7) instead of 0, so
+    a positive exp_avg_sq never reads back 0 (the "zero-point problem" of Li et al. 2023, Memory
+    efficient optimizers with 4-bit states: an element far below its block's max, e.g. a
+    neighbour of an outlier, would step by exp_avg / eps). An all-zero block (scale 0) still
+    reads 0. Encoding is unchanged (torchao's rule, :func:`dynamic_map`). A new float32 tensor of
+    256 values on ``device`` (default CPU)."""
+    key = bool(signed)
+    if key not in _DECODE_MAPS:
+        q = dynamic_map(key)
+        if not key:
+            q[0] = q[1]
+        _DECODE_MAPS[key] = q
+    return _DECODE_MAPS[key].to(device, copy=True)
+
+
 def _encode_dynamic(blocks: Tensor, signed: bool):
     """codes (int64, shape of ``blocks``) and scales of float32 ``blocks`` [nb, MOMENT_BLOCK]
     in the uint8 format (see :func:`encode_moment`)."""
@@ -180,6 +203,14 @@ def _encode_dynamic(blocks: Tensor, signed: bool):
     scale = torch.where(absmax == math.inf, torch.full_like(absmax, _FLT_MAX), absmax)
     div = torch.where((absmax > 0) & finite, absmax, torch.ones_like(absmax))
     div = torch.where(absmax == math.inf, torch.full_like(absmax, _FLT_MAX), div)
+    flagged = None
+    if not signed:  # exp_avg_sq: a block holding +-inf keeps its finite values (see encode)
+        flagged = absmax == math.inf
+        fin = torch.where(blocks.abs() <= _FLT_MAX, blocks.abs(), torch.zeros_like(blocks))
+        fmax = fin.amax(dim=1) if blocks.shape[0] else blocks.new_zeros(0)
+        fmax = torch.clamp_min(fmax, _FLT_MIN)
+        scale = torch.where(flagged, -fmax, scale)
+        div = torch.where(flagged, fmax, div)
     div = torch.where(absmax.isnan(), absmax, div)
     y = blocks / div[:, None]
     q = dynamic_map(signed, blocks.device)
@@ -191,7 +222,11 @@ def _encode_dynamic(blocks: Tensor, signed: bool):
     cu = (c + 1).clamp(max=255)
     lo, hi = q[c], q[cu]
     up = (yy - lo >= (hi - lo) * 0.5) & (c < 255)
-    return c + up.to(c.dtype), scale
+    c = c + up.to(c.dtype)
+    if flagged is not None:  # +inf: code 255 (reads +inf); finite values at most code 254
+        f = flagged[:, None]
+        c = torch.where(f, torch.where(blocks == math.inf, 255, c.clamp(max=254)), c)
+    return c, scale
 
 
 def _flat_memory_order(t: Tensor) -> Tensor:
@@ -224,8 +259,12 @@ def encode_moment(x: Tensor, dtype: torch.dtype, sqrt: bool = False):
     nearest entry of :func:`dynamic_map` (signed for exp_avg, unsigned with ``sqrt=True`` for
     exp_avg_sq, which keeps the value itself, no root): the largest c with map[c] <= y, plus
     one when y - map[c] >= (map[c+1] - map[c]) / 2 (torchao's quantize_8bit_with_qmap, bit for
-    bit); a block holding +-inf has scale FLT_MAX (inf codes +-1.0's neighbour: the largest
-    entry); float8_e4m3fn: per block of
+    bit); an exp_avg block holding +-inf has scale FLT_MAX (inf codes +-1.0's neighbour: the
+    largest entry); an exp_avg_sq block holding +-inf (a grad whose square overflows float32)
+    has scale -d, d = its largest finite |value| (at least 2^-126), divides by d, and codes +inf
+    255 (read back as +inf, as float32 state holds it) and its finite values at most 254 (read
+    back against d: the block's other elements keep their precision); exp_avg_sq's code 0
+    reads back as code 1's value (:func:`dynamic_decode_map`); float8_e4m3fn: per block of
     :data:`MOMENT_BLOCK` elements in memory order, scale = absmax / 448 (float32),
     codes = e4m3fn(x * (448 / absmax)) (round to nearest even), scales float32
     [moment_blocks(numel)]; ``sqrt=True`` (exp_avg_sq) quantizes sqrt(x) instead. A block
@@ -271,22 +310,32 @@ def encode_moment(x: Tensor, dtype: torch.dtype, sqrt: bool = False):
 
 def decode_moment(t: Tensor, scales: Optional[Tensor] = None, sqrt: bool = False) -> Tensor:
     """The float32 values of a stored moment, a new tensor (the inverse of :func:`encode_moment`;
-    exact for float32/bfloat16; value = map[code] * scale for uint8 (:func:`dynamic_map`,
-    unsigned with sqrt=True); value = (float(code) * scale) (squared with sqrt=True) for
-    float8_e4m3fn)."""
+    exact for float32/bfloat16; value = map[code] * scale for uint8 (:func:`dynamic_map` for
+    exp_avg, :func:`dynamic_decode_map` for exp_avg_sq with sqrt=True: code 0 reads as the
+    smallest positive entry; a negative scale marks an exp_avg_sq block holding +inf: code 255
+    reads +inf, the others map[code] * -scale); value = (float(code) * scale) (squared with
+    sqrt=True) for float8_e4m3fn)."""
     if t.dtype not in BLOCKWISE_DTYPES:
         return t.to(torch.float32, copy=True)
     if scales is None:
         raise ValueError(f"an 8-bit ({t.dtype}) moment needs its per-block scales")
     flat = _flat_memory_order(t)
-    flat = (dynamic_map(not sqrt, t.device)[flat.long()] if t.dtype == torch.uint8
+    codes = flat.long() if t.dtype == torch.uint8 else None
+    flat = (dynamic_decode_map(not sqrt, t.device)[codes] if codes is not None
             else flat.float())
     n = flat.numel()
     nb = moment_blocks(n)
     if scales.numel() != nb:
         raise ValueError(f"an 8-bit moment of {n} elements has {nb} blocks, got {scales.numel()} scales")
     vals = torch.nn.functional.pad(flat, (0, nb * MOMENT_BLOCK - n)).view(nb, MOMENT_BLOCK)
-    vals = (vals * scales.reshape(nb, 1).float()).view(-1)[:n]
+    sc = scales.reshape(nb, 1).float()
+    if codes is not None and sqrt:
+        flagged = sc < 0
+        c = torch.nn.functional.pad(codes, (0, nb * MOMENT_BLOCK - n)).view(nb, MOMENT_BLOCK)
+        vals = torch.where(flagged & (c == 255), math.inf, vals * sc.abs())
+    else:
+        vals = vals * sc
+    vals = vals.reshape(-1)[:n]
     if sqrt and t.dtype == torch.float8_e4m3fn:
         vals = vals * vals
     return _unflatten_like(vals, t)
@@ -303,14 +352,17 @@ def join_remainders(param: Tensor, remainder: Tensor) -> Tensor:
 
 def split_remainders(master: Tensor):
     """(bfloat16 param, int16 remainder) holding the float32 ``master`` exactly: remainder =
-    low 16 bits, param = (bits + 0x8000) >> 16 (round to nearest, ties away from zero)."""
+    low 16 bits, param = (bits + 0x8000) >> 16 (round to nearest, ties away from zero),
+    element by element; both laid out like ``master`` where it is dense (e.g. transposed),
+    else contiguous."""
     u = master.detach().float().contiguous().view(torch.int32).to(torch.int64) & 0xFFFFFFFF
     lo = u & 0xFFFF
     rem = (lo - (lo >= 0x8000).to(torch.int64) * 0x10000).to(torch.int16)
     hi = ((u + 0x8000) >> 16) & 0xFFFF
     hi = (hi - (hi >= 0x8000).to(torch.int64) * 0x10000).to(torch.int16)
-    param = _unflatten_like(_flat_memory_order(hi.view(torch.bfloat16)), master)
-    return param, _unflatten_like(_flat_memory_order(rem), master)
+    # (u is in master's logical order: copied element by element, not in memory order)
+    param = torch.empty_like(master, dtype=torch.bfloat16).copy_(hi.view(torch.bfloat16))
+    return param, torch.empty_like(master, dtype=torch.int16).copy_(rem)
 
 
 # -- bf16 params with stochastic rounding (docs/spec.md section 21) -------------------------
@@ -592,12 +644,14 @@ def check_saved_scales(state, where: str = "state_dict['optimizer']['state']") -
       torch.float8_e4m3fn) needs its scale key (:data:`SCALE_KEYS`): KeyError naming both;
     * a scale key needs its moment, a float tensor of ``moment_blocks(numel)`` elements
       (``numel``: the moment's local elements; one float32 scale per :data:`MOMENT_BLOCK`),
-      finite and >= 0 (0 only for an all-zero block); a moment with a scale key that is not
+      finite and >= 0 (0 only for an all-zero block; a uint8 ``exp_avg_sq`` may also hold
+      negative scales: its blocks holding +inf, see :func:`encode_moment`); a moment with a
+      scale key that is not
       float8 (e.g. cast to float32 by a torch.optim load) must hold e4m3fn code values exactly.
       TypeError for a non-tensor, ValueError otherwise, naming the key and the bad value.
 
     One host read for all the scales' values. Raises before any change (it changes nothing)."""
-    to_read = []
+    to_read, signed_ok = [], []
     for pid, entry in state.items():
         if not hasattr(entry, "get"):
             continue  # the caller's mapping checks name it
@@ -632,6 +686,7 @@ def check_saved_scales(state, where: str = "state_dict['optimizer']['state']") -
                     f"{MOMENT_BLOCK}): a truncated or foreign state dict?"
                 )
             to_read.append((f"{swhere}[{skey!r}]", scales, f"{swhere}[{key!r}]", moment))
+            signed_ok.append(key == "exp_avg_sq" and moment.dtype == torch.uint8)
     if not to_read:
         return
     flags = []
@@ -644,13 +699,13 @@ def check_saved_scales(state, where: str = "state_dict['optimizer']['state']") -
             c = codes.float()
             exact = ((c.to(torch.float8_e4m3fn).float() == c) | c.isnan()).all().to(sc.device)
         flags.append(torch.stack([sc.isfinite().all(), (sc >= 0).all(), exact]).cpu())
-    for (sname, scales, mname, moment), (finite, nonneg, exact) in zip(
-            to_read, torch.stack(flags).tolist()):
+    for (sname, scales, mname, moment), (finite, nonneg, exact), neg_ok in zip(
+            to_read, torch.stack(flags).tolist(), signed_ok):
         sc = local_tensor(scales).float()
         if not finite:
             bad = sc[~sc.isfinite()][:3].tolist()
             raise ValueError(f"{sname} holds non-finite scales {bad}; refusing to load it")
-        if not nonneg:
+        if not nonneg and not neg_ok:
             bad = sc[sc < 0][:3].tolist()
             raise ValueError(
                 f"{sname} holds negative scales {bad}; a scale is a block's max |value| / 448 "
@@ -779,7 +834,10 @@ def layout_free_state(state: Dict) -> Dict:
     their scales, whose blocks depend on this rank's layout. Loading re-encodes them:
     float8_e4m3fn codes come back identical, a scale to within one float32 ulp; uint8 codes
     too, except in a block whose largest |value| is negative (the signed map's most negative
-    entry is -0.993, not -1: that block's scale shrinks by 0.7% and a code may move by one)."""
+    entry is -0.993, not -1: that block's scale shrinks by 0.7% and a code may move by one),
+    an exp_avg_sq code 0 (it reads as code 1's value and comes back as code 1: the same value)
+    and an exp_avg_sq block holding inf (its largest finite value read back is at most 0.9965
+    of d, which becomes the new d: codes may move by one; the inf stays inf)."""
     if not any(k in state for k in SCALE_KEYS.values()):
         return state
     out = {k: v for k, v in state.items() if k not in SCALE_KEYS.values()}

@@ -42,7 +42,9 @@
 // A NaN divisor (a block holding NaN; no y is NaN otherwise; AVX2: any divisor not > 0, which
 // dynamic_scale never gives) takes the scalar loop, whose segments put NaN where
 // dynamic_encode_bits does (255 with a clear sign bit, else 0).
-// Decode: AVX-512 picks the 16-bit halves of map[c] by word permutes (DynamicDecoder); in the
+// Decode (map[c]: DynamicTables::decode, exp_avg_sq's code 0 reading as code 1's entry; a block
+// with a negative scale is read by the caller, csrc/cpu/optimizer_step.cpp read_moment):
+// AVX-512 picks the 16-bit halves of map[c] by word permutes (DynamicDecoder); in the
 // one-pass loop, where the CPU has VBMI (dynamic_vbmi_enabled), the four bytes of map[c] by byte
 // permutes, 64 codes a round (DynamicDecoderVbmi); AVX2 and scalar read the table (scalar loads beat AVX2 gathers here: 0.18 against 0.45 ns per element).
 // scripts/gen_dynamic_map.py generates and checks the tables; tests/test_dynamic_map_modules.py
@@ -73,6 +75,7 @@ struct DynamicTables {
   const float* map;        // 257 values
   const float* threshold;  // 256 thresholds
   const uint32_t* keyed;   // 2 * kDynamicKeySlots entries
+  const float* decode;     // the values codes read back as (dynamic_decode_table)
 };
 
 // The keyed tables' segments: as dynamic_encode_bits' but from 2^kDynamicKeyLowExponent.
@@ -84,10 +87,27 @@ constexpr int32_t kDynamicKeyBias =
     ((127 + kDynamicKeyLowExponent) << kDynamicSegmentBits) - 1;
 static_assert(23 - kDynamicSegmentBits == 16, "segments of 7 mantissa bits: 16 bits below");
 
+// The values codes read back as (before the block's scale): the signed map; the unsigned map
+// with code 0 reading as code 1's entry (dynamic_sq_decode in kernels/optimizer_step.h).
+inline const float* dynamic_decode_table(bool is_unsigned) {
+  struct Table {
+    float v[257];
+  };
+  static const Table u = [] {
+    Table t;
+    for (int c = 0; c < 257; ++c) t.v[c] = kDynamicMapUnsigned[c];
+    t.v[0] = t.v[1];
+    return t;
+  }();
+  return is_unsigned ? u.v : kDynamicMapSigned;
+}
+
 inline const DynamicTables& dynamic_tables(bool is_unsigned) {
   static const DynamicTables t[2] = {
-      {kDynamicMapSigned, kDynamicThresholdSigned, kDynamicKeyedSigned},
-      {kDynamicMapUnsigned, kDynamicThresholdUnsigned, kDynamicKeyedUnsigned}};
+      {kDynamicMapSigned, kDynamicThresholdSigned, kDynamicKeyedSigned,
+       dynamic_decode_table(false)},
+      {kDynamicMapUnsigned, kDynamicThresholdUnsigned, kDynamicKeyedUnsigned,
+       dynamic_decode_table(true)}};
   return t[is_unsigned ? 1 : 0];
 }
 
@@ -193,7 +213,7 @@ inline const DynamicPlanes& dynamic_planes(const DynamicTables& t) {
   static const DynamicPlanes* planes = [] {
     static DynamicPlanes pl[2];
     for (int u = 0; u < 2; ++u) {
-      const float* map = u ? kDynamicMapUnsigned : kDynamicMapSigned;
+      const float* map = dynamic_decode_table(u != 0);
       for (int c = 0; c < 256; ++c) {
         const uint32_t bits = float_to_bits(map[c]);
         pl[u].lo[c] = static_cast<uint16_t>(bits & 0xffffu);
@@ -277,7 +297,7 @@ struct DynamicDecoderVbmi {
   explicit DynamicDecoderVbmi(const DynamicTables& t) {
     alignas(64) uint8_t b[4][256];
     for (int c = 0; c < 256; ++c) {
-      const uint32_t bits = float_to_bits(t.map[c]);
+      const uint32_t bits = float_to_bits(t.decode[c]);
       for (int j = 0; j < 4; ++j) b[j][c] = static_cast<uint8_t>(bits >> (8 * j));
     }
     for (int j = 0; j < 4; ++j) {
@@ -307,7 +327,7 @@ struct DynamicDecoderVbmi {
 #pragma GCC pop_options
 #endif
 
-// out[i] = map[in[i]] * scale for i < n (n <= kMomentBlock).
+// out[i] = t.decode[in[i]] * scale for i < n (n <= kMomentBlock).
 inline void dynamic_decode_block(const uint8_t* __restrict in, int64_t n, float scale,
                                  const DynamicTables& t, float* __restrict out) {
   int64_t i = 0;
@@ -326,7 +346,7 @@ inline void dynamic_decode_block(const uint8_t* __restrict in, int64_t n, float 
 #endif
   // AVX2 and default: scalar loads (g++ vectorizes the multiply: 0.18 ns per element on the
   // Zen 5 measured; an 8-lane gather 0.45, 8 codes per 64-bit read and inserts 0.19)
-  for (; i < n; ++i) out[i] = t.map[in[i]] * scale;
+  for (; i < n; ++i) out[i] = t.decode[in[i]] * scale;
 }
 
 #if defined(CPU_CAPABILITY_AVX512)

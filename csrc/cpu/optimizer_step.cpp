@@ -295,12 +295,27 @@ inline float* read_moment(const MomentRef& r, int64_t b, int64_t n, float* __res
       return buf;
     }
     case Kind::kDynamic: {
-      dynamic_decode_block(static_cast<const uint8_t*>(r.data) + o, n, r.scales[b],
-                           dynamic_tables(r.sqrt), buf);
+      const uint8_t* __restrict in = static_cast<const uint8_t*>(r.data) + o;
+      const float scale = r.scales[b];
+      if (r.sqrt && scale < 0.0f) {  // exp_avg_sq holding +inf (dynamic_sq_decode): code 255
+        dynamic_decode_block(in, n, -scale, dynamic_tables(true), buf);
+        for (int64_t i = 0; i < n; ++i) buf[i] = in[i] == 255 ? bits_to_float(0x7f800000u) : buf[i];
+        return buf;
+      }
+      dynamic_decode_block(in, n, scale, dynamic_tables(r.sqrt), buf);
       return buf;
     }
   }
   return buf;
+}
+
+// Whether any of the nb scales of a uint8 exp_avg_sq from block `first` is negative (a block
+// holding inf: dynamic_sq_decode).
+inline bool any_negative(const at::Tensor& scales, int64_t first, int64_t nb) {
+  const float* __restrict s = scales.data_ptr<float>() + first;
+  bool neg = false;
+  for (int64_t i = 0; i < nb; ++i) neg |= s[i] < 0.0f;
+  return neg;
 }
 
 // The max |value| of a block's n values (NaN if any).
@@ -352,11 +367,25 @@ inline void write_moment(const MomentRef& r, int64_t b, int64_t n, const float* 
       break;
     }
     case Kind::kDynamic: {
-      const DynamicScale s =
-          dynamic_scale(dynamic_absmax(buf, n, [&] { return block_absmax(n, buf); }));
+      const float absmax = dynamic_absmax(buf, n, [&] { return block_absmax(n, buf); });
+      uint8_t* __restrict out = static_cast<uint8_t*>(r.data) + o;
+      if (r.sqrt && absmax > FLT_MAX && absmax == absmax) {  // exp_avg_sq holding +-inf
+        float finite_max = 0.0f;
+        for (int64_t i = 0; i < n; ++i) {
+          const float a = fabsf(buf[i]);
+          finite_max = a <= FLT_MAX && a > finite_max ? a : finite_max;
+        }
+        const DynamicScale s = dynamic_sq_inf_scale(finite_max);
+        r.scales[b] = s.scale;
+        dynamic_encode_block(buf, n, s.div, dynamic_tables(true), out);
+        for (int64_t i = 0; i < n; ++i) {
+          out[i] = static_cast<uint8_t>(dynamic_sq_inf_code(buf[i], out[i]));
+        }
+        break;
+      }
+      const DynamicScale s = dynamic_scale(absmax);
       r.scales[b] = s.scale;
-      dynamic_encode_block(buf, n, s.div, dynamic_tables(r.sqrt),
-                           static_cast<uint8_t*>(r.data) + o);
+      dynamic_encode_block(buf, n, s.div, dynamic_tables(r.sqrt), out);
       break;
     }
   }
@@ -905,7 +934,8 @@ __attribute__((noinline)) void adam_chunk_dynamic_words(
     const uint32_t vmx = static_cast<uint32_t>(_mm512_reduce_max_epi32(vmax));
     auto finish = [&](const MomentRef& ref, uint32_t mx, const DynamicTables& t, const float* buf,
                       uint8_t* out) {
-      if (mx > 0x7f800000u) {  // NaN: write_moment's NaN path
+      // NaN, or exp_avg_sq holding inf: write_moment's paths
+      if (mx > 0x7f800000u || (ref.sqrt && mx == 0x7f800000u)) {
         write_moment(ref, b, k, buf);
         return;
       }
@@ -913,7 +943,7 @@ __attribute__((noinline)) void adam_chunk_dynamic_words(
       ref.scales[b] = sc.scale;
       dynamic_encode_block(buf, k, sc.div, t, out + o);
     };
-    if (mmx > 0x7f800000u || vmx > 0x7f800000u) {
+    if (mmx > 0x7f800000u || vmx >= 0x7f800000u) {
       finish(mref, mmx, mt, mbuf, mcodes);
       finish(vref, vmx, vt, vbuf, vcodes);
     } else {
@@ -1013,7 +1043,8 @@ __attribute__((noinline)) void adam_chunk_dynamic_vbmi(
     }
     const uint32_t mmx = static_cast<uint32_t>(_mm512_reduce_max_epi32(mmax));
     const uint32_t vmx = static_cast<uint32_t>(_mm512_reduce_max_epi32(vmax));
-    if (pnan != 0 || mmx > 0x7f800000u || vmx > 0x7f800000u) {  // a NaN: see above
+    // a NaN (see above), or exp_avg_sq holding inf (write_moment's path, through the loop above)
+    if (pnan != 0 || mmx > 0x7f800000u || vmx >= 0x7f800000u) {
       // the params back as they were (remainders: split_remainder of the joined bits, the
       // model param and remainder they were joined from)
       for (int64_t q = 0; q < k; ++q) {
@@ -1112,8 +1143,8 @@ __attribute__((noinline)) void adam_chunk_dynamic_avx2(
   s.lerp2_small = kLerp2Small;
   const DynamicTables& mt = dynamic_tables(false);
   const DynamicTables& vt = dynamic_tables(true);
-  const float* const mmap = mt.map;
-  const float* const vmap = vt.map;
+  const float* const mmap = mt.decode;
+  const float* const vmap = vt.decode;
   uint8_t* const mcodes = static_cast<uint8_t*>(mref.data);
   uint8_t* const vcodes = static_cast<uint8_t*>(vref.data);
   const __m256i abs_mask = _mm256_set1_epi32(0x7fffffff);
@@ -1200,7 +1231,8 @@ __attribute__((noinline)) void adam_chunk_dynamic_avx2(
       h = _mm_max_epi32(h, _mm_shuffle_epi32(h, 0x4e));
       h = _mm_max_epi32(h, _mm_shuffle_epi32(h, 0xb1));
       const uint32_t mx = static_cast<uint32_t>(_mm_cvtsi128_si32(h));
-      if (mx > 0x7f800000u) {  // NaN: write_moment's NaN path
+      // NaN, or exp_avg_sq holding inf: write_moment's paths
+      if (mx > 0x7f800000u || (ref.sqrt && mx == 0x7f800000u)) {
         write_moment(ref, b, k, buf);
         return;
       }
@@ -1784,7 +1816,9 @@ void fused_adam_step_(at::TensorList params, at::TensorList exp_avgs, at::Tensor
       });
       return;
     }
-    if (kDynamicPass && mk == Kind::kDynamic && vk == Kind::kDynamic) {
+    // (an exp_avg_sq block holding inf, a negative scale, takes adam_chunk_narrow's read_moment)
+    if (kDynamicPass && mk == Kind::kDynamic && vk == Kind::kDynamic &&
+        !any_negative(exp_avg_sq_scales[e], c.offset / kMomentBlock, num_moment_blocks(c.n))) {
       using G = std::remove_const_t<std::remove_pointer_t<decltype(g)>>;
       using M = std::remove_pointer_t<decltype(model)>;
       const int64_t first_block = c.offset / kMomentBlock;  // c.offset: a multiple of kChunkSize

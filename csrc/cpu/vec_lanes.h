@@ -47,6 +47,10 @@ struct Lanes<FVec> {
 #endif
   }
   static inline FVec sqrt(const FVec& x) { return x.sqrt(); }
+  // old where old is +inf, else x (Lanes<float>::keep_inf); operator> gives a bit mask.
+  static inline FVec keep_inf(const FVec& old, const FVec& x) {
+    return FVec::blendv(x, old, old > FVec(FLT_MAX));
+  }
   // Horizontal reductions in a fixed lane order (deterministic).
   static inline float sum(const FVec& x) {
     float v[FVec::size()];

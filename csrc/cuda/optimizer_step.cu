@@ -104,7 +104,7 @@ __device__ __forceinline__ float load_moment(const void* data, int64_t i, int ki
   if (kind == kMomentBf16) return bf16_to_float(static_cast<const uint16_t*>(data)[i]);
   if (kind == kMomentDynamic) {  // exp_avg_sq (sq): the unsigned map, the value itself
     const uint8_t c = static_cast<const uint8_t*>(data)[i];
-    return (sq ? kDynamicMapUnsigned[c] : kDynamicMapSigned[c]) * scale;
+    return sq ? dynamic_sq_decode(c, scale, kDynamicMapUnsigned) : kDynamicMapSigned[c] * scale;
   }
   const float r = fp8_e4m3_decode(static_cast<const uint8_t*>(data)[i]) * scale;
   return sq ? r * r : r;
@@ -211,6 +211,17 @@ struct NarrowAdamFunctor {
       if (v_kind == kMomentFp8) vsc = moment_scale(v_max);
       if (m_kind == kMomentDynamic) mdyn = dynamic_scale(m_max);
       if (v_kind == kMomentDynamic) vdyn = dynamic_scale(v_max);
+      // exp_avg_sq holding inf (v_max is the warp's: a uniform branch): scale from the largest
+      // finite |value| (dynamic_sq_inf_scale), inf code 255
+      const bool v_inf = v_kind == kMomentDynamic && v_max > FLT_MAX;
+      if (v_inf) {
+        float finite_max = 0.0f;
+        for (int k = 0; k < 8; ++k) {
+          const float a = fabsf(vv[k]);
+          finite_max = a <= FLT_MAX && a > finite_max ? a : finite_max;
+        }
+        vdyn = dynamic_sq_inf_scale(warp_max(finite_max));
+      }
       if (lane == 0 && m_kind == kMomentFp8) m_scales[block] = msc.scale;
       if (lane == 0 && v_kind == kMomentFp8) v_scales[block] = vsc.scale;
       if (lane == 0 && m_kind == kMomentDynamic) m_scales[block] = mdyn.scale;
@@ -231,8 +242,10 @@ struct NarrowAdamFunctor {
         if (v_kind == kMomentBf16) static_cast<uint16_t*>(c.addr[3])[i] = float_to_bf16(vv[k]);
         if (v_kind == kMomentFp8) static_cast<uint8_t*>(c.addr[3])[i] = fp8_e4m3_encode(vv[k] * vsc.inv);
         if (v_kind == kMomentDynamic) {
-          static_cast<uint8_t*>(c.addr[3])[i] = static_cast<uint8_t>(
-              dynamic_encode_bits(vv[k] / vdyn.div, kDynamicMapUnsigned, kDynamicFloorUnsigned));
+          const uint32_t code =
+              dynamic_encode_bits(vv[k] / vdyn.div, kDynamicMapUnsigned, kDynamicFloorUnsigned);
+          static_cast<uint8_t*>(c.addr[3])[i] =
+              static_cast<uint8_t>(v_inf ? dynamic_sq_inf_code(vv[k], code) : code);
         }
       }
     }

@@ -61,6 +61,9 @@ struct Lanes<float> {
   // a * b + c rounded once (an fma on every device: nvcc would contract a * b + c, g++ does not).
   static TPAMP_INLINE float fmadd(float a, float b, float c) { return fmaf(a, b, c); }
   static TPAMP_INLINE float sqrt(float x) { return sqrtf(x); }  // IEEE (no fast math)
+  // old where old is +inf, else x (an inf exp_avg_sq stays inf through the uint8 format's lerp,
+  // which would give inf - inf = NaN).
+  static TPAMP_INLINE float keep_inf(float old, float x) { return old > FLT_MAX ? old : x; }
   // Horizontal reductions (trivial for one lane).
   static TPAMP_INLINE float sum(float x) { return x; }
   static TPAMP_INLINE float max_all(float x) { return x; }

@@ -176,7 +176,9 @@ TPAMP_ALWAYS_INLINE void adam_element_dynamic(V& p, V& m, V& v, V g, const AdamS
   if (f.param_decay) p = p - product_rn(V(s.lr_decay_f32), p);
   m = product_rn(V(s.lerp_coeff), g - m) + (f.lerp_small ? m : g);
   const V g2 = RoundedHere<V>::apply(g * g);
-  v = product_rn(V(s.lerp2_coeff), g2 - v) + (s.lerp2_small ? v : g2);
+  // an inf exp_avg_sq (a grad whose square overflowed float32) stays inf, as v * beta2 + ...
+  // keeps it in the float32 step (the lerp would give inf - inf = NaN): its update stays 0
+  v = Lanes<V>::keep_inf(v, product_rn(V(s.lerp2_coeff), g2 - v) + (s.lerp2_small ? v : g2));
   const V denom = Lanes<V>::sqrt(v) / V(s.bias_correction2_sqrt_f32) + V(s.eps);
   p = p - product_rn(V(s.lr_f32), m / V(s.bias_correction1_f32)) / denom;
 }
@@ -412,9 +414,11 @@ TPAMP_INLINE MomentScale moment_scale(float absmax) {
 // bitsandbytes' and torchao's 8-bit Adam state (create_dynamic_map with 7 exponent bits): code c
 // of a block means map[c] x scale, with scale = the block's max |x| (float32) and map the
 // signed table for exp_avg, the unsigned one for exp_avg_sq (which keeps the value itself, not
-// its root). Encode: y = x / scale (float32 division, as torchao; an all-zero block divides by 1
-// and has scale 0; a block holding +-inf has scale FLT_MAX and divides by it, so its inf
-// elements get the largest code (1.0) or the most negative one), then the code of the nearest
+// its root; except that its code 0 reads map[1] x scale and a block of it holding +inf has a
+// negative scale: see dynamic_sq_decode below). Encode: y = x / scale (float32 division, as
+// torchao; an all-zero block divides by 1 and has scale 0; an exp_avg block holding +-inf has
+// scale FLT_MAX and divides by it, so its inf elements get the largest code (1.0) or the most
+// negative one; exp_avg_sq: dynamic_sq_inf_scale), then the code of the nearest
 // map entry: c = the largest code with map[c] <= y (0 when none), plus one when
 // y - map[c] >= (map[c+1] - map[c]) / 2 (ties up): torchao's quantize_8bit_with_qmap, bit for
 // bit. dynamic_encode_bits below (the CUDA launcher's) searches with a table lookup on y's bits
@@ -481,6 +485,40 @@ TPAMP_INLINE DynamicScale dynamic_scale(float absmax) {
     s.div = absmax == 0.0f ? 1.0f : absmax;
   }
   return s;
+}
+
+// exp_avg_sq (the unsigned map) never reads back 0 where it is positive, and keeps +inf:
+// * code 0 reads as code 1's entry (the smallest positive one, 3.25e-7) times the scale, so an
+//   element far below its block's max (a neighbour of an outlier) reads a small positive value
+//   instead of 0 and steps by less than exp_avg / eps ("the zero-point problem", Li et al. 2023,
+//   Memory efficient optimizers with 4-bit states); an all-zero block (scale 0) still reads 0.
+// * a block holding +-inf (a grad whose square overflows float32) stores scale = -d with d = its
+//   largest finite |value| (at least FLT_MIN) and divides by d: +inf gets code 255, which reads
+//   back +inf (its update stays 0, as in float32 state), the finite values their codes against d
+//   capped at 254 (read back as map[code] * d: the block's other elements keep their precision).
+//   Only such a block has a negative scale. exp_avg (the signed map) keeps dynamic_scale's
+//   saturation.
+// The value of exp_avg_sq code c in a block with scale `scale`, map = kDynamicMapUnsigned (passed
+// in, as to dynamic_encode_bits: a __constant__ table on CUDA; the CUDA launcher's decode; the
+// CPU launcher decodes with the same values: dynamic_decode_table).
+TPAMP_INLINE float dynamic_sq_decode(uint32_t c, float scale, const float* map) {
+  const float q = map[c == 0u ? 1u : c];
+  return scale < 0.0f ? (c == 255u ? bits_to_float(0x7f800000u) : q * -scale) : q * scale;
+}
+
+// The stored scale and the divisor of an exp_avg_sq block holding +-inf (no NaN), from its
+// largest finite |value|.
+TPAMP_INLINE DynamicScale dynamic_sq_inf_scale(float finite_max) {
+  const float d = finite_max > FLT_MIN ? finite_max : FLT_MIN;
+  DynamicScale s;
+  s.scale = -d;
+  s.div = d;
+  return s;
+}
+
+// The code of x in an exp_avg_sq block holding +-inf, from c = dynamic_encode_bits(x / div).
+TPAMP_INLINE uint32_t dynamic_sq_inf_code(float x, uint32_t c) {
+  return x > FLT_MAX ? 255u : (c > 254u ? 254u : c);
 }
 
 // Hyperparameters of one SGD param group.
