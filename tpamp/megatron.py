@@ -66,8 +66,10 @@ __all__ = ["MegatronOptimizer", "get_megatron_optimizer"]
 
 Tensor = torch.Tensor
 _HALF = (torch.float16, torch.bfloat16)
-# Megatron's param attributes the norm filters and checkpoints read, copied to buffer pieces
-_ATTRS = ("tensor_model_parallel", "partition_dim", "partition_stride", "shared", "allreduce")
+# Megatron's param attributes the norm filters read, copied to buffer pieces. A piece is a flat
+# range of its param, so the param's partition_dim / partition_stride do not describe it (the
+# settings check refuses a partition_dim outside [0, ndim)); checkpoints read the model params.
+_ATTRS = ("tensor_model_parallel", "shared", "allreduce")
 # OptimizerConfig options tpamp cannot honour: an error, never a silent difference
 FORMAT_KEY = "tpamp_megatron_optimizer"  # marks tpamp.megatron's checkpoint format
 _UNSUPPORTED = ("use_precision_aware_optimizer", "optimizer_cpu_offload", "optimizer_cuda_graph",
