@@ -67,9 +67,11 @@ __all__ = ["MegatronOptimizer", "get_megatron_optimizer"]
 Tensor = torch.Tensor
 _HALF = (torch.float16, torch.bfloat16)
 # Megatron's param attributes the norm filters read, copied to buffer pieces. A piece is a flat
-# range of its param, so the param's partition_dim / partition_stride do not describe it (the
-# settings check refuses a partition_dim outside [0, ndim)); checkpoints read the model params.
+# range of its param: a TP one is split along its only dim (partition_dim 0, stride 1), not the
+# param's partition_dim (the settings check refuses one outside [0, ndim)); checkpoints read the
+# model params.
 _ATTRS = ("tensor_model_parallel", "shared", "allreduce")
+_PIECE_TP_ATTRS = {"partition_dim": 0, "partition_stride": 1}
 # OptimizerConfig options tpamp cannot honour: an error, never a silent difference
 FORMAT_KEY = "tpamp_megatron_optimizer"  # marks tpamp.megatron's checkpoint format
 _UNSUPPORTED = ("use_precision_aware_optimizer", "optimizer_cpu_offload", "optimizer_cuda_graph",
@@ -305,6 +307,9 @@ def _buffer_pieces(chunks) -> Dict[int, List[_Piece]]:
                     for attr in _ATTRS:
                         if hasattr(p, attr):
                             setattr(t, attr, getattr(p, attr))
+                    if getattr(p, "tensor_model_parallel", False):
+                        for attr, value in _PIECE_TP_ATTRS.items():
+                            setattr(t, attr, value)
                     out.setdefault(id(p), []).append(
                         _Piece(p, t, a - start, b - start, group, bucket, (lo, hi)))
     return out
