@@ -110,6 +110,7 @@ step() {
 [ "$DRY" = 1 ] || step env 60 "$PY" scripts/gpu_check.py env --out "$OUT"
 
 # --- build
+GPU=0
 if [ "$DRY" = 1 ]; then
     ARCH="9.0" CAP="<this CPU's capability>"
     BUILD=(env TPAMP_BUILD_EXT=1 TPAMP_BUILD_CUDA=1 "TORCH_CUDA_ARCH_LIST=$ARCH" "MAX_JOBS=$(nproc)"
@@ -117,10 +118,15 @@ if [ "$DRY" = 1 ]; then
     # the kernels already built in the tree (env's row says which loaded)
     step build 5 echo "dry run: would run: ${BUILD[*]}"
 else
-    CAP=$("$PY" -c "import torch; print(torch.backends.cpu.get_cpu_capability().lower())" 2>/dev/null)
+    # this CPU's kernel module, this GPU's architecture (none: no GPU)
+    read -r CAP ARCH < <("$PY" -c "
+import torch
+cap = torch.backends.cpu.get_cpu_capability().lower()
+arch = '%d.%d' % torch.cuda.get_device_capability() if torch.cuda.is_available() else 'none'
+print(cap, arch)" 2>/dev/null)
     case "$CAP" in avx512|avx2) ;; *) CAP=default ;; esac
-    ARCH=$("$PY" -c "import torch; p = torch.cuda.get_device_capability(); print(f'{p[0]}.{p[1]}')" 2>/dev/null)
-    [ -n "$ARCH" ] || ARCH="9.0"
+    GPU=1
+    [ -n "$ARCH" ] && [ "$ARCH" != none ] || { GPU=0; ARCH="9.0"; }
     step build 200 env TPAMP_BUILD_EXT=1 TPAMP_BUILD_CUDA=1 "TORCH_CUDA_ARCH_LIST=$ARCH" \
         "MAX_JOBS=$(nproc)" "TPAMP_CPU_CAPABILITIES=$CAP" "$PY" setup.py build_ext --inplace
     step build_check 30 "$PY" -c "
@@ -159,10 +165,14 @@ else
           --micro-batch-size 8 --num-microbatches 2 --train-iters 60 --lr 2e-3 --lr-warmup-iters 5
           --log-interval 10 --eval-interval 60 --eval-iters 2)
 fi
+if [ "$DRY" = 0 ] && [ "$GPU" = 0 ]; then
+    skip train_run "torch sees no CUDA GPU (torch.cuda.is_available() is False)"
+else
 step train_run 90 "$PY" -m torch.distributed.run --nproc-per-node 1 --master-addr 127.0.0.1 \
     --master-port $(( 20000 + RANDOM % 20000 )) scripts/train_gpt.py \
     --tensor-model-parallel-size 1 --pipeline-model-parallel-size 1 "${SIZE[@]}" \
     --no-progress --dist-timeout 60 --log-dir "$OUT/train"
+fi
 
 # --- the kernel tests under compute-sanitizer (the > 2^31-element tests are left out: hours
 # under the sanitizer)
