@@ -650,7 +650,8 @@ def part_compare(ctx, rows):
     if not ops.extension_available("cpu"):
         rows.add("kernel comparisons", "SKIP", note=f"the CPU kernels are not built: {_ext.status()}")
         return
-    print(f"device side: {ctx.dev_name}; twin: CPU kernels ({_ext.status().get('cpu_module')})")
+    rows.add("compared", "INFO", f"device side: {ctx.dev_name}; twin: CPU kernels "
+             f"({_ext.status().get('cpu_module')}); reference: float64")
     if ctx.dry:
         sizes = [0, 1, 3, 9, 0, 31, 201, 513, 1031, 5, 0]
     else:

@@ -168,8 +168,9 @@ fi
 if [ "$DRY" = 0 ] && [ "$GPU" = 0 ]; then
     skip train_run "torch sees no CUDA GPU (torch.cuda.is_available() is False)"
 else
-step train_run 90 "$PY" -m torch.distributed.run --nproc-per-node 1 --master-addr 127.0.0.1 \
-    --master-port $(( 20000 + RANDOM % 20000 )) scripts/train_gpt.py \
+# world 1: the environment torchrun would set, without its agent process
+step train_run 90 env RANK=0 LOCAL_RANK=0 WORLD_SIZE=1 LOCAL_WORLD_SIZE=1 MASTER_ADDR=127.0.0.1 \
+    MASTER_PORT=$(( 20000 + RANDOM % 20000 )) "$PY" scripts/train_gpt.py \
     --tensor-model-parallel-size 1 --pipeline-model-parallel-size 1 "${SIZE[@]}" \
     --no-progress --dist-timeout 60 --log-dir "$OUT/train"
 fi
