@@ -85,6 +85,7 @@ step() {
     local name="$1" limit="$2"
     shift 2
     local left=$(( BUDGET - ($(date +%s) - START) ))
+    LAST_RC=skip
     if [ "$left" -lt 10 ]; then
         skip "$name" "no time left in the ${BUDGET} s budget"
         return 0
@@ -95,6 +96,7 @@ step() {
     echo "== gpu_check: $name (timeout ${limit} s): $*"
     timeout -k 5 "$limit" "$@" > "$OUT/$name.log" 2>&1
     rc=$?
+    LAST_RC=$rc
     case "$rc" in
         124|137) note="timed out after ${limit} s" ;;
         0) note="" ;;
@@ -110,7 +112,7 @@ step() {
 [ "$DRY" = 1 ] || step env 60 "$PY" scripts/gpu_check.py env --out "$OUT"
 
 # --- build
-GPU=0
+GPU=0 NOT_BUILT="" LAST_RC=""
 if [ "$DRY" = 1 ]; then
     ARCH="9.0" CAP="<this CPU's capability>"
     BUILD=(env TPAMP_BUILD_EXT=1 TPAMP_BUILD_CUDA=1 "TORCH_CUDA_ARCH_LIST=$ARCH" "MAX_JOBS=$(nproc)"
@@ -136,10 +138,14 @@ print(_ext.status())
 assert C.with_cuda == 1, 'tpamp._C was built without CUDA kernels'
 assert ops.extension_available('cuda') and ops.extension_available('cpu'), _ext.status()
 "
+    # without the kernels the GPU steps would only skip: say so once, per step
+    [ "$LAST_RC" = 0 ] || NOT_BUILT="the build did not give tpamp._C with CUDA kernels (build.log, build_check.log)"
 fi
 
 # --- the CUDA tests
-if [ "$DRY" = 1 ]; then
+if [ -n "$NOT_BUILT" ]; then
+    skip cuda_tests "$NOT_BUILT"
+elif [ "$DRY" = 1 ]; then
     step cuda_tests 40 "$PY" -m pytest -m cuda -q -p no:cacheprovider -rs tests/test_kernels_cuda.py
 else
     step cuda_tests 120 "$PY" -m pytest -m cuda -q -p no:cacheprovider -rs tests/
@@ -182,6 +188,8 @@ SAN="$(command -v compute-sanitizer || true)"
 for tool in memcheck racecheck; do
     if [ "$DRY" = 1 ]; then
         skip "$tool" "dry run: compute-sanitizer needs a GPU (on CPU, tests/test_simt_tsan.py runs the launchers under ThreadSanitizer)"
+    elif [ -n "$NOT_BUILT" ]; then
+        skip "$tool" "$NOT_BUILT"
     elif [ -z "$SAN" ]; then
         skip "$tool" "compute-sanitizer not found on PATH or in $CUDA_HOME/bin"
     else
