@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Build the kernels with CUDA (tpamp._C) in a virtual environment and check that the ops register
-# for CUDA and CPU. Only the default CPU capability module is built here (TPAMP_CPU_CAPABILITIES):
-# CI's first half builds and tests all of them.
+# for CUDA and CPU. Only the default CPU capability module is built unless TPAMP_CPU_CAPABILITIES
+# names more (.ci/run names all three: the CPU suite then runs against this install).
 # Needs no GPU: only nvcc of the same CUDA major version as the torch wheel.
 #
 # Usage: .ci/build_ext.sh [VENV_DIR]

@@ -24,7 +24,8 @@
 # Full logs: OUTDIR/<step>.log; rows: OUTDIR/<step>.json; the table: OUTDIR/table.json.
 # Exit status: 0 when no row failed, 1 otherwise.
 #
-# Environment: PYTHON (default python3), GPU_CHECK_BUDGET_S, CUDA_HOME (default /usr/local/cuda).
+# Environment: PYTHON (default python3), GPU_CHECK_BUDGET_S (a larger one also stretches each
+# step's timeout in proportion), CUDA_HOME (default /usr/local/cuda).
 # megatron-core is optional: wheels in .whl/ are installed into /tmp/gpu_check_site first (the
 # device machine has no network; docs/guide/kernels.md says how to carry them).
 
@@ -54,11 +55,13 @@ export CUDA_HOME="${CUDA_HOME:-/usr/local/cuda}"
 [ -d "$CUDA_HOME/bin" ] && export PATH="$PATH:$CUDA_HOME/bin"
 DRYFLAG=()
 if [ "$DRY" = 1 ]; then
+    DEFAULT_BUDGET=55
     BUDGET="${GPU_CHECK_BUDGET_S:-55}"
     DRYFLAG=(--dry-run)
     export CUDA_VISIBLE_DEVICES=""  # CPU stand-ins even where a GPU is present
     export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
 else
+    DEFAULT_BUDGET=330
     BUDGET="${GPU_CHECK_BUDGET_S:-330}"
 fi
 START=$(date +%s)
@@ -80,10 +83,12 @@ skip() {  # NAME REASON
 }
 
 # step NAME TIMEOUT_S CMD...: runs CMD with its output in OUTDIR/NAME.log, under
-# min(TIMEOUT_S, what is left of the budget)
+# min(TIMEOUT_S, what is left of the budget); a budget above the default stretches every
+# TIMEOUT_S in proportion (a slow or busy machine)
 step() {
     local name="$1" limit="$2"
     shift 2
+    [ "$BUDGET" -gt "$DEFAULT_BUDGET" ] && limit=$(( limit * BUDGET / DEFAULT_BUDGET ))
     local left=$(( BUDGET - ($(date +%s) - START) ))
     LAST_RC=skip
     if [ "$left" -lt 10 ]; then
