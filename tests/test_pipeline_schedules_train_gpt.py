@@ -128,6 +128,7 @@ def test_fsdp2_pp2_dp2_tp2_on_8_ranks_gives_the_losses_and_grad_norms_of_dp_only
     )
     assert (summary["tp"], summary["pp"], summary["dp"]) == (2, 2, 2)
     # torch 2.11 (FSDP2 x TP): the TP-replicated wpe.weight's per-param grad norm measured 1.4e-4
-    # relative from the DP-only run's (loss and grad norm still within 1e-5); 2.13: within 1e-4
+    # relative from the DP-only run's (loss and grad norm still within 1e-5); torch 2.15.0 also
+    # failed the 1e-4 check once (value not recorded): open
     old_torch = tuple(int(x) for x in torch.__version__.split(".")[:2]) < (2, 13)
     _same_as_reference(records, reference, param_norms=True, param_rel=1e-3 if old_torch else 1e-4)
