@@ -1,14 +1,15 @@
 #!/usr/bin/env bash
 # Build the kernels with CUDA (tpamp._C) in a virtual environment and check that the ops register
-# for CUDA and CPU. Only the default CPU capability module is built here (TPAMP_CPU_CAPABILITIES):
-# CI's first half builds and tests all of them.
+# for CUDA and CPU. Only the default CPU capability module is built unless TPAMP_CPU_CAPABILITIES
+# names more (.ci/run names all three: the CPU suite then runs against this install).
 # Needs no GPU: only nvcc of the same CUDA major version as the torch wheel.
 #
 # Usage: .ci/build_ext.sh [VENV_DIR]
 #   VENV_DIR               the venv to create or reuse (default: <repo>/.ci-venv-cuda)
 # Environment (all optional):
 #   PYTHON                 interpreter that creates the venv (default python3)
-#   TPAMP_CI_TORCH         torch requirement (default torch==2.14.1, from the default index)
+#   TPAMP_CI_TORCH         torch requirement (default torch==2.11.0, the oldest tpamp supports,
+#                          from the default index: its CUDA 13.0 build, as the GPU machines have)
 #   TPAMP_CI_PIP_ARGS      extra pip arguments for that install (e.g. an --index-url)
 #   CUDA_HOME              CUDA toolkit (default /usr/local/cuda)
 #   TORCH_CUDA_ARCH_LIST   GPU architectures (default "8.0;9.0+PTX": quick; setup.py alone adds 10.0, 12.0)
@@ -24,7 +25,7 @@ VENV="${1:-$ROOT/.ci-venv-cuda}"
 mkdir -p "$(dirname "$VENV")"
 VENV="$(cd "$(dirname "$VENV")" && pwd)/$(basename "$VENV")"
 PYTHON="${PYTHON:-python3}"
-TORCH_REQ="${TPAMP_CI_TORCH:-torch==2.14.1}"
+TORCH_REQ="${TPAMP_CI_TORCH:-torch==2.11.0}"
 read -r -a PIP_ARGS <<< "${TPAMP_CI_PIP_ARGS:-}"
 
 step() { echo "== build_ext: $*"; }
@@ -44,8 +45,10 @@ fi
 PY="$VENV/bin/python"
 export PATH="$VENV/bin:$PATH"  # the venv's ninja, which torch's BuildExtension looks up on PATH
 
-step "installing $TORCH_REQ numpy setuptools wheel ninja"
-"$PY" -m pip install ${PIP_ARGS[@]+"${PIP_ARGS[@]}"} "$TORCH_REQ" numpy setuptools wheel ninja \
+# setuptools >= 77 as pyproject.toml's [build-system] asks (a Python 3.11 venv starts with 65.5,
+# too old for its license field; torch 2.11 caps it below 82)
+step "installing $TORCH_REQ numpy setuptools>=77 wheel ninja"
+"$PY" -m pip install ${PIP_ARGS[@]+"${PIP_ARGS[@]}"} "$TORCH_REQ" numpy "setuptools>=77" wheel ninja \
     || fail "pip install of the build requirements"
 
 if [ -n "${TPAMP_CI_SDIST:-}" ]; then

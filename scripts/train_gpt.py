@@ -942,7 +942,10 @@ class ByteData:
         starts = torch.randint(len(data) - self.seq_length - 1, (n,), generator=gen)
         offsets = torch.arange(self.seq_length + 1)
         chunk = data[starts[:, None] + offsets].long()  # [n, T + 1]
-        return chunk[:, :-1], chunk[:, 1:]
+        # contiguous [n, T] tensors: torch.distributed.pipelining of torch 2.11 checks a stage
+        # input's strides against its static metadata (a [n, T] view of the [n, T + 1] chunk
+        # has row stride T + 1 and fails; torch 2.13 accepts it)
+        return chunk[:, :-1].contiguous(), chunk[:, 1:].contiguous()
 
 
 def dp_batch(data: ByteData, split: str, gen, st, micro_batch_size, num_microbatches, device):

@@ -29,7 +29,8 @@ __all__ = [
 
 Tensor = torch.Tensor
 
-# torch 2.13 renamed reduce_scatter_tensor / all_gather_into_tensor (the old names warn)
+# torch 2.13 renamed reduce_scatter_tensor / all_gather_into_tensor to reduce_scatter_single /
+# all_gather_single (the old names then warn); torch 2.11 has only the old names
 reduce_scatter_tensor = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 all_gather_tensor = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
