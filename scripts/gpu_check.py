@@ -43,6 +43,9 @@ if not (__name__ == "__main__" and sys.argv[1:2] == ["table"]):
     import tpamp
     from tpamp import _ext, ops
 
+    sys.path.insert(0, os.path.join(ROOT, "tests"))
+    from kernel_reference import stats_ref, written_ref  # float64 references, shared with tests/test_simt.py
+
 PARTS = ("env", "compare", "graph", "bench", "table")
 GiB = 2**30
 RTOL = 2e-5  # sums of squares and norms: summation order differs (float64 partials)
@@ -162,30 +165,6 @@ def make_list(seed, sizes, dtypes, offsets=(0, 1, 3), specials=True, scale=1.0):
         big = [t for t in out if t.numel() > 100]
         big[0][17], big[1][5], big[2][-1] = math.inf, -math.inf, math.nan
     return out
-
-
-def written_ref(x, scale, dtype):
-    """float64 model: float32(x * scale) (exact product, rounded once), then rounded to dtype;
-    the scale is the float32 the kernels get."""
-    v = x.double() if scale is None else x.double() * f32(scale)
-    return v.to(torch.float32).to(dtype)
-
-
-def f32(x):
-    return float(torch.tensor(float(x), dtype=torch.float32))
-
-
-def stats_ref(values, mask):
-    found = any(not bool(torch.isfinite(v).all()) for v in values)
-    counted = [v.double().reshape(-1) for v, m in zip(values, mask) if m]
-    flat = torch.cat(counted) if counted else torch.zeros(0, dtype=torch.float64)
-    sumsq = float((flat * flat).sum())
-    amax = float(flat.abs().max()) if flat.numel() else 0.0
-    if flat.numel() and bool(flat.isnan().any()):
-        amax = math.nan
-    zeros = int((flat == 0).sum())
-    norms = [math.sqrt(float((v.double() ** 2).sum())) if v.numel() else 0.0 for v in values]
-    return found, sumsq, amax, zeros, norms
 
 
 def bits(t):

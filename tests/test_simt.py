@@ -18,6 +18,7 @@ import math
 import pytest
 import simt_utils
 import torch
+from kernel_reference import stats_ref, written_ref
 from simt_utils import order  # noqa: F401  (fixture: every test runs in each schedule order)
 
 from tpamp import ops
@@ -58,25 +59,6 @@ def make_list(seed, sizes=SIZES, dtypes=DTYPES, offsets=(0, 1, 3), specials=True
 
 def clone(ts):
     return [t.clone() for t in ts]
-
-
-def written_ref(x, scale, dtype):
-    """float64 model: float32(x * scale) (exact product, rounded once), then rounded to dtype."""
-    v = x.double() if scale is None else x.double() * float(scale)
-    return v.to(torch.float32).to(dtype)
-
-
-def stats_ref(values, mask):
-    found = any(not bool(torch.isfinite(v).all()) for v in values)
-    counted = [v.double().reshape(-1) for v, m in zip(values, mask) if m]
-    flat = torch.cat(counted) if counted else torch.zeros(0, dtype=torch.float64)
-    sumsq = float((flat * flat).sum())
-    amax = float(flat.abs().max()) if flat.numel() else 0.0
-    if flat.numel() and bool(flat.isnan().any()):
-        amax = math.nan
-    zeros = int((flat == 0).sum())
-    norms = [math.sqrt(float((v.double() ** 2).sum())) if v.numel() else 0.0 for v in values]
-    return found, sumsq, amax, zeros, norms
 
 
 def assert_bitwise(a, b, what):
