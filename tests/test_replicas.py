@@ -152,10 +152,11 @@ def _build(st, named, kind, **kw):
         tensor_parallel_group=st.tp_group, param_names=named, parallel_state=st, **kw)
 
 
-def _flip_worker(rank, world, tp, steps, target, kind, opts):
-    """``steps`` clean steps, then on global rank target[0] flip bit target[3] of element
-    target[2] of tensor target[1] of param "layers.0.ln.weight" or "layers.0.fc.weight"
-    (target[4]); "grad" flips the grad before one more step. Returns the records."""
+def _flip_worker(rank, world, tp, steps, targets, kind, opts):
+    """``steps`` clean steps, then for each target (global rank, tensor, element, bit, param
+    name): on that rank flip the bit of that element of the param's tensor, check, flip it
+    back; a "grad" target flips the grad before one more step (last: it cannot be undone).
+    Returns (the clean check, [the records of each target])."""
     st = tpamp.parallel.initialize_model_parallel(tp, 1)
     named = _params(st, torch.float16)
     opt = _build(st, named, kind, **opts)
@@ -164,17 +165,24 @@ def _flip_worker(rank, world, tp, steps, target, kind, opts):
         opt.step()
         opt.zero_grad()
     clean = [tuple(m) for m in check_replicas(opt, parallel_state=st)]
-    frank, what, index, bit, pname = target
-    if what == "grad":
-        _set_grads(named, st, steps)
-        if rank == frank:
-            flip_bit(dict(named)[pname].grad, index, bit)
-        opt.step()
-        opt.zero_grad()
-    elif rank == frank:
+    found = []
+    for frank, what, index, bit, pname in targets:
+        if what == "grad":
+            _set_grads(named, st, steps)
+            if rank == frank:
+                flip_bit(dict(named)[pname].grad, index, bit)
+            opt.step()
+            opt.zero_grad()
+            found.append([tuple(m) for m in check_replicas(opt, parallel_state=st)])
+            continue
         tensors = {n: t for n, _, t in opt.replica_tensors()}[pname]
-        flip_bit(tensors[what], index, bit)
-    return clean, [tuple(m) for m in check_replicas(opt, parallel_state=st)]
+        if rank == frank:
+            flip_bit(tensors[what], index, bit)
+        found.append([tuple(m) for m in check_replicas(opt, parallel_state=st)])
+        if rank == frank:
+            flip_bit(tensors[what], index, bit)
+        assert check_replicas(opt, parallel_state=st) == []  # flipped back: clean again
+    return clean, found
 
 
 def _dp_ranks(tp, world, rank):
@@ -189,65 +197,68 @@ def _where(tp, r):
     return f"[tp {r % tp}, pp 0, dp {r // tp}]"
 
 
-@pytest.mark.parametrize("what, bit", [("main_param", 0), ("exp_avg", 30), ("exp_avg_sq", 3),
-                                       ("param", 15), ("step", 20)])
-def test_dp2_flip_named(what, bit):
-    """DP 2: the two replicas disagree; both named (no majority of two), the element exact."""
-    index = 0 if what == "step" else 37
-    out = run_workers(_flip_worker, 2, 1, 2, (1, what, index, bit, "layers.0.fc.weight"), "mpo",
-                      {}, timeout=60)
-    want = [("layers.0.fc.weight", what, "data-parallel", (0, 1), (), index, index + 1,
-             1 if what == "step" else 64 * 40, (_where(1, 0), _where(1, 1)), "")]
+DP2_TARGETS = [("main_param", 0), ("exp_avg", 30), ("exp_avg_sq", 3), ("param", 15),
+               ("step", 20)]
+
+
+def test_dp2_flip_named():
+    """DP 2: the two replicas disagree; both named (no majority of two), the element exact;
+    master, both moments, the model param and the step count."""
+    targets = [(1, what, 0 if what == "step" else 37, bit, "layers.0.fc.weight")
+               for what, bit in DP2_TARGETS]
+    out = run_workers(_flip_worker, 2, 1, 2, targets, "mpo", {}, timeout=60)
+    want = [[("layers.0.fc.weight", what, "data-parallel", (0, 1), (), index, index + 1,
+              1 if what == "step" else 64 * 40, (_where(1, 0), _where(1, 1)), "")]
+            for _, what, index, _, _ in targets]
     for clean, found in out:
         assert clean == []
         assert found == want
 
 
-@pytest.mark.parametrize("what", ["main_param", "exp_avg_sq", "param"])
-def test_dp4_majority_names_the_rank(what):
-    """DP 4: three replicas agree, the fourth (rank 2) is named alone, the others as majority."""
-    out = run_workers(_flip_worker, 4, 1, 2, (2, what, 299, 5, "layers.0.ln.weight"), "mpo", {},
-                      timeout=60)
-    want = [("layers.0.ln.weight", what, "data-parallel", (2,), (0, 1, 3), 299, 300, 300,
-             (_where(1, 2),), "")]
+def test_dp4_majority_names_the_rank():
+    """DP 4: three replicas agree, the fourth is named alone, the others as majority."""
+    targets = [(2, "main_param", 299, 5, "layers.0.ln.weight"),
+               (0, "exp_avg_sq", 0, 31, "layers.0.ln.weight"),
+               (3, "param", 150, 1, "layers.0.ln.weight")]
+    out = run_workers(_flip_worker, 4, 1, 2, targets, "mpo", {}, timeout=60)
+    want = [[("layers.0.ln.weight", what, "data-parallel", (r,),
+              tuple(o for o in range(4) if o != r), i, i + 1, 300, (_where(1, r),), "")]
+            for r, what, i, _, _ in targets]
     for clean, found in out:
         assert clean == [] and found == want
 
 
-@pytest.mark.parametrize("frank", [0, 3])
-def test_tp2_dp2_duplicate_named_over_both_groups(frank):
+def test_tp2_dp2_flips_named():
     """TP 2 x DP 2: a flipped bit in a TP-duplicated LayerNorm master is seen over its DP pair
-    and its TP pair (the rank in both is the corrupted one); every rank holds both records."""
-    out = run_workers(_flip_worker, 4, 2, 2, (frank, "main_param", 123, 9, "layers.0.ln.weight"),
-                      "mpo", {}, timeout=60)
-    dp, tpr = _dp_ranks(2, 4, frank), _tp_ranks(2, frank)
-    want = sorted([
-        ("layers.0.ln.weight", "main_param", "data-parallel", dp, (), 123, 124, 300,
-         tuple(_where(2, r) for r in dp), ""),
-        ("layers.0.ln.weight", "main_param", "tensor-parallel", tpr, (), 123, 124, 300,
-         tuple(_where(2, r) for r in tpr), ""),
-    ])
+    and its TP pair (the rank in both is the corrupted one); a TP-sharded weight differs across
+    TP by design, so a flip there is reported over DP only. Every rank holds every record."""
+    targets = [(0, "main_param", 123, 9, "layers.0.ln.weight"),
+               (3, "main_param", 123, 9, "layers.0.ln.weight"),
+               (1, "exp_avg", 2000, 12, "layers.0.fc.weight")]
+    out = run_workers(_flip_worker, 4, 2, 2, targets, "mpo", {}, timeout=60)
+    want = []
+    for frank in (0, 3):
+        dp, tpr = _dp_ranks(2, 4, frank), _tp_ranks(2, frank)
+        want.append(sorted([
+            ("layers.0.ln.weight", "main_param", "data-parallel", dp, (), 123, 124, 300,
+             tuple(_where(2, r) for r in dp), ""),
+            ("layers.0.ln.weight", "main_param", "tensor-parallel", tpr, (), 123, 124, 300,
+             tuple(_where(2, r) for r in tpr), ""),
+        ]))
+    want.append([("layers.0.fc.weight", "exp_avg", "data-parallel", (1, 3), (), 2000, 2001,
+                  2560, (_where(2, 1), _where(2, 3)), "")])
     for clean, found in out:
-        assert clean == [] and sorted(found) == want
-        assert set(found[0][3]) & set(found[1][3]) == {frank}
-
-
-def test_tp2_dp2_sharded_param_only_over_dp():
-    """A TP-sharded weight differs across TP by design: a flip is reported over DP only."""
-    out = run_workers(_flip_worker, 4, 2, 2, (1, "exp_avg", 2000, 12, "layers.0.fc.weight"),
-                      "mpo", {}, timeout=60)
-    want = [("layers.0.fc.weight", "exp_avg", "data-parallel", (1, 3), (), 2000, 2001, 2560,
-             (_where(2, 1), _where(2, 3)), "")]
-    for clean, found in out:
-        assert clean == [] and found == want
+        assert clean == [] and [sorted(f) for f in found] == want
+        for frank, f in zip((0, 3), found):
+            assert set(f[0][3]) & set(f[1][3]) == {frank}
 
 
 def test_grad_flip_reaches_every_stepped_tensor():
     """A bit flipped in one replica's grad before the step: its master, both moments and the
     model param differ after it, at that element (the step count does not)."""
-    out = run_workers(_flip_worker, 2, 1, 2, (0, "grad", 5, 9, "layers.0.ln.weight"), "mpo", {},
-                      timeout=60)
-    for clean, found in out:
+    out = run_workers(_flip_worker, 2, 1, 2, [(0, "grad", 5, 9, "layers.0.ln.weight")], "mpo",
+                      {}, timeout=60)
+    for clean, (found,) in out:
         assert clean == []
         got = {(f[0], f[1], f[3], f[5], f[6]) for f in found}
         assert got == {("layers.0.ln.weight", k, (0, 1), 5, 6)
@@ -256,19 +267,20 @@ def test_grad_flip_reaches_every_stepped_tensor():
 
 def test_narrow_state_flip_named():
     """bf16 moments (tpamp.state_formats): the raw bytes are compared."""
-    out = run_workers(_flip_worker, 2, 1, 2, (1, "exp_avg", 41, 2, "layers.0.ln.weight"), "mpo",
-                      {"exp_avg_dtype": torch.bfloat16}, timeout=60)
-    for clean, found in out:
+    out = run_workers(_flip_worker, 2, 1, 2, [(1, "exp_avg", 41, 2, "layers.0.ln.weight")],
+                      "mpo", {"exp_avg_dtype": torch.bfloat16}, timeout=60)
+    for clean, (found,) in out:
         assert clean == [] and [f[:7] for f in found] == [
             ("layers.0.ln.weight", "exp_avg", "data-parallel", (0, 1), (), 41, 42)]
 
 
 def test_distributed_optimizer_compares_model_params_only():
     """DistributedOptimizer shards the masters and moments over DP: only the model params are
-    replicas. A flipped model param is found; a flipped master shard is not compared."""
-    out = run_workers(_flip_worker, 2, 1, 2, (1, "param", 77, 14, "layers.0.fc.weight"),
+    replicas, and only they are listed (replicated_state False). A flipped model param is
+    found."""
+    out = run_workers(_flip_worker, 2, 1, 2, [(1, "param", 77, 14, "layers.0.fc.weight")],
                       "distributed", {}, timeout=60)
-    for clean, found in out:
+    for clean, (found,) in out:
         assert clean == [] and [f[:7] for f in found] == [
             ("layers.0.fc.weight", "param", "data-parallel", (0, 1), (), 77, 78)]
 
