@@ -27,7 +27,9 @@ What is compared. MixedPrecisionOptimizer / FP32Optimizer: every tensor over DP;
 duplicates' tensors over TP. :class:`tpamp.DistributedOptimizer` and
 :class:`tpamp.LayerWiseDistributedOptimizer` shard the masters and optimizer state over DP:
 nothing replicated to compare there, so only the model params are (over DP, and the TP
-duplicates over TP). Params held as DTensors (FSDP2) are refused: their shards are not copies.
+duplicates over TP). A DTensor param on the 1-D TP mesh (torch's tensor parallelism) is a TP
+duplicate when all its placements are Replicate; DTensors on a larger mesh (FSDP2, sharded over
+DP) are refused: their shards are not copies.
 Tied params (the word embedding and the last stage's output-layer copy) are not compared across
 pipeline stages.
 
@@ -67,6 +69,7 @@ __all__ = [
     "ReplicaChecker",
     "check_replicas",
     "tensor_checksum",
+    "is_tp_duplicate",
     "flip_bit",
     "ON_MISMATCH",
 ]
@@ -281,11 +284,21 @@ def _coords_text(parallel_state, rank: int) -> str:
     return f"[tp {tp}, pp {pp}, dp {dp}]"
 
 
+def is_tp_duplicate(p: Tensor) -> bool:
+    """Whether every TP rank holds a whole copy of ``p``: not ``tensor_model_parallel``
+    (Megatron's attribute) and, for a DTensor on the TP mesh, every placement Replicate."""
+    if getattr(p, "tensor_model_parallel", False):
+        return False
+    if is_dtensor(p):
+        return all(pl.is_replicate() for pl in p.placements)
+    return True
+
+
 def _comparison_groups(optimizer, data_parallel_group, tensor_parallel_group, parallel_state):
     """[(label, group, which(model param) -> bool)] in a fixed order (every rank the same)."""
     expert_apart = parallel_state is not None and parallel_state.has_expert_layout
     dense = (lambda p: not is_expert_param(p)) if expert_apart else (lambda p: True)
-    dup = lambda p: not getattr(p, "tensor_model_parallel", False)  # noqa: E731
+    dup = is_tp_duplicate
     out = [("data-parallel", data_parallel_group, dense),
            ("tensor-parallel", tensor_parallel_group, lambda p: dense(p) and dup(p))]
     if expert_apart:
@@ -321,7 +334,7 @@ def check_replicas(optimizer, *, data_parallel_group=None, tensor_parallel_group
     mismatch.
 
     Raises TypeError for an optimizer that is not a tpamp wrapper or a bad group, ValueError
-    for DTensor params (FSDP2) or a bad block_size.
+    for DTensor params on a mesh of more than one dimension (FSDP2) or a bad block_size.
     """
     block_size = check_int("block_size", block_size, low=1)
     if not (dist.is_available() and dist.is_initialized()):
@@ -329,10 +342,12 @@ def check_replicas(optimizer, *, data_parallel_group=None, tensor_parallel_group
     dp, tp = _resolve_groups(optimizer, data_parallel_group, tensor_parallel_group, parallel_state)
     rows_all = optimizer.replica_tensors()
     for name, model, _ in rows_all:
-        if is_dtensor(model):
+        if is_dtensor(model) and model.device_mesh.ndim != 1:
             raise ValueError(
-                f"check_replicas: param {name!r} is a DTensor (FSDP2): its shards are not "
-                "copies of each other; replica checks support replicated (non-DTensor) params")
+                f"check_replicas: param {name!r} is a DTensor on a {model.device_mesh.ndim}-D "
+                "mesh (FSDP2 shards params over DP): its shards are not copies of each other; "
+                "replica checks support replicated params (plain tensors, or DTensors on the "
+                "1-D TP mesh)")
     found: List[ReplicaMismatch] = []
     for label, g, which in _comparison_groups(optimizer, dp, tp, parallel_state):
         rows = [(name, kind, t) for name, model, tensors in rows_all if which(model)
