@@ -863,7 +863,8 @@ def add_replica_arguments(parser) -> None:
       help="raise: stop the run (exit status 3, the mismatch on one line); warn: log it and go on")
     a("--inject-bitflip-at-iteration", type=int, default=None, metavar="N",
       help="testing: flip one bit of one element of --inject-bitflip-target on "
-           "--inject-fault-rank at iteration N (the grad before the step, the others after it)")
+           "--inject-fault-rank at iteration N (the grad before the step, the others after it; "
+           "default: none)")
     a("--inject-bitflip-target", choices=BITFLIP_TARGETS, default="main_param",
       help="testing: which tensor --inject-bitflip-at-iteration corrupts")
     a("--inject-bitflip-param", default=None, metavar="NAME",
@@ -1712,7 +1713,9 @@ def train(run: Run, start_iter: int):
         maybe_inject_fault(run, it)  # testing the restart path only
         if args.inject_bitflip_at_iteration is not None:
             maybe_inject_bitflip(run, it, before_step=False)
+        t_check = time.time()
         replicas = run.replica_checker.maybe_check(it) if run.replica_checker else None
+        t_check = time.time() - t_check
 
         extra = {"elapsed_ms": round(1000 * (time.time() - t0), 1)}
         if traced:  # every rank took part: agree on the earliest finding along the pipeline
@@ -1727,6 +1730,7 @@ def train(run: Run, start_iter: int):
             trace_next = not result.update_successful and bool(optimizer.last_nonfinite)
         if replicas is not None:  # a check ran (warn policy: the run goes on)
             extra["replica_mismatches"] = [m.as_record() for m in replicas]
+            extra["replica_check_ms"] = round(1000 * t_check, 1)  # within elapsed_ms
             if replicas and dist.get_rank() == 0:
                 print(f"[rank 0] {tpamp.replicas.describe(replicas, it)}", file=sys.stderr,
                       flush=True)
