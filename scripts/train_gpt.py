@@ -112,6 +112,7 @@ import os
 import struct
 import sys
 import time
+import warnings
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # gpt_model
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # tpamp
@@ -336,6 +337,7 @@ def parse_args(argv=None) -> argparse.Namespace:
            "of parameter NAME (global name) on global rank RANK to inf")
     gpt_checkpoint.add_arguments(p)  # --save, --save-interval, --load, --ckpt-step
     add_restart_arguments(p)  # --inject-exit-at-iteration ... (testing the restart path)
+    add_replica_arguments(p)  # --check-replicas-interval, --inject-bitflip-* (tpamp.replicas)
     args = p.parse_args(argv)
     try:
         validate_args(args)
@@ -727,6 +729,7 @@ def validate_args(args) -> None:
             raise FlagError(flag, value, f"the checkpoint is at iteration {it}, not before "
                             f"--train-iters {args.train_iters}: nothing to train")
     validate_restart_args(args)
+    validate_replica_args(args)
     # the devices: the last check, as it imports torch (which the run imports next anyway)
     import torch
 
@@ -838,6 +841,116 @@ def maybe_inject_fault(run: "Run", it: int) -> None:
         inject_fault(args)
 
     FileSystemWriter.write_data = write_data_then_fault
+
+
+# ----------------------------------------------------------------------------- replicas
+#
+# Replica agreement (tpamp.replicas, docs/guide/nonfinite.md): every N iterations the fp32
+# masters, optimizer state and model params of the DP replicas and the TP duplicates are
+# compared bit for bit; the test-only --inject-bitflip-* flags corrupt one bit of one rank's
+# tensor to see it found.
+
+BITFLIP_TARGETS = ("grad", "main_param", "exp_avg", "exp_avg_sq", "param")
+
+
+def add_replica_arguments(parser) -> None:
+    """--check-replicas-interval, --on-replica-mismatch and the test-only bit flip."""
+    a = parser.add_argument
+    a("--check-replicas-interval", type=int, default=0, metavar="N",
+      help="every N iterations, compare checksums of the fp32 masters, optimizer state and "
+           "model params across DP replicas and TP duplicates (tpamp.replicas; 0: off)")
+    a("--on-replica-mismatch", choices=("raise", "warn"), default="raise",
+      help="raise: stop the run (exit status 3, the mismatch on one line); warn: log it and go on")
+    a("--inject-bitflip-at-iteration", type=int, default=None, metavar="N",
+      help="testing: flip one bit of one element of --inject-bitflip-target on "
+           "--inject-fault-rank at iteration N (the grad before the step, the others after it; "
+           "default: none)")
+    a("--inject-bitflip-target", choices=BITFLIP_TARGETS, default="main_param",
+      help="testing: which tensor --inject-bitflip-at-iteration corrupts")
+    a("--inject-bitflip-param", default=None, metavar="NAME",
+      help="testing: the global name of the param whose tensor is corrupted (default: the "
+           "rank's first param that is not tensor-parallel, a TP duplicate)")
+
+
+def validate_replica_args(args) -> None:
+    """The replica-check flags (:func:`add_replica_arguments`): FlagError for a bad one."""
+    _check(args, "check_replicas_interval", args.check_replicas_interval >= 0,
+           "expected an int >= 0 (0: off)")
+    if args.check_replicas_interval:
+        _check(args, "check_replicas_interval", not args.use_torch_fsdp2,
+               "--use-torch-fsdp2 shards the params over DP (no replicas to compare); "
+               "expected 0 with it")
+    n = args.inject_bitflip_at_iteration
+    if n is None:
+        _check(args, "inject_bitflip_param", args.inject_bitflip_param is None,
+               "expected --inject-bitflip-at-iteration N with it")
+        return
+    _check(args, "inject_bitflip_at_iteration", 1 <= n <= args.train_iters,
+           f"expected an iteration from 1 to --train-iters {args.train_iters}")
+    world = launch_world_size()
+    _check(args, "inject_fault_rank", 0 <= args.inject_fault_rank < world,
+           f"expected a rank from 0 to {world - 1} (WORLD_SIZE {world})")
+    if args.inject_bitflip_target in ("main_param", "exp_avg", "exp_avg_sq"):
+        _check(args, "inject_bitflip_target", not (args.use_distributed_optimizer
+                                                   or args.use_torch_fsdp2),
+               "the masters and moments are sharded over DP with --use-distributed-optimizer "
+               "or --use-torch-fsdp2 (no replica holds them); expected grad or param")
+        _check(args, "inject_bitflip_target", not (args.inject_bitflip_target == "main_param"
+                                                   and (args.fp32 or args.store_param_remainders
+                                                        or args.stochastic_rounding)),
+               "this run keeps no fp32 master (--fp32, --store-param-remainders or "
+               "--stochastic-rounding); expected another target")
+
+
+def build_replica_checker(run: "Run"):
+    """The tpamp.replicas.ReplicaChecker of --check-replicas-interval N (None when 0): a
+    collective over the world (the ranks agree on the interval and policy)."""
+    if not run.args.check_replicas_interval:
+        return None
+    # the loop prints a mismatch once, on rank 0 (the checker warns on every rank)
+    warnings.filterwarnings("ignore", message="replicas disagree", category=RuntimeWarning)
+    return tpamp.replicas.ReplicaChecker(
+        run.optimizer, run.args.check_replicas_interval,
+        on_mismatch=run.args.on_replica_mismatch, parallel_state=run.st)
+
+
+def _bitflip_bit(t) -> int:
+    """The highest mantissa bit of a float element (a large, finite change), bit 2 of an
+    8-bit code."""
+    return {torch.float32: 22, torch.float16: 9, torch.bfloat16: 6,
+            torch.float64: 51}.get(t.dtype, 8 * t.element_size() - 6)
+
+
+def maybe_inject_bitflip(run: "Run", it: int, before_step: bool) -> None:
+    """--inject-bitflip-at-iteration: on --inject-fault-rank at iteration ``it``, flip one bit
+    (:func:`_bitflip_bit`) of the middle element of the target tensor of the param (a grad
+    before the step, the others after it); prints what it flipped on stderr."""
+    args = run.args
+    if (args.inject_bitflip_at_iteration != it or dist.get_rank() != args.inject_fault_rank
+            or before_step != (args.inject_bitflip_target == "grad")):
+        return
+    rows = run.optimizer.replica_tensors()
+    if args.inject_bitflip_param is not None:
+        rows = [r for r in rows if r[0] == args.inject_bitflip_param]
+    else:
+        rows = [r for r in rows if tpamp.replicas.is_tp_duplicate(r[1])]
+    if not rows:
+        raise ValueError(f"--inject-bitflip-param: rank {dist.get_rank()} holds no parameter "
+                         f"{args.inject_bitflip_param!r}")
+    name, model, tensors = rows[0]
+    target = args.inject_bitflip_target
+    if target == "grad":
+        grad = getattr(model, "main_grad", None)
+        t = grad if grad is not None else local_tensor(model.grad)
+    elif target not in tensors:
+        raise ValueError(f"--inject-bitflip-target {target}: rank {dist.get_rank()} holds no "
+                         f"{target} of {name!r} (it holds {', '.join(tensors)})")
+    else:
+        t = tensors[target]
+    index, bit = t.numel() // 2, _bitflip_bit(t)
+    tpamp.replicas.flip_bit(local_tensor(t), index, bit)
+    print(f"[rank {dist.get_rank()}] injected bit flip: bit {bit} of element {index} of "
+          f"{name} {target} at iteration {it}", file=sys.stderr, flush=True)
 
 
 def init_process_group_for_attempt(backend: str, timeout: datetime.timedelta) -> None:
@@ -1358,6 +1471,8 @@ class Run:
     bar: object = None  # tqdm bar on the logging rank, or None
     stream: object = None  # where log lines go (above the bar), or None: stdout
     train_gen: torch.Generator = None
+    replica_checker: object = None  # tpamp.replicas.ReplicaChecker (--check-replicas-interval)
+    iteration: int = 0  # the iteration being run (the bit-flip injector's clock)
 
     def say(self, *a, **k) -> None:
         """print on the logging rank only."""
@@ -1420,6 +1535,7 @@ def build(args, st, device) -> Run:
         is_logging_rank=st.is_last_stage and st.tp_rank == 0 and st.dp_rank == 0,
     )
     run.schedule, run.loss = build_pipeline(run)
+    run.replica_checker = build_replica_checker(run)
     return run
 
 
@@ -1524,6 +1640,8 @@ def train_step(run: Run, tracer, log_now: bool):
     all_reduce_embedding_grads(run.stage, st)
     if args.inject_inf_grad is not None:
         inject_inf_grad(run, args.inject_inf_grad)
+    if args.inject_bitflip_at_iteration is not None:
+        maybe_inject_bitflip(run, run.iteration, before_step=True)
     loss = None
     if st.is_last_stage:  # the DP mean, so that every DP replica judges the same loss
         loss = mean_over_dp(losses, st)
@@ -1590,8 +1708,14 @@ def train(run: Run, start_iter: int):
         loss_scale = optimizer.get_loss_scale().item()
         traced = tracer is not None and trace_next
         log_now = run.tracker is not None and it % args.log_interval == 0
+        run.iteration = it
         loss, result = train_step(run, tracer if traced else None, log_now)
         maybe_inject_fault(run, it)  # testing the restart path only
+        if args.inject_bitflip_at_iteration is not None:
+            maybe_inject_bitflip(run, it, before_step=False)
+        t_check = time.time()
+        replicas = run.replica_checker.maybe_check(it) if run.replica_checker else None
+        t_check = time.time() - t_check
 
         extra = {"elapsed_ms": round(1000 * (time.time() - t0), 1)}
         if traced:  # every rank took part: agree on the earliest finding along the pipeline
@@ -1604,6 +1728,12 @@ def train(run: Run, start_iter: int):
             # last_nonfinite is agreed over the grad-stats group, and DP replicas hold the same
             # reduced grads (or share the group): every rank arms the tracer alike
             trace_next = not result.update_successful and bool(optimizer.last_nonfinite)
+        if replicas is not None:  # a check ran (warn policy: the run goes on)
+            extra["replica_mismatches"] = [m.as_record() for m in replicas]
+            extra["replica_check_ms"] = round(1000 * t_check, 1)  # within elapsed_ms
+            if replicas and dist.get_rank() == 0:
+                print(f"[rank 0] {tpamp.replicas.describe(replicas, it)}", file=sys.stderr,
+                      flush=True)
         if args.eval_interval > 0 and (it % args.eval_interval == 0 or it == args.train_iters):
             val_loss = evaluate(run)
             extra["val_loss"] = val_loss
@@ -1682,7 +1812,14 @@ def main(argv=None):
     run.say(describe(run), flush=True)
     start_logging(run)
     start_iter = resume(run)
-    history, val_loss, elapsed = train(run, start_iter)
+    try:
+        history, val_loss, elapsed = train(run, start_iter)
+    except tpamp.replicas.ReplicaMismatchError as e:  # every rank alike (an agreed verdict)
+        if dist.get_rank() == 0:
+            print(f"{PROG}: error: {e}", file=sys.stderr, flush=True)
+        run.logger.close()
+        dist.destroy_process_group()
+        sys.exit(3)
     summarize(run, history, val_loss, elapsed)
     run.logger.close()
     dist.barrier()

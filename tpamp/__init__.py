@@ -12,6 +12,7 @@ from tpamp import (
     fsdp,  # FSDP2 (fully_shard) + DTensor TP: fully_shard_optimizer
     nonfinite,
     parallel,
+    replicas,
 )
 from tpamp.amp_init import (
     AMPComponents,
@@ -107,6 +108,7 @@ __all__ = [
     "module_has_fp32_attr",
     "NaiveAMPModel",
     "nonfinite",
+    "replicas",
     "NonFiniteActivation",
     "NonFiniteGrad",
     "NonFiniteTracer",

@@ -271,6 +271,10 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
         for a grad of the wrong dtype, shape or device -- all before anything changes.
     """
 
+    # the fp32 masters and optimizer state are sharded over DP: tpamp.replicas compares
+    # only the model params across DP replicas
+    replicated_state = False
+
     def __init__(
         self,
         optimizer: torch.optim.Optimizer,

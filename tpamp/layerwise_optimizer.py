@@ -190,6 +190,10 @@ class LayerWiseDistributedOptimizer(MixedPrecisionOptimizer):
             ranks hold different params).
     """
 
+    # the fp32 masters and optimizer state are sharded over DP: tpamp.replicas compares
+    # only the model params across DP replicas
+    replicated_state = False
+
     def __init__(
         self,
         optimizer: torch.optim.Optimizer,

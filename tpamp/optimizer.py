@@ -1301,6 +1301,38 @@ class MixedPrecisionOptimizer(OptimizerWrapper):
         the ``param_names`` given at construction, ``group<g>.param<i>`` for the others."""
         return list(self._named_model_params)
 
+    # Whether every data-parallel replica holds the whole fp32 masters and optimizer state
+    # (False for the wrappers that shard them over DP: DistributedOptimizer, the layer-wise one)
+    replicated_state = True
+
+    def replica_tensors(self) -> List[tuple]:
+        """(name, model param, {what: local tensor}) of every param of the inner optimizer's
+        groups, in :meth:`named_model_params` order, with the tensors this rank holds for it:
+        ``"param"`` (the model param), ``"main_param"`` (the fp32 master of an fp16/bf16
+        param), ``"param_remainder"`` (``store_param_remainders``' int16 remainder) and every
+        tensor of the inner optimizer's state of the param (``"exp_avg"``, ``"exp_avg_sq"``,
+        ``"step"``, the 8-bit formats' codes and scales, ...: live tensors, any dtype). Where
+        ``replicated_state`` is False only ``"param"`` (the state is sharded over DP). What
+        :mod:`tpamp.replicas` compares across the ranks that hold equal copies."""
+        if not self.replicated_state:
+            return [(name, model, {"param": local_tensor(model.detach())})
+                    for name, model in self.named_model_params()]
+        mains = {id(model): main for pairs in self._half_pairs for model, main in pairs}
+        out = []
+        for name, model in self.named_model_params():
+            tensors = {"param": local_tensor(model.detach())}
+            main = mains.get(id(model))
+            if main is not None and id(main) in self._remainders:
+                tensors["param_remainder"] = self._remainders[id(main)]
+            elif main is not None and id(main) not in self._sr_params:
+                tensors["main_param"] = local_tensor(main.detach())
+            state = self.optimizer.state.get(main if main is not None else model, {})
+            for key, value in state.items():
+                if isinstance(value, Tensor):
+                    tensors[str(key)] = local_tensor(value.detach())
+            out.append((name, model, tensors))
+        return out
+
     def _note_nonfinite(self, found_inf, skip: bool, local_grads) -> None:
         """``last_nonfinite`` after the step's host read: [] on a clean step (no extra work:
         a step that is not skipped had no inf/nan unless non-finite steps are taken,
