@@ -237,3 +237,29 @@ def _to_double_torch(digits: Tensor) -> Tensor:
     pow2 = ((exp + 1023) << 52).view(torch.float64)
     value = top.double() * pow2
     return torch.where(t >= 0, value, torch.zeros_like(value))
+
+
+# -- the optimizer core's option (tpamp.MixedPrecisionOptimizer(deterministic_grad_norm=...)) --
+
+def check_deterministic_grad_norm(value, norm_type: float) -> bool:
+    """``deterministic_grad_norm`` checked against ``norm_type`` (already checked): returns the
+    bool. TypeError for a non-bool; ValueError with a norm_type other than 2 or inf (only the
+    sum of squares has an exact order-invariant form here; max is order-invariant already)."""
+    if not isinstance(value, bool):
+        raise TypeError(
+            f"deterministic_grad_norm must be a bool, got {value!r} ({type(value).__name__})")
+    if value and norm_type not in (2.0, float("inf")):
+        raise ValueError(
+            f"deterministic_grad_norm=True needs norm_type 2 or inf, got norm_type={norm_type!r} "
+            "(the exact order-invariant sum exists for the sum of squares only)")
+    return value
+
+
+def masked_sumsq_digits(tensors: Sequence[Tensor], mask: Sequence[bool],
+                        scale: Optional[Tensor], device: torch.device) -> Tensor:
+    """:func:`sumsq_digits` of the tensors whose ``mask`` entry is True (float64 [26] on
+    ``device`` when none is): the local part of an exact norm statistic."""
+    picked = [t for t, m in zip(tensors, mask) if m]
+    if scale is not None:
+        scale = scale.reshape(1)
+    return sumsq_digits(picked, scale, device=device)
