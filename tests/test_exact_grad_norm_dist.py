@@ -204,21 +204,20 @@ def test_layouts_fast_subset():
     _check(4, FAST)
 
 
-def test_found_inf_and_skip_agree_across_layouts():
-    results = run_workers(_sweep, 4, FAST[:3], 1, True, (True,), True, timeout=60)
-    for rows in results:
-        for layout, fused, norm, nz, ok in rows:
-            assert not ok, layout
+def _default_and_poisoned(rank, world, layouts_):
+    return (_sweep(rank, world, layouts_, 0, False, (True, False), False),
+            _sweep(rank, world, layouts_, 1, True, (True, False), True))
 
 
-def test_default_is_only_close():
-    """Without the option the norm is within float32 accumulation of the reference (the exact
-    bits are not promised: see the sweep's layouts)."""
-    results = run_workers(_sweep, 4, FAST[:2], 0, False, (True,), False, timeout=60)
+def test_default_is_close_and_found_inf_agrees():
+    """Without the option the norm is within float32 accumulation of the reference (its bits
+    are not promised across layouts); with an inf in one grad, every layout skips."""
     ref, _ = _reference(_global_model(0))
-    for rows in results:
-        for layout, fused, norm, nz, ok in rows:
-            assert norm == pytest.approx(ref, rel=1e-5)
+    for default, poisoned in run_workers(_default_and_poisoned, 4, FAST[:3], timeout=60):
+        for layout, fused, norm, nz, ok in default:
+            assert ok and norm == pytest.approx(ref, rel=1e-5), (layout, fused)
+        for layout, fused, norm, nz, ok in poisoned:
+            assert not ok and nz is None, (layout, fused)
 
 
 def _full_sweep_enabled(config) -> bool:
@@ -234,6 +233,62 @@ def test_every_factorization_of_8_ranks(request):
         pytest.skip("the full sweep runs with -m repro_sweep (or TPAMP_FULL_SWEEP=1)")
     for seed in (0, 1):
         _check(8, layouts(8), seed=seed, timeout=600)
+
+
+def _zero1_all(rank, world, configs):
+    return [_zero1(rank, world, *c) for c in configs]
+
+
+def _zero1(rank, world, tp, bucket_size, seed, fused):
+    """DistributedOptimizer (ZeRO-1: each DP rank steps a shard of every bucket) over TP x DP,
+    one stage, dense params. DP rank 0 holds d x grad and the others 0, so the reduce-scatter
+    (SUM, then x 1/d) gives exactly the global grads whatever its order."""
+    root = tpamp.MixedPrecisionOptimizer._root
+    spy = []
+
+    def spying_root(self, norm_stat, finite_p):
+        out = root(self, norm_stat, finite_p)
+        spy.append(out.item())
+        return out
+
+    tpamp.MixedPrecisionOptimizer._root = spying_root
+    dp = world // tp
+    my_dp, my_tp = rank // tp, rank % tp
+    groups = _Groups()
+    tp_groups = [groups.get([d * tp + t for t in range(tp)]) for d in range(dp)]
+    dp_groups = [groups.get([d * tp + t for d in range(dp)]) for t in range(tp)]
+    params = []
+    for name, kind, layer, grad in _global_model(seed):
+        if kind == "expert":
+            continue
+        for shared in ((False, True) if kind == "tied" else (False,)):
+            local = grad.chunk(tp, dim=0)[my_tp] if kind in ("tp", "tied") else grad
+            p = torch.nn.Parameter(torch.zeros_like(local))
+            p.grad = local * dp if my_dp == 0 else torch.zeros_like(local)
+            if kind in ("tp", "tied"):
+                p.tensor_model_parallel, p.partition_dim = True, 0
+            if shared:
+                p.shared = True
+            params.append(p)
+    opt = tpamp.DistributedOptimizer(
+        torch.optim.SGD(params, lr=1.0), data_parallel_group=dp_groups[my_tp],
+        grad_stats_group=groups.get(range(world)), tensor_parallel_group=tp_groups[my_dp],
+        bucket_size=bucket_size, clip_grad=1.0, log_num_zeros_in_grad=True, fused_step=fused,
+        deterministic_grad_norm=True)
+    result = opt.step()
+    return spy[-1], result.num_zeros_in_grad, result.update_successful
+
+
+def test_distributed_optimizer_zero1_shards():
+    """ZeRO-1 shards of every bucket (several bucket sizes), TP x DP on 4 ranks, both step
+    paths: the norm of the dense params is the single-process reference's bits."""
+    configs = [(1, None, 0, True), (2, 7, 0, False), (1, 13, 0, False), (4, None, 0, True)]
+    rows = [r for r in _global_model(0) if r[1] != "expert"]
+    ref, zeros = _reference(rows)
+    for per_rank in run_workers(_zero1_all, 4, configs, timeout=60):
+        for config, (norm, nz, ok) in zip(configs, per_rank):
+            assert ok and norm.hex() == ref.hex(), (config, norm, ref)
+            assert nz == zeros, config
 
 
 def _mismatch(rank, world):
