@@ -1,5 +1,5 @@
 """Order-invariant (exact) grad norm: tpamp.exact_sum and the wrappers' deterministic_grad_norm
-(docs/spec.md section 23; issue 46).
+(docs/spec.md section 23).
 
 The independent reference is ``math.fsum`` (correctly rounded) of the squares of the values as
 float64 (each square of an fp32 value is exact in float64): the exact path must equal it bit
@@ -264,3 +264,16 @@ def test_wrapper_misuse(case):
     assert_raises_naming(cid, lambda: tpamp.FP32Optimizer(inner, **kw), exc, words)
     # nothing changed: the inner optimizer can still be wrapped
     tpamp.FP32Optimizer(inner)
+
+
+@pytest.mark.parametrize("value", [1, "on", 0.0])
+def test_megatron_factory_option_type(value):
+    pytest.importorskip("megatron.core")
+    from megatron_utils import optimizer_config
+
+    from tpamp.megatron import get_megatron_optimizer
+
+    chunk = torch.nn.Linear(2, 2)
+    assert_raises_naming(f"megatron_{value!r}", lambda: get_megatron_optimizer(
+        optimizer_config(), [chunk], deterministic_grad_norm=value), TypeError,
+        ["deterministic_grad_norm"])

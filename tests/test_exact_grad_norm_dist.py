@@ -1,4 +1,4 @@
-"""deterministic_grad_norm across layouts (docs/spec.md section 23; issue 46), multi-process.
+"""deterministic_grad_norm across layouts (docs/spec.md section 23), multi-process.
 
 The same global gradients (a small model: TP-sharded matrices, TP-replicated biases, a word
 embedding tied between the first and last pipeline stage, zero-element params, experts) are laid
