@@ -1,5 +1,5 @@
-"""Order-invariant (exact) sum of squares for the grad norm (docs/spec.md section 23, "Bitwise reproducible
-grad statistics").
+"""Order-invariant (exact) sum of squares for the grad norm (docs/spec.md section 23,
+"Bitwise reproducible grad statistics").
 
 A float sum depends on the order of its terms, so the grad norm of the same global gradients
 differs in its last bits between layouts (TP x PP x DP x EP splits, ZeRO-1 shards, lists in
