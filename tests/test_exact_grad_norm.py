@@ -277,3 +277,31 @@ def test_megatron_factory_option_type(value):
     assert_raises_naming(f"megatron_{value!r}", lambda: get_megatron_optimizer(
         optimizer_config(), [chunk], deterministic_grad_norm=value), TypeError,
         ["deterministic_grad_norm"])
+
+
+def test_digits_are_the_exact_integer(impl):
+    """The digits equal the exact sum of squares in units of 2**-298 (Python integers)."""
+    from fractions import Fraction
+
+    g = torch.Generator().manual_seed(11)
+    x = (torch.randn(3000, generator=g) * torch.exp(torch.randn(3000, generator=g) * 25)).float()
+    x = torch.cat([x, torch.tensor([2.0 ** -149, 3.4028234663852886e38, float("nan")])])
+    exact = sum(Fraction(v) ** 2 for v in x.tolist() if math.isfinite(v)) * 2 ** 298
+    assert exact.denominator == 1
+    d = exact_sum.sumsq_digits([x]).tolist()
+    assert all(v == int(v) for v in d)
+    assert sum(int(v) << (24 * i) for i, v in enumerate(d)) == exact.numerator
+
+
+def test_more_elements_than_one_piece(impl, monkeypatch):
+    """More elements than one piece of the fallback (pieces made small here), all near
+    FLT_MAX or all the smallest subnormal: the exact total n * r**2, rounded once."""
+    from fractions import Fraction
+
+    monkeypatch.setattr(exact_sum, "_CHUNK", 1000)
+    n = 3005
+    for r in (3.4028234663852886e38, 2.0 ** -149, 1.0 + 2.0 ** -23):
+        x = torch.full((n,), r, dtype=torch.float32)
+        got = exact_sum.digits_to_double(exact_sum.sumsq_digits([x])).item()
+        want = Fraction(r) ** 2 * n
+        assert bits(got) == bits(want.numerator / want.denominator)

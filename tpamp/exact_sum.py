@@ -122,37 +122,50 @@ def sumsq_digits(tensors: Sequence[Tensor], scale: Optional[Tensor] = None, *,
 
 
 def _sumsq_digits_torch(tensors, scale, device) -> Tensor:
-    acc = torch.zeros(NUM_DIGITS, dtype=torch.int64, device=device)
+    # per biased exponent E (256 bins): the sums of the low and high 24 bits of M**2, exact in
+    # int64 below 2**39 elements; bin 255 (inf, nan) is dropped
+    lo = torch.zeros(256, dtype=torch.int64, device=device)
+    hi = torch.zeros(256, dtype=torch.int64, device=device)
     for t in tensors:
         if t.numel() == 0:
             continue
         flat = t.detach().reshape(-1)
         for start in range(0, flat.numel(), _CHUNK):
-            _add_squares(acc, flat[start:start + _CHUNK], scale)
-    return _normalize(acc).double()
+            _add_squares(lo, hi, flat[start:start + _CHUNK], scale)
+    return _bins_to_digits(lo, hi)
 
 
-def _add_squares(acc: Tensor, x: Tensor, scale: Optional[Tensor]) -> None:
-    """acc (int64 [26], any carries) += the squares of x's elements, in 24-bit pieces."""
+def _add_squares(lo: Tensor, hi: Tensor, x: Tensor, scale: Optional[Tensor]) -> None:
+    """lo[E] += low 24 bits of M**2, hi[E] += M**2 >> 24, for every element of x
+    (|r| = M * 2**(max(E, 1) - 150))."""
     r = x.float()
     if scale is not None:
         r = r * scale.reshape(())  # fp32 multiply: correctly rounded fp32(float(x) * scale)
-    bits = r.contiguous().view(torch.int32).to(torch.int64)
+    bits = r.contiguous().view(torch.int32)
     exp = (bits >> 23) & 0xFF
-    frac = bits & 0x7FFFFF
-    finite = exp != 0xFF
-    mant = torch.where(exp == 0, frac, frac | 0x800000)
-    mant = torch.where(finite, mant, torch.zeros_like(mant))
-    q = 2 * exp.clamp(min=1) - 2  # r**2 = mant**2 * 2**q * 2**-298
-    d = torch.div(q, DIGIT_BITS, rounding_mode="floor")
-    s = q - d * DIGIT_BITS
+    mant = ((bits & 0x7FFFFF) | ((exp != 0).to(torch.int32) << 23)).to(torch.int64)
     sq = mant * mant  # < 2**48, exact
-    # Y = sq << s (< 2**72) in three 24-bit pieces, without forming Y
-    low = (sq & ((1 << (DIGIT_BITS - s)) - 1)) << s
-    rest = sq >> (DIGIT_BITS - s)
-    idx = torch.cat([d, d + 1, d + 2])
-    pieces = torch.cat([low, rest & _MASK, rest >> DIGIT_BITS])
-    acc.index_add_(0, idx, pieces)  # integer adds: exact, any order
+    lo.index_add_(0, exp, sq & _MASK)  # integer adds: exact, any order
+    hi.index_add_(0, exp, sq >> DIGIT_BITS)
+
+
+def _bins_to_digits(lo: Tensor, hi: Tensor) -> Tensor:
+    """Per-exponent sums (int64 [256]) -> normalized digits, float64 [26]. Bin E holds
+    (hi * 2**24 + lo) * 2**q with q = 2 * max(E, 1) - 2; each sum (< 2**63) is cut into three
+    24-bit pieces, each piece shifted by q % 24 (< 2**48) and cut again into two."""
+    device = lo.device
+    e = torch.arange(255, device=device)  # bin 255: inf / nan, dropped
+    q = 2 * e.clamp(min=1) - 2
+    sums = torch.stack([lo[:255], hi[:255]])  # [2, 255]
+    base = torch.stack([q, q + DIGIT_BITS])  # bit offset of each sum
+    pieces = torch.stack([(sums >> (DIGIT_BITS * k)) & _MASK for k in range(3)])  # [3, 2, 255]
+    offset = base.unsqueeze(0) + DIGIT_BITS * torch.arange(3, device=device).view(3, 1, 1)
+    d = torch.div(offset, DIGIT_BITS, rounding_mode="floor")
+    shifted = pieces << (offset - d * DIGIT_BITS)  # < 2**48
+    acc = torch.zeros(NUM_DIGITS, dtype=torch.int64, device=device)  # d + 1 <= 25
+    acc.index_add_(0, d.reshape(-1), (shifted & _MASK).reshape(-1))
+    acc.index_add_(0, d.reshape(-1) + 1, (shifted >> DIGIT_BITS).reshape(-1))
+    return _normalize(acc).double()
 
 
 def _normalize(acc: Tensor) -> Tensor:
