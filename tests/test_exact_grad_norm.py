@@ -266,19 +266,6 @@ def test_wrapper_misuse(case):
     tpamp.FP32Optimizer(inner)
 
 
-@pytest.mark.parametrize("value", [1, "on", 0.0])
-def test_megatron_factory_option_type(value):
-    pytest.importorskip("megatron.core")
-    from megatron_utils import optimizer_config
-
-    from tpamp.megatron import get_megatron_optimizer
-
-    chunk = torch.nn.Linear(2, 2)
-    assert_raises_naming(f"megatron_{value!r}", lambda: get_megatron_optimizer(
-        optimizer_config(), [chunk], deterministic_grad_norm=value), TypeError,
-        ["deterministic_grad_norm"])
-
-
 def test_digits_are_the_exact_integer(impl):
     """The digits equal the exact sum of squares in units of 2**-298 (Python integers)."""
     from fractions import Fraction
