@@ -292,3 +292,18 @@ def test_more_elements_than_one_piece(impl, monkeypatch):
         got = exact_sum.digits_to_double(exact_sum.sumsq_digits([x])).item()
         want = Fraction(r) ** 2 * n
         assert bits(got) == bits(want.numerator / want.denominator)
+
+
+def test_option_with_sync_free():
+    """sync_free: the exact norm is converted on the device and reported as a 0-dim tensor."""
+    g = torch.Generator().manual_seed(5)
+    grads = [torch.randn(n, generator=g) * torch.exp(torch.randn(n, generator=g) * 6)
+             for n in (7, 130)]
+    params = [torch.nn.Parameter(torch.zeros(n)) for n in (7, 130)]
+    opt = tpamp.FP32Optimizer(torch.optim.Adam(params, lr=1e-3, fused=True), sync_free=True,
+                              deterministic_grad_norm=True)
+    for p, gr in zip(params, grads):
+        p.grad = gr.clone()
+    result = opt.step()
+    assert isinstance(result.grad_norm, torch.Tensor)
+    assert result.grad_norm.item() == float(torch.tensor(math.sqrt(fsum_sq(grads))).float())
