@@ -310,3 +310,12 @@ def test_interface_misuse(tmp_path):
         assert r["missing_param"].startswith("KeyError") and "lacks" in r["missing_param"]
         assert r["foreign_file"].startswith("ValueError") and "foreign" in r["foreign_file"]
         assert r["unchanged"] and r["offload_kept"], r
+
+
+@pytest.mark.parametrize("value", [1, "on", 0.0])
+def test_deterministic_grad_norm_must_be_a_bool(value):
+    """tpamp's keyword of the factory (docs/spec.md section 23): a bool or None."""
+    from tpamp.megatron import get_megatron_optimizer
+
+    with pytest.raises(TypeError, match="deterministic_grad_norm"):
+        get_megatron_optimizer(optimizer_config(), [_Chunk()], deterministic_grad_norm=value)

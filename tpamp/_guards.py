@@ -385,6 +385,7 @@ def guard_zero_grad(zero_grad):
 _SETTING_NAMES = (
     "wrapper",
     "norm_type",
+    "deterministic_grad_norm",
     "log_num_zeros_in_grad",
     "clip_grad",
     "skip_nonfinite",
@@ -457,6 +458,7 @@ def _settings(wrapper) -> List[float]:
     v = dict.fromkeys(_SETTING_NAMES, 0.0)
     v["wrapper"] = _WRAPPER_KINDS.get(type(wrapper).__name__, 9.0)
     v["norm_type"] = float(wrapper.norm_type)
+    v["deterministic_grad_norm"] = float(bool(getattr(wrapper, "deterministic_grad_norm", False)))
     v["log_num_zeros_in_grad"] = float(bool(wrapper.log_num_zeros_in_grad))
     v["clip_grad"] = float(wrapper.clip_grad)
     v["skip_nonfinite"] = float(bool(getattr(wrapper, "skip_nonfinite", True)))

@@ -173,6 +173,9 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
         clip_grad: max global grad norm (gradient units); 0 disables clipping.
         norm_type: p of the norm (>= 1, or ``math.inf``).
         log_num_zeros_in_grad: count zeros in the filtered gradient each step.
+        deterministic_grad_norm: a grad norm with the same bits for any layout (any ZeRO-1
+            sharding, TP x PP x DP x EP split) of the same global grads: an exact sum of
+            squares, as for MixedPrecisionOptimizer (docs/spec.md section 23).
         data_parallel_group: this rank's DP group (a one-rank group for DP=1); None: the DP x CP
             group of ``parallel_state``, else of the initialized parallel state
             (megatron-core's, or tpamp's last initialize_model_parallel; docs/spec.md section
@@ -305,6 +308,7 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
         stochastic_rounding: bool = False,
         stochastic_rounding_seed: int = 0,
         min_8bit_size: Optional[int] = None,
+        deterministic_grad_norm: bool = False,
     ):
         for gi, group in enumerate(getattr(optimizer, "param_groups", [])):
             for pi, p in enumerate(group["params"]):
@@ -359,7 +363,7 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
             sync_free=False, spike_detector=spike_detector, fused_step=fused_step,
             state_options=state_options, parallel_state=parallel_state,
             expert_tensor_parallel_group=expert_tensor_parallel_group,
-            master_options=master_options,
+            master_options=master_options, deterministic_grad_norm=deterministic_grad_norm,
         )
         self.min_8bit_size = min_8bit_size  # decided per whole param (_shard_optimizer)
         self.data_parallel_group = data_parallel_group

@@ -367,7 +367,8 @@ def fully_shard_optimizer(optimizer: torch.optim.Optimizer, mesh, *, tp_dim: str
         EP rank in ``last_nonfinite``.
     kwargs: the other arguments of :class:`tpamp.MixedPrecisionOptimizer` (grad_scaler,
         clip_grad, norm_type, log_num_zeros_in_grad, skip_nonfinite, spike_detector,
-        fused_step, sync_free), with its guards (step guard, cross-rank settings check).
+        fused_step, sync_free, deterministic_grad_norm), with its guards (step guard, cross-rank
+        settings check).
 
     Collective: every rank of ``mesh`` must call it (when ``mesh`` does not span the whole
     default group, a ``new_group``: then every rank of the default group).

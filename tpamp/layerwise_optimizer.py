@@ -173,7 +173,7 @@ class LayerWiseDistributedOptimizer(MixedPrecisionOptimizer):
             ``data_parallel_group`` (a model without TP or PP).
         tensor_parallel_group: the TP group, to count TP-replicated params once.
         grad_scaler, clip_grad, norm_type, log_num_zeros_in_grad, skip_nonfinite,
-        spike_detector, fused_step, param_names, parallel_state: as for
+        spike_detector, fused_step, param_names, parallel_state, deterministic_grad_norm: as for
             MixedPrecisionOptimizer (``param_names`` also names the params this rank does not
             own, in error messages).
         check_params_across_dp: compare a float64 checksum of every param across DP once at
@@ -211,6 +211,7 @@ class LayerWiseDistributedOptimizer(MixedPrecisionOptimizer):
         param_names=None,
         parallel_state=None,
         check_params_across_dp: bool = True,
+        deterministic_grad_norm: bool = False,
     ):
         check_wrapper_args(optimizer, grad_scaler, clip_grad)
         if data_parallel_group is None:
@@ -278,6 +279,7 @@ class LayerWiseDistributedOptimizer(MixedPrecisionOptimizer):
                 tensor_parallel_group=tensor_parallel_group, skip_nonfinite=skip_nonfinite,
                 sync_free=False, spike_detector=spike_detector, fused_step=fused_step,
                 param_names=named, parallel_state=parallel_state,
+                deterministic_grad_norm=deterministic_grad_norm,
             )
         except BaseException:
             for group, params in zip(optimizer.param_groups, saved_groups):

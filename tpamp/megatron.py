@@ -58,6 +58,7 @@ from typing import Dict, List, Optional, Tuple
 import torch
 import torch.distributed as dist
 
+from tpamp import exact_sum
 from tpamp.grad_scaler import ConstantGradScaler, DynamicGradScaler
 from tpamp.grad_stats import counts_toward_norm
 from tpamp.optimizer import FP32Optimizer, MixedPrecisionOptimizer
@@ -98,11 +99,19 @@ def get_megatron_optimizer(
     use_gloo_process_groups: bool = True,
     pg_collection=None,
     dump_param_to_param_group_map: Optional[str] = None,
+    *,
+    deterministic_grad_norm: Optional[bool] = None,
 ) -> "MegatronOptimizer":
     """megatron-core's ``get_megatron_optimizer`` (megatron/core/optimizer/__init__.py, same
     signature) returning a tpamp :class:`MegatronOptimizer` (module docstring: what is read,
     what raises). ``model_chunks``: a list of megatron-core modules (DDP-wrapped or not);
-    megatron-core's parallel_state must be initialized unless ``pg_collection`` is given."""
+    megatron-core's parallel_state must be initialized unless ``pg_collection`` is given.
+
+    deterministic_grad_norm (tpamp's, keyword only): the bitwise layout-independent grad norm
+    of :class:`tpamp.MixedPrecisionOptimizer` (docs/spec.md section 23), also for
+    :meth:`MegatronOptimizer.get_grad_norm` / ``clip_grad_norm`` before a step. None
+    (default): on when a chunk's TransformerConfig has ``deterministic_mode=True``
+    (Megatron-LM's ``--deterministic-mode``). TypeError for another type."""
     mopt, mpu, PGC = _megatron()
     chunks = list(model_chunks) if isinstance(model_chunks, (list, tuple)) else [model_chunks]
     if not chunks:
@@ -116,6 +125,13 @@ def get_megatron_optimizer(
                              "(use megatron-core's own optimizer for it)")
     if dump_param_to_param_group_map is not None:
         raise ValueError("dump_param_to_param_group_map is not supported by tpamp.megatron")
+    if deterministic_grad_norm is None:
+        deterministic_grad_norm = any(
+            bool(getattr(getattr(c, "config", None), "deterministic_mode", False))
+            for c in chunks)
+    elif not isinstance(deterministic_grad_norm, bool):
+        raise TypeError(f"deterministic_grad_norm must be a bool or None, got "
+                        f"{deterministic_grad_norm!r} ({type(deterministic_grad_norm).__name__})")
     ddp = _ddp_config(chunks, config)
     for chunk in chunks:
         for name, p in chunk.named_parameters():
@@ -162,7 +178,7 @@ def get_megatron_optimizer(
     inner = _inner_optimizer(config, inner_groups)
     kw = dict(clip_grad=config.clip_grad, log_num_zeros_in_grad=config.log_num_zeros_in_grad,
               grad_stats_group=grad_stats_group, tensor_parallel_group=tp_group,
-              param_names=core_names)
+              param_names=core_names, deterministic_grad_norm=deterministic_grad_norm)
     if config.fp16 or config.bf16 or distributed:
         core = MixedPrecisionOptimizer(inner, grad_scaler=scaler, **kw)
     else:
@@ -453,13 +469,18 @@ class MegatronOptimizer:
     def _norm_now(self) -> float:
         grads = self.get_main_grads_for_grad_norm()
         dev = self.get_loss_scale().device
+        group = self.get_grad_stats_parallel_group()
+        scale = float(self.get_loss_scale().item())
+        if self.tpamp_optimizer.deterministic_grad_norm:  # exact digits (tpamp.exact_sum)
+            digits = exact_sum.sumsq_digits([g.detach() for g in grads], device=dev)
+            if group is not None:
+                dist.all_reduce(digits, group=group)  # float64 SUM of integers: exact
+            return math.sqrt(exact_sum.digits_to_double(digits).item()) / scale
         total = torch.zeros(1, dtype=torch.float64, device=dev)
         for g in grads:
             total += g.detach().double().pow(2).sum()
-        group = self.get_grad_stats_parallel_group()
         if group is not None:
             dist.all_reduce(total, group=group)
-        scale = float(self.get_loss_scale().item())
         return math.sqrt(total.item()) / scale
 
     def clip_grad_norm(self, clip_grad: float) -> float:

@@ -31,6 +31,7 @@ import torch.optim.optimizer as _torch_optimizer
 from tpamp import (
     _peer_settings,
     _validation,
+    exact_sum,
     hyperparameters,
     matrix_optimizers,
     ops,
@@ -242,6 +243,21 @@ class MixedPrecisionOptimizer(OptimizerWrapper):
         expert_tensor_parallel_group: the expert-TP group, to count expert params replicated
             over expert-TP once (default: ``parallel_state.expert_tp_group``, else
             tensor_parallel_group).
+        deterministic_grad_norm: make the grad norm bitwise reproducible across layouts
+            (docs/spec.md section 23; the grad-norm part of Megatron-LM's
+            ``--deterministic-mode``): with p = 2 the sum of squares is accumulated EXACTLY
+            (an integer in base-2**24 digits, :mod:`tpamp.exact_sum`), summed over the
+            grad-stats group(s) as 26 float64 digits in the same one all-reduce as found_inf
+            and the zeros, dense and expert parts added as digits, and rounded once to float64
+            (the correctly rounded sum of the squares of the fp32 unscaled grads). So the
+            norm, the clip coefficient, the skip decision and the update are the same bits for
+            any split of the same global grads over TP, PP, DP (ZeRO-1 shards, layer-wise
+            owners), EP and CP, and for the generic and one-pass paths. Costs one extra
+            read-only pass over the grads and a 26-value wider all-reduce; the one-pass update
+            itself is unchanged. The inf norm, found_inf and zeros are order-invariant anyway.
+            Default False (no extra work). TypeError for a non-bool, ValueError with a
+            norm_type other than 2 or inf; must agree over the grad-stats group (checked on
+            the first step).
 
     Attributes:
         last_nonfinite: after each step, the :class:`tpamp.NonFiniteGrad` records of every
@@ -271,7 +287,7 @@ class MixedPrecisionOptimizer(OptimizerWrapper):
         torch.amp.GradScaler refuses a second step); TypeError/ValueError for a grad (or
         ``main_grad``) of the wrong dtype, shape or device, naming the param; on the first
         step (and the first after a load), ValueError on every rank of the grad-stats group
-        when the ranks' norm_type, log_num_zeros_in_grad, clip_grad, skip_nonfinite,
+        when the ranks' norm_type, deterministic_grad_norm, log_num_zeros_in_grad, clip_grad, skip_nonfinite,
         loss-scaler or spike-detector settings differ (one small all-gather,
         tpamp._validation.agree_on_settings). GradSpikeError for a spike with policy "raise"
         (the scaler as before the step; the grads count as consumed).
@@ -302,6 +318,7 @@ class MixedPrecisionOptimizer(OptimizerWrapper):
         stochastic_rounding: bool = False,
         stochastic_rounding_seed: int = 0,
         min_8bit_size: Optional[int] = None,
+        deterministic_grad_norm: bool = False,
     ):
         state_options = self._check_core_args(
             optimizer, grad_scaler, clip_grad, fused_step, exp_avg_dtype, exp_avg_sq_dtype,
@@ -334,6 +351,7 @@ class MixedPrecisionOptimizer(OptimizerWrapper):
             state_options=state_options, expert_grad_stats_group=expert_grad_stats_group,
             expert_tensor_parallel_group=expert_tensor_parallel_group,
             parallel_state=parallel_state, master_options=master_options,
+            deterministic_grad_norm=deterministic_grad_norm,
         )
         self.min_8bit_size = min_8bit_size
 
@@ -424,11 +442,14 @@ class MixedPrecisionOptimizer(OptimizerWrapper):
                    grad_stats_group, tensor_parallel_group, skip_nonfinite, sync_free,
                    spike_detector, fused_step, state_options, expert_grad_stats_group=None,
                    expert_tensor_parallel_group=None, parallel_state=None,
-                   master_options=(True, False, 0)) -> None:
+                   master_options=(True, False, 0), deterministic_grad_norm=False) -> None:
         """The settings of the step every wrapper shares (after :meth:`_check_core_args` and
         the subclass's own checks; ValueError for a bad norm_type, a sync_free inner optimizer
         that cannot skip on the device, or a detector that cannot be used)."""
         self.norm_type = _validation.check_norm_type(norm_type)
+        # docs/spec.md section 23: an exact, order-invariant sum of squares (tpamp.exact_sum)
+        self.deterministic_grad_norm = exact_sum.check_deterministic_grad_norm(
+            deterministic_grad_norm, self.norm_type)
         self.optimizer = optimizer
         self.grad_scaler = grad_scaler
         self.clip_grad = float(clip_grad)
@@ -693,7 +714,12 @@ class MixedPrecisionOptimizer(OptimizerWrapper):
         finite_p = self.norm_type != math.inf
         stats = self._grad_stats(grads, finite_p, param_grad_norms)
         expert = self._expert_stats(grads, finite_p) if self.experts_apart else None
+        exact = self.deterministic_grad_norm and finite_p
+        if exact:  # the sums of squares as exact digits (float64 [26]), reduced as they are
+            stats, expert = self._exact_stats(grads, stats, expert)
         found_inf, norm_stat, num_zeros = self._reduce(stats, finite_p, expert)
+        if exact:  # one correctly rounded conversion of the global exact sum
+            norm_stat = exact_sum.digits_to_double(norm_stat.reshape(-1))
         if param_grad_norms:
             self._reduce_param_norms(grads, stats)
         spikes = self.spike_detector
@@ -774,6 +800,26 @@ class MixedPrecisionOptimizer(OptimizerWrapper):
                                count_zeros=self.log_num_zeros_in_grad and raw_zeros is None,
                                check_finite=False, device=self._device)
         return stats if raw_zeros is None else stats._replace(num_zeros=raw_zeros)
+
+    def _exact_stats(self, grads: StepGrads, stats: ops.GradStats, expert):
+        """deterministic_grad_norm (p = 2): the norm statistics replaced by the exact digits of
+        the counted grads' sum of squares (tpamp.exact_sum; one extra read pass, dense and
+        expert parts apart). The values squared are the unscaled grads the generic path writes
+        (``fp32(g * 1/loss_scale)``); the one-pass path reads the raw grads with that scale,
+        so both paths give the same digits."""
+        if grads.fused:
+            tensors, scale = grads.grads, grads.scale
+        else:
+            tensors, scale = grads.outs, None
+        dense = exact_sum.masked_sumsq_digits(tensors, self._dense_mask(grads), scale,
+                                              self._device)
+        stats = stats._replace(norm_stat=dense)
+        if expert is not None:
+            flags = self._expert_flags(grads)
+            mask = [m and e for m, e in zip(grads.mask, flags)]
+            expert = expert._replace(norm_stat=exact_sum.masked_sumsq_digits(
+                tensors, mask, scale, self._device))
+        return stats, expert
 
     def _reduce_param_norms(self, grads: StepGrads, stats: ops.GradStats) -> None:
         """The per-parameter norms of this step (param_norms.ParamGradNormTracker)."""
@@ -977,13 +1023,13 @@ class MixedPrecisionOptimizer(OptimizerWrapper):
         the max of both maxima for p = inf)."""
         group = self.grad_stats_group
         found_inf = stats.found_inf.reshape(1)
-        norm_stat = stats.norm_stat.reshape(1)
+        norm_stat = stats.norm_stat.reshape(-1)  # [1], or the exact digits [26]
         num_zeros = stats.num_zeros
         if expert is not None:
             found_inf, norm_stat, num_zeros = self._reduce_part(
                 found_inf, norm_stat, num_zeros, group, finite_p)
             e_found, e_norm, e_zeros = self._reduce_part(
-                found_inf, expert.norm_stat.reshape(1), expert.num_zeros,
+                found_inf, expert.norm_stat.reshape(-1), expert.num_zeros,
                 self.expert_grad_stats_group, finite_p)
             if finite_p:
                 norm_stat = norm_stat.double() + e_norm.double()
@@ -996,17 +1042,20 @@ class MixedPrecisionOptimizer(OptimizerWrapper):
 
     @staticmethod
     def _reduce_part(found_inf, norm_stat, num_zeros, group, finite_p: bool):
-        """found_inf, the norm statistic and the zero count reduced over one group."""
+        """found_inf, the norm statistic (1 value, or the 26 exact digits of
+        deterministic_grad_norm: a float64 SUM of integers below 2**53 is exact) and the zero
+        count reduced over one group, in one collective for finite p."""
         if group is None:
             return found_inf, norm_stat, num_zeros
         if finite_p:
+            n = norm_stat.numel()
             parts = [found_inf.double(), norm_stat.double()]
             if num_zeros is not None:
                 parts.append(num_zeros.reshape(1).double())  # exact below 2**53
             buf = torch.cat(parts)
             dist.all_reduce(buf, op=dist.ReduceOp.SUM, group=group)
-            zeros = buf[2] if num_zeros is not None else None
-            return (buf[0:1] > 0).float(), buf[1:2], zeros
+            zeros = buf[1 + n] if num_zeros is not None else None
+            return (buf[0:1] > 0).float(), buf[1:1 + n], zeros
         buf = torch.cat([found_inf, norm_stat])
         dist.all_reduce(buf, op=dist.ReduceOp.MAX, group=group)
         if num_zeros is not None:
