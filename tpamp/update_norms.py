@@ -51,7 +51,8 @@ def update_and_param_norms(before: List[Tensor], after: Sequence[Tensor],
         empty = torch.zeros(0, dtype=torch.float32, device=device)
         return empty, empty.clone()
     after = [a.detach() if a.dtype == torch.float32 else a.detach().float() for a in after]
-    torch._foreach_sub_(before, after)  # old - new, in float32 (exact while |u| << |p|)
+    for b, a in zip(before, after):  # old - new, in float32 (exact while |u| << |p|)
+        b.sub_(a)
     stats = ops.grad_stats(before + after, norm_type=2.0, per_tensor_norms=True,
                            check_finite=False, device=device)
     norms = stats.per_tensor_norms
