@@ -36,6 +36,7 @@ from tpamp import (
     ops,
     parallel,
     state_formats,
+    update_norms,
 )
 from tpamp.common import FUSED_KINDS, collective_device, is_dtensor, local_tensor, placed_like
 from tpamp.grad_scaler import MegatronGradScaler
@@ -44,7 +45,6 @@ from tpamp.nonfinite import expert_rank_coords, gather_nonfinite, local_records,
 from tpamp.nonfinite import param_name_map as nonfinite_names
 from tpamp.param_groups import group_hyperparameters, match_saved_groups
 from tpamp.spikes import GradSpikeError
-from tpamp import update_norms as update_norms_mod
 
 __all__ = ["StepResult", "MixedPrecisionOptimizer", "FP32Optimizer"]
 
@@ -800,7 +800,7 @@ class MixedPrecisionOptimizer(OptimizerWrapper):
             self.param_norm_tracker.reduce(stats.per_tensor_norms, grads.outs, grads.mask)
 
     def _finish_on_device(self, grads: StepGrads, found_inf, norm, num_zeros,
-                          update_norms: bool = False) -> StepResult:
+                          with_update_norms: bool = False) -> StepResult:
         """Steps 5-9 with no host read (sync_free): the skip is decided on the device (the
         fused inner optimizer or the one-pass kernel takes found_inf), the clip coefficient is
         computed there (a non-finite norm gives 1: a skipped step never turns grads into nan),
@@ -809,7 +809,7 @@ class MixedPrecisionOptimizer(OptimizerWrapper):
         skip = found_inf.reshape(1).float()
         if self.grad_scaler is None and not self.skip_nonfinite:
             skip = torch.zeros_like(skip)
-        self._update(grads, norm, self.clip_grad > 0.0 and bool(grads.grads), skip, update_norms)
+        self._update(grads, norm, self.clip_grad > 0.0 and bool(grads.grads), skip, with_update_norms)
         skipped = skip.reshape(()) != 0
         norm = norm.float()  # the reported norm: float32 0-dim (the clip used float64)
         norm = torch.where(skipped, torch.full_like(norm, math.nan), norm).reshape(())
@@ -820,16 +820,16 @@ class MixedPrecisionOptimizer(OptimizerWrapper):
         return StepResult(~skipped, norm, zeros)
 
     def _update(self, grads: StepGrads, norm: Tensor, clip: bool,
-                found_inf: Optional[Tensor], update_norms: bool = False) -> None:
+                found_inf: Optional[Tensor], with_update_norms: bool = False) -> None:
         """Step 8: clip (coefficient from ``norm``), step the main params and state, and
         give the model its new params. ``found_inf`` (sync_free): the device flag on which the
-        update skips itself; None: the step was decided on the host. ``update_norms``: also
+        update skips itself; None: the step was decided on the host. ``with_update_norms``: also
         the per-parameter update norms (a copy of the masters before, a pass after)."""
-        before = (update_norms_mod.snapshot_masters(self._update_norm_masters(grads))
-                  if update_norms else None)
+        before = (update_norms.snapshot_masters(self._update_norm_masters(grads))
+                  if with_update_norms else None)
         self._update_params(grads, norm, clip, found_inf)
         if before is not None:
-            upd, par = update_norms_mod.update_and_param_norms(
+            upd, par = update_norms.update_and_param_norms(
                 before, self._update_norm_masters(grads), self._device)
             self.param_norm_tracker.reduce_update_norms(upd, par, grads.mains, grads.mask)
 
