@@ -1,8 +1,8 @@
 """Per-parameter update norms (tpamp/update_norms.py, ``step(param_update_norms=True)``) equal a
 float64 reference of master_new - master_old: single process on every step path (fp32 and bf16
-params, one-pass and generic, stochastic rounding, remainders), and under TP 2 x DP 2 with the
-DistributedOptimizer against the unsharded model's AdamW step worked in float64. Steps that do
-not ask for them do no extra work."""
+params, one-pass and generic, stochastic rounding, remainders), and under TP 2 x DP 2 and
+TP 2 x PP 2 x DP 2 with the DistributedOptimizer against the unsharded model's AdamW step worked
+in float64. Steps that do not ask for them do no extra work."""
 
 import math
 
@@ -157,7 +157,7 @@ def test_reduce_update_norms_refuses_mismatched_lengths():
                                     [True] * 4)
 
 
-# ---- TP 2 x DP 2, DistributedOptimizer and MixedPrecisionOptimizer ---------------------------
+# ---- TP 2 x (PP 2 x) DP 2, DistributedOptimizer and MixedPrecisionOptimizer -------------------
 
 LR, WD, EPS = 0.25, 0.1, 1e-8
 
@@ -168,10 +168,10 @@ def _values():
             for k, (shape, _, _) in FULL_MODEL.items()}
 
 
-def _tp2_dp2_worker(rank, world):
-    st = initialize_model_parallel(2, 1)
+def _parallel_worker(rank, world, tp, pp, cases):
+    st = initialize_model_parallel(tp, pp)
     out = []
-    for distributed, fused in ((True, True), (True, False), (False, True)):
+    for distributed, fused in cases:
         dp_grads = [full_grads(seed=30 + r) for r in range(st.dims.dp)]  # exact in fp16
         scale = 2.0**8
         params = shard_params(st, dp_grads[st.dp_rank], style="megatron", dtype=torch.float16,
@@ -182,10 +182,10 @@ def _tp2_dp2_worker(rank, world):
                 inner, grad_scaler=tpamp.ConstantGradScaler(scale), fused_step=fused,
                 data_parallel_group=st.dp_group, grad_stats_group=dist.group.WORLD,
                 tensor_parallel_group=st.tp_group, param_names=params.items())
-        else:  # each DP rank its own grads, reduced over TP only (no DP)
+        else:  # each DP rank its own grads, reduced over TP x PP only (no DP)
             opt = tpamp.MixedPrecisionOptimizer(
                 inner, grad_scaler=tpamp.ConstantGradScaler(scale), fused_step=fused,
-                grad_stats_group=st.tp_group, tensor_parallel_group=st.tp_group)
+                grad_stats_group=st.model_parallel_group, tensor_parallel_group=st.tp_group)
         tracker = opt.track_param_grad_norms(params.items())
         assert opt.step(param_grad_norms=True, param_update_norms=True).update_successful
         out.append((st.dp_rank, dict(tracker.update_norms), dict(tracker.update_ratios)))
@@ -198,16 +198,26 @@ def _adamw_first_step_reference(grad):
     return old, {k: old[k] * (1 - LR * WD) - LR * grad[k] / (grad[k].abs() + EPS) for k in old}
 
 
-def test_tp2_dp2_update_norms_equal_the_unsharded_fp64_adamw_update():
-    results = run_workers(_tp2_dp2_worker, 4, timeout=90)
+LAYOUTS = {  # (tp, pp, world, [(DistributedOptimizer, one-pass step)])
+    "tp2-dp2": (2, 1, 4, [(True, True), (True, False), (False, True)]),
+    "tp2-pp2-dp2": (2, 2, 8, [(True, True), (True, False)]),
+}
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_update_norms_equal_the_unsharded_fp64_adamw_update(layout):
+    """Each param's update norm is that of the whole (unsharded) param: TP shards and DP pieces
+    summed, the TP-replicated params once, the tied head copy (shared, last stage) not at all."""
+    tp, pp, world, cases = LAYOUTS[layout]
+    results = run_workers(_parallel_worker, world, tp, pp, cases, timeout=120)
     dp_grads = [round_to(full_grads(seed=30 + r), torch.float16) for r in range(2)]
     mean = {k: (dp_grads[0][k] + dp_grads[1][k]) / 2 for k in dp_grads[0]}
     for per_rank in results:
-        for case, (dp_rank, norms, ratios) in enumerate(per_rank):
-            grad = mean if case < 2 else dp_grads[dp_rank]  # case 2: no DP reduce
+        for (distributed, _), (dp_rank, norms, ratios) in zip(cases, per_rank):
+            grad = mean if distributed else dp_grads[dp_rank]  # else: no DP reduce
             old, new = _adamw_first_step_reference(grad)
-            assert list(norms) == list(FULL_MODEL), case
+            assert list(norms) == list(FULL_MODEL)
             for k in FULL_MODEL:
                 want = float((new[k] - old[k]).norm())
-                assert norms[k] == pytest.approx(want, rel=2e-5), (case, k, norms[k], want)
+                assert norms[k] == pytest.approx(want, rel=2e-5), (layout, k, norms[k], want)
                 assert ratios[k] == pytest.approx(want / float(new[k].norm()), rel=2e-5)
