@@ -80,7 +80,9 @@ What happens:
   steps take each param's update norm ||master_new - master_old|| and ||update|| / ||param||
   (tpamp/update_norms.py): the top-K by update norm follow as a second block, go into the
   record as ``param_update_norms`` / ``param_update_ratios`` and into TensorBoard as
-  ``update-norm/NAME`` / ``update-ratio/NAME``; other steps pay nothing for either.
+  ``update-norm/NAME`` / ``update-ratio/NAME`` (with ``--optimizer muon`` also the Muon
+  params' momentum norms before orthogonalisation, ``param_momentum_norms`` /
+  ``momentum-norm/NAME``); other steps pay nothing for either.
 - Non-finite attribution: a skipped step's log line and JSONL record name the parameters whose
   grads held the inf/NaN, with their TP, PP and DP ranks (``optimizer.last_nonfinite``, global
   names; tpamp/nonfinite.py). ``--trace-nonfinite after-skip`` arms ``tpamp.NonFiniteTracer`` on
@@ -1568,6 +1570,7 @@ def log_iteration(run: Run, it, loss, lr, loss_scale, result, log_now, extra) ->
             param_grad_norms=run.tracker.norms if log_now else None,
             param_update_norms=run.tracker.update_norms if log_now else None,
             param_update_ratios=run.tracker.update_ratios if log_now else None,
+            param_momentum_norms=run.tracker.momentum_norms if log_now else None,
             spike=optimizer.spike_detector.last if optimizer.spike_detector else None,
             nonfinite=optimizer.last_nonfinite,
             **extra,

@@ -196,6 +196,18 @@ def test_update_norms_in_the_record_top_k_by_update_in_model_order_with_ratios(t
     assert lines[at + 2].split() == ["blocks.1.mlp.fc1.bias", "2.0000E-02", "4.0000E-03"]
 
 
+def test_muon_momentum_norms_of_the_top_k_update_params_in_the_record(tmp_path):
+    log, _ = _logger(tmp_path, 2)
+    rec = log.record(2, 2.0, 1e-3, 8.0, tpamp.StepResult(True, 2.3, None),
+                     param_update_norms=UPDATES, param_update_ratios=RATIOS,
+                     param_momentum_norms={"blocks.0.attn.qkv.weight": 3.0, "wte.weight": 1.0})
+    log.close()
+    assert rec["param_momentum_norms"] == {"blocks.0.attn.qkv.weight": 3.0}  # wte: not top 2
+    with pytest.raises(ValueError, match="param_momentum_norms needs param_update_norms"):
+        log.record(3, 2.0, 1e-3, 8.0, tpamp.StepResult(True, 2.3, None),
+                   param_momentum_norms={"wte.weight": 1.0})
+
+
 def test_update_ratios_without_their_norms_are_refused(tmp_path):
     log, _ = _logger(tmp_path, 2)
     with pytest.raises(ValueError, match="param_update_ratios needs param_update_norms"):

@@ -221,3 +221,52 @@ def test_update_norms_equal_the_unsharded_fp64_adamw_update(layout):
                 want = float((new[k] - old[k]).norm())
                 assert norms[k] == pytest.approx(want, rel=2e-5), (layout, k, norms[k], want)
                 assert ratios[k] == pytest.approx(want / float(new[k].norm()), rel=2e-5)
+
+
+# ---- TensorParallelMuon: the momentum norm before the orthogonalisation -----------------------
+
+
+def test_muon_momentum_norms_equal_the_fp64_momentum_of_torch_muon_math():
+    """Muon (nesterov) on the 2-D weights, AdamW on the biases, in one CombinedOptimizer: the
+    weights get momentum norms (the nesterov update (1-mu) g + mu buf, buf = mu buf + (1-mu) g,
+    worked in float64), the biases none; both get update norms."""
+    model = _model(torch.bfloat16)
+    weights = [model[0].weight, model[1].weight]
+    biases = [model[0].bias, model[1].bias]
+    mu = 0.9
+    muon = tpamp.TensorParallelMuon(weights, lr=0.02, momentum=mu)
+    inner = tpamp.CombinedOptimizer([muon, torch.optim.AdamW(biases, lr=1e-2)])
+    opt = tpamp.MixedPrecisionOptimizer(inner)
+    tracker = opt.track_param_grad_norms(model.named_parameters())
+    g = torch.Generator().manual_seed(2)
+    buf = {n: 0.0 for n in NAMES}
+    for step in range(3):
+        grads = {n: torch.randn(p.shape, generator=g).to(torch.bfloat16)
+                 for n, p in model.named_parameters()}
+        for n, p in model.named_parameters():
+            p.grad = grads[n].clone()
+        logging = step != 1
+        opt.step(param_update_norms=logging)
+        assert muon.record_momentum_norms is False  # switched on for the step only
+        want = {}
+        for n in ("0.weight", "1.weight"):
+            gd = grads[n].double()
+            buf[n] = mu * buf[n] + (1 - mu) * gd
+            want[n] = float(((1 - mu) * gd + mu * buf[n]).norm())
+        if not logging:
+            assert tracker.momentum_norms is None and muon.momentum_norms is None
+            continue
+        assert set(tracker.momentum_norms) == {"0.weight", "1.weight"}
+        assert set(tracker.update_norms) == set(NAMES)
+        for n, w in want.items():
+            assert tracker.momentum_norms[n] == pytest.approx(w, rel=1e-5), (step, n)
+
+
+def test_muon_record_momentum_norms_must_be_a_bool():
+    w = torch.nn.Parameter(torch.ones(3, 2))
+    muon = tpamp.TensorParallelMuon([w], lr=0.02)
+    w.grad = torch.ones(3, 2)
+    muon.record_momentum_norms = "yes"
+    with pytest.raises(TypeError, match="record_momentum_norms must be a bool, got str"):
+        muon.step()
+    assert torch.equal(w, torch.ones(3, 2))  # refused before the param changed

@@ -19,7 +19,9 @@ With per-parameter update norms (``record(..., param_update_norms=tracker.update
 param_update_ratios=tracker.update_ratios)``, tpamp/update_norms.py) the record holds the top-K
 by update norm as ``"param_update_norms"`` and their ||update|| / ||param|| as
 ``"param_update_ratios"`` (model order), a block of them follows the grad-norm block, and
-TensorBoard gets ``update-norm/NAME`` and ``update-ratio/NAME``.
+TensorBoard gets ``update-norm/NAME`` and ``update-ratio/NAME``; with a TensorParallelMuon
+(``param_momentum_norms=tracker.momentum_norms``) those params' momentum norms before the
+orthogonalisation go into ``"param_momentum_norms"`` and ``momentum-norm/NAME``.
 With a spike detector (``record(..., spike=detector.last)``, tpamp/spikes.py) the record holds
 ``"spike"`` (the decision: judged grad norm and loss, z-scores, spike, skipped, overflow), spike
 skips are counted apart from overflow skips, and the line gains ``number of spike skips``.
@@ -124,6 +126,7 @@ class TrainingLogger:
         param_grad_norms: Optional[Dict[str, float]] = None, spike=None, nonfinite=None,
         param_update_norms: Optional[Dict[str, float]] = None,
         param_update_ratios: Optional[Dict[str, float]] = None,
+        param_momentum_norms: Optional[Dict[str, float]] = None,
         **extra,
     ) -> dict:
         """Account for one iteration and return its JSON record.
@@ -145,6 +148,8 @@ class TrainingLogger:
         on the iterations that computed them (None after a skipped step); the record keeps the
         top-K by update norm and those params' ratios. Ratios without norms, or a ratio for a
         name without a norm, raise ValueError.
+        param_momentum_norms: {name: momentum norm} (``ParamGradNormTracker.momentum_norms``,
+        TensorParallelMuon params); the record keeps those of the top-K update-norm params.
         spike: the :class:`tpamp.SpikeDecision` of the step (``SpikeDetector.last``), or None.
         nonfinite: the step's :class:`tpamp.NonFiniteGrad` records (``optimizer.last_nonfinite``;
             records or their ``as_record()`` dicts), or None when not known; non-empty ones go
@@ -166,6 +171,9 @@ class TrainingLogger:
                 param_update_norms is None or not set(param_update_ratios) <= set(param_update_norms)):
             raise ValueError("param_update_ratios needs param_update_norms with the same names "
                              "(the tracker's update_norms and update_ratios of one step)")
+        if param_momentum_norms is not None and param_update_norms is None:
+            raise ValueError("param_momentum_norms needs param_update_norms (the tracker's "
+                             "update_norms and momentum_norms of one step)")
         skipped = not bool(update_successful)
         grad_norm = None if grad_norm is None or skipped else _number("result.grad_norm", grad_norm)
         if grad_norm is not None and not math.isfinite(grad_norm):
@@ -211,6 +219,10 @@ class TrainingLogger:
                 rec["param_update_ratios"] = {
                     n: _finite_or_none(param_update_ratios[n]) for n in names
                     if n in param_update_ratios}
+            if param_momentum_norms:
+                rec["param_momentum_norms"] = {
+                    n: _finite_or_none(param_momentum_norms[n]) for n in names
+                    if n in param_momentum_norms}
         if culprits:
             self.nonfinite_culprits[culprits[0].name] += 1
             rec["nonfinite"] = {
@@ -250,6 +262,9 @@ class TrainingLogger:
                 ratio = rec.get("param_update_ratios", {}).get(name)
                 if ratio is not None:
                     self._tb.add_scalar(f"update-ratio/{name}", ratio, iteration)
+                momentum = rec.get("param_momentum_norms", {}).get(name)
+                if momentum is not None:
+                    self._tb.add_scalar(f"momentum-norm/{name}", momentum, iteration)
             if culprits is not None:
                 self._tb.add_scalar("nonfinite-params", len(culprits), iteration)
         if iteration % self.log_interval != 0 and skipped and culprits:

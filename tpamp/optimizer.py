@@ -825,13 +825,23 @@ class MixedPrecisionOptimizer(OptimizerWrapper):
         give the model its new params. ``found_inf`` (sync_free): the device flag on which the
         update skips itself; None: the step was decided on the host. ``with_update_norms``: also
         the per-parameter update norms (a copy of the masters before, a pass after)."""
-        before = (update_norms.snapshot_masters(self._update_norm_masters(grads))
-                  if with_update_norms else None)
-        self._update_params(grads, norm, clip, found_inf)
-        if before is not None:
-            upd, par = update_norms.update_and_param_norms(
-                before, self._update_norm_masters(grads), self._device)
-            self.param_norm_tracker.reduce_update_norms(upd, par, grads.mains, grads.mask)
+        if not with_update_norms:
+            self._update_params(grads, norm, clip, found_inf)
+            return
+        before = update_norms.snapshot_masters(self._update_norm_masters(grads))
+        recorders = [] if grads.fused else update_norms.momentum_recorders(self.optimizer)
+        for opt in recorders:  # Muon: its momentum norms, on this step only
+            opt.record_momentum_norms = True
+        try:
+            self._update_params(grads, norm, clip, found_inf)
+        finally:
+            for opt in recorders:
+                opt.record_momentum_norms = False
+        upd, par = update_norms.update_and_param_norms(
+            before, self._update_norm_masters(grads), self._device)
+        momentum = update_norms.momentum_norms_of(recorders, grads.mains, upd.device)
+        self.param_norm_tracker.reduce_update_norms(upd, par, grads.mains, grads.mask,
+                                                    momentum=momentum)
 
     def _update_norm_masters(self, grads: StepGrads) -> List[Tensor]:
         """Per entry of ``grads.mains``, its fp32 master's current value as a local tensor

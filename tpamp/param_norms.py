@@ -188,6 +188,8 @@ class ParamGradNormTracker:
         # step(param_update_norms=True): {name: ||update||}, {name: ||update|| / ||param||}
         self.update_norms: Optional[Dict[str, float]] = None
         self.update_ratios: Optional[Dict[str, float]] = None
+        # ... and of a TensorParallelMuon's params, {name: momentum norm before orthogonalising}
+        self.momentum_norms: Optional[Dict[str, float]] = None
 
     def reduce(self, per_tensor_norms: Tensor, grads: Sequence[Tensor], mask: Sequence[bool]) -> Dict[str, float]:
         """Combine this rank's per-tensor norms into :attr:`norms` (called by the optimizer's
@@ -230,9 +232,12 @@ class ParamGradNormTracker:
         skipped or untracked step leaves None, never a stale value)."""
         self.update_norms = None
         self.update_ratios = None
+        self.momentum_norms = None
 
     def reduce_update_norms(self, update_norms: Tensor, param_norms: Tensor,
-                            params: Sequence[Tensor], mask: Sequence[bool]) -> Dict[str, float]:
+                            params: Sequence[Tensor], mask: Sequence[bool], *,
+                            momentum: Optional[Tuple[Tensor, Sequence[bool]]] = None,
+                            ) -> Dict[str, float]:
         """Combine this rank's per-tensor update norms into :attr:`update_norms` and
         :attr:`update_ratios` (called by the optimizer's step with ``param_update_norms=True``;
         every rank of the grad-stats group must call it alike; tpamp/update_norms.py).
@@ -242,7 +247,10 @@ class ParamGradNormTracker:
         belong to; mask: per param, whether it counts (the grad-norm filter). Squares summed
         per name over the group (always L2, whatever ``norm_type``) with one all-reduce of
         float64 [2 x len(names)]; then one host read. The ratio is 0 for a param whose new
-        value is all zeros and unchanged, inf when it changed."""
+        value is all zeros and unchanged, inf when it changed. momentum: (float32
+        [len(params)] momentum norms, [whether param i has one]) of a TensorParallelMuon's params
+        (tpamp.update_norms.momentum_norms_of): :attr:`momentum_norms` gets the names some
+        rank has one for (reduced alike, in the same all-reduce); None when no name has."""
         n = len(params)
         if update_norms.numel() != n or param_norms.numel() != n or len(mask) != n:
             raise ValueError(
@@ -251,9 +259,20 @@ class ParamGradNormTracker:
             )
         names = [self._name_of_main.get(id(p)) for p in params]
         slots = [None if name is None else self._slot[name] for name in names]
-        stacked = torch.stack([update_norms.reshape(-1), param_norms.reshape(-1)])
-        vec = self._sum_slots(stacked.double().pow(2), slots, mask, 2.0)
-        upd, par = vec.sqrt().tolist()
+        if momentum is None:
+            momentum = (torch.zeros_like(update_norms), [False] * n)
+        mom, has = momentum
+        if mom.numel() != n or len(has) != n:
+            raise ValueError(f"{mom.numel()} momentum norms and {len(has)} flags for {n} params")
+        has_t = torch.tensor([float(h) for h in has], dtype=torch.float64,
+                             device=update_norms.device)
+        stacked = torch.stack([update_norms.reshape(-1), param_norms.reshape(-1),
+                               mom.reshape(-1).to(update_norms.device)]).double().pow(2)
+        vec = self._sum_slots(torch.cat([stacked, has_t[None]]), slots, mask, 2.0)
+        upd, par, mom_sq, counts = vec.tolist()
+        upd, par = [math.sqrt(v) for v in upd], [math.sqrt(v) for v in par]
+        self.momentum_norms = {name: math.sqrt(v) for name, v, c in
+                               zip(self.names, mom_sq, counts) if c > 0} or None
         self.update_norms = dict(zip(self.names, upd))
         self.update_ratios = {
             name: (u / p if p > 0 else (0.0 if u == 0 else math.inf))

@@ -16,6 +16,11 @@ reduction as the per-parameter grad norms: TP shards and DistributedOptimizer pi
 squares over the grad-stats group, TP duplicates once, ``shared`` tied copies not at all) with
 one all-reduce of a float64 vector of 2 entries per named param.
 
+For a :class:`tpamp.TensorParallelMuon` (alone or a part of a CombinedOptimizer) the same
+steps also record each param's momentum norm before the orthogonalisation (its
+``record_momentum_norms`` switch, on only for that step), reduced alike into the tracker's
+``momentum_norms``.
+
 Megatron-LM has no per-parameter update norms upstream; ||update|| / ||param|| is the
 "update-to-weight ratio" of the training-dynamics literature (here with the param after the
 step).
@@ -29,7 +34,8 @@ import torch
 
 from tpamp import ops
 
-__all__ = ["snapshot_masters", "update_and_param_norms"]
+__all__ = ["snapshot_masters", "update_and_param_norms", "momentum_recorders",
+           "momentum_norms_of"]
 
 Tensor = torch.Tensor
 
@@ -57,3 +63,29 @@ def update_and_param_norms(before: List[Tensor], after: Sequence[Tensor],
                            check_finite=False, device=device)
     norms = stats.per_tensor_norms
     return norms[:n], norms[n:]
+
+
+def momentum_recorders(optimizer) -> list:
+    """The optimizers among ``optimizer`` and its parts (a CombinedOptimizer's ``optimizers``)
+    that can record momentum norms (an attribute ``record_momentum_norms``, e.g.
+    :class:`tpamp.TensorParallelMuon`)."""
+    parts = list(getattr(optimizer, "optimizers", None) or [optimizer])
+    return [o for o in parts if hasattr(o, "record_momentum_norms")]
+
+
+def momentum_norms_of(recorders: Sequence, mains: Sequence[Tensor],
+                      device: Optional[torch.device]) -> Tuple[Tensor, List[bool]]:
+    """After a step with ``record_momentum_norms`` on: (float32 [len(mains)] momentum norms,
+    0 where none, [whether main i has one]) from the recorders' ``momentum_norms``."""
+    found = {}
+    for opt in recorders:
+        for p, norm in getattr(opt, "momentum_norms", None) or ():
+            found[id(p)] = norm
+    has = [id(m) in found for m in mains]
+    norms = [found[id(m)].reshape(()).float() for m in mains if id(m) in found]
+    out = torch.zeros(len(mains), dtype=torch.float32,
+                      device=norms[0].device if norms else device)
+    if norms:
+        index = torch.tensor([i for i, h in enumerate(has) if h], device=out.device)
+        out[index] = torch.stack(norms).to(out.device)
+    return out, has
