@@ -96,6 +96,11 @@ class ParamGradNormTracker:
     before clipping, in model order: the group's ranks in order, each rank's params in the
     order of ``named_params``); inf or nan for a param whose gradient overflowed on that step (which
     shows where an overflow came from). ``names``: every name of the whole model.
+    After a step with ``param_update_norms=True`` (tpamp/update_norms.py): :attr:`update_norms`
+    ({name: ||master_new - master_old||}, param units), :attr:`update_ratios` ({name:
+    ||update|| / ||master_new||}) and, for TensorParallelMuon params, :attr:`momentum_norms`
+    ({name: momentum norm before orthogonalisation}); None after a skipped step or a step that
+    did not ask.
 
     ``data_parallel_group``: a group whose ranks hold pieces of the same params (FSDP2 shards
     every param over DP: tpamp.fsdp.track_param_grad_norms), so they give the same names too.
