@@ -76,7 +76,13 @@ What happens:
 - Per-parameter grad norms (``--log-param-grad-norms K``): at every log interval the top-K
   parameters by grad norm (names with the global layer index) follow the line, go into the
   JSONL record as ``param_grad_norms`` and into TensorBoard as ``grad-norm/NAME``; also with
-  ``--use-distributed-optimizer`` (a param split across DP shards is summed over DP).
+  ``--use-distributed-optimizer`` (a param split across DP shards is summed over DP). The same
+  steps take each param's update norm ||master_new - master_old|| and ||update|| / ||param||
+  (tpamp/update_norms.py): the top-K by update norm follow as a second block, go into the
+  record as ``param_update_norms`` / ``param_update_ratios`` and into TensorBoard as
+  ``update-norm/NAME`` / ``update-ratio/NAME`` (with ``--optimizer muon`` also the Muon
+  params' momentum norms before orthogonalisation, ``param_momentum_norms`` /
+  ``momentum-norm/NAME``); other steps pay nothing for either.
 - Non-finite attribution: a skipped step's log line and JSONL record name the parameters whose
   grads held the inf/NaN, with their TP, PP and DP ranks (``optimizer.last_nonfinite``, global
   names; tpamp/nonfinite.py). ``--trace-nonfinite after-skip`` arms ``tpamp.NonFiniteTracer`` on
@@ -1647,7 +1653,8 @@ def train_step(run: Run, tracer, log_now: bool):
         loss = mean_over_dp(losses, st)
         if optimizer.spike_detector is not None:
             optimizer.spike_detector.observe_loss(loss)
-    result = optimizer.step(param_grad_norms=True) if log_now else optimizer.step()
+    result = (optimizer.step(param_grad_norms=True, param_update_norms=True) if log_now
+              else optimizer.step())
     optimizer.zero_grad()
     if result.update_successful:
         run.scheduler.step()
@@ -1679,6 +1686,9 @@ def log_iteration(run: Run, it, loss, lr, loss_scale, result, log_now, extra) ->
         run.logger.record(
             it, loss, lr, loss_scale, result,
             param_grad_norms=run.tracker.norms if log_now else None,
+            param_update_norms=run.tracker.update_norms if log_now else None,
+            param_update_ratios=run.tracker.update_ratios if log_now else None,
+            param_momentum_norms=run.tracker.momentum_norms if log_now else None,
             spike=optimizer.spike_detector.last if optimizer.spike_detector else None,
             nonfinite=optimizer.last_nonfinite,
             **extra,

@@ -112,10 +112,10 @@ def _step(rank, world, sizes, wrapper, fused):
     ref_params, ref_grads = _reference(st.dims.dp)
     opt, named = _build(st, ref_params, ref_grads, wrapper, fused, clip=0.5)
     tracker = opt.track_param_grad_norms(named)
-    ok, norm, zeros = opt.step(param_grad_norms=True)
+    ok, norm, zeros = opt.step(param_grad_norms=True, param_update_norms=True)
     after = {name: p.detach().double() for name, p in named}
     return ok, norm, zeros, after, (st.tp_rank, st.pp_rank, st.ep_rank, st.expert_tp_rank), \
-        tracker.norms
+        (tracker.norms, tracker.update_norms)
 
 
 @pytest.mark.parametrize("layout,wrapper,fused", [
@@ -141,13 +141,15 @@ def test_grad_norm_zeros_and_clip_match_the_unsharded_float64_model(layout, wrap
                 want_norms[f"{name} [ep {j}]"] = float(part.norm())
         else:
             want_norms[name] = float(g.norm())
-    for ok, norm, zeros, after, _, norms in results:
+    for ok, norm, zeros, after, _, (norms, updates) in results:
         assert ok
         assert norm == pytest.approx(ref_norm, rel=1e-5)
         assert zeros == ref_zeros
-        assert set(norms) == set(want_norms)
+        assert set(norms) == set(want_norms) == set(updates)
         for name, value in want_norms.items():
             assert norms[name] == pytest.approx(value, rel=1e-5, abs=1e-7), name
+            # SGD(lr 0.1): each param (each EP rank's part apart) moved by 0.1 x coeff x grad
+            assert updates[name] == pytest.approx(0.1 * coeff * value, rel=1e-5, abs=1e-7), name
     # ONE clip coefficient for dense and expert params: every shard moved by lr * coeff * grad
     for rank, (_, _, _, after, (tp, pp, ep, etp), _) in enumerate(results):
         class _St:  # the coordinates _local reads

@@ -127,11 +127,11 @@ def _train_step(st, model, opt, tracker, step: int, inject_rank=None):
         model.blocks[1].mlp.fc1.weight.grad.to_local().view(-1)[0] = math.inf
     opt.spike_detector.observe_loss(loss.item())
     scale = opt.get_loss_scale().item()
-    result = opt.step(param_grad_norms=True)
+    result = opt.step(param_grad_norms=True, param_update_norms=True)
     opt.zero_grad()
     return dict(ok=result.update_successful, grad_norm=result.grad_norm,
                 zeros=result.num_zeros_in_grad, norms=dict(tracker.norms), scale=scale,
-                loss=loss.item())
+                loss=loss.item(), updates=tracker.update_norms)
 
 
 def _full_params(model):
@@ -153,13 +153,14 @@ def _tp_then_fully_shard(model, st, tp, dtype):
 def _run(rank, world, tp, dtype, steps, inject):
     st, model, opt, tracker = _build(tp, dtype, hysteresis=1)
     records, snapshots = [], []
+    initial = _full_params(model)
     for step in range(1, steps + 1):
         records.append(_train_step(st, model, opt, tracker, step,
                                    inject_rank=inject[1] if inject and step == inject[0] else None))
         snapshots.append(_full_params(model))
     steps_taken = [int(s["step"]) for s in opt.optimizer.state.values()]
     return dict(records=records, snapshots=snapshots if rank == 0 else None,
-                steps_taken=steps_taken)
+                steps_taken=steps_taken, initial=initial if rank == 0 else None)
 
 
 # ----------------------------------------------------------------------------- tests
@@ -193,6 +194,13 @@ def test_matches_fp64_unsharded_model(tp, world, dtype, tol):
             # entries may or may not be 0, half precision may flush a few more
             slack = 0 if dtype == torch.float32 else 8
             assert want["zeros"] <= got["zeros"] <= want["near_zeros"] + slack, where
+            if dtype == torch.float32:  # update norms: the full params' change, in float64
+                snaps = [results[0]["initial"]] + results[0]["snapshots"]
+                before, after = snaps[step - 1], snaps[step]
+                assert set(got["updates"]) == set(want["norms"]), where
+                for name, upd in got["updates"].items():
+                    assert upd == pytest.approx(float((after[name] - before[name]).norm()),
+                                                rel=1e-5, abs=1e-12), (where, name)
         assert res["steps_taken"] and set(res["steps_taken"]) == {steps}
     _assert_params_close(results[0]["snapshots"][-1], ref_params, ref, dtype)
 

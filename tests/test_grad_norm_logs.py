@@ -170,3 +170,104 @@ def test_tensorboard_gets_the_top_k_param_norms(tmp_path):
     tags = {t for t in acc.Tags()["scalars"] if t.startswith("grad-norm/")}
     assert tags == {"grad-norm/blocks.0.attn.qkv.weight", "grad-norm/blocks.1.mlp.fc1.bias"}
     assert acc.Scalars("grad-norm/blocks.0.attn.qkv.weight")[0].value == 2.0
+
+
+# ------------------------------------------------------------ per-parameter update norms
+
+UPDATES = {"wte.weight": 0.01, "blocks.0.attn.qkv.weight": 0.5, "blocks.1.mlp.fc1.bias": 0.02}
+RATIOS = {"wte.weight": 1e-3, "blocks.0.attn.qkv.weight": math.inf, "blocks.1.mlp.fc1.bias": 4e-3}
+
+
+def test_update_norms_in_the_record_top_k_by_update_in_model_order_with_ratios(tmp_path):
+    log, out = _logger(tmp_path, 2)
+    rec = log.record(2, 2.0, 1e-3, 8.0, tpamp.StepResult(True, 2.3, None), param_grad_norms=NORMS,
+                     param_update_norms=UPDATES, param_update_ratios=RATIOS)
+    log.close()
+    assert list(rec["param_update_norms"].items()) == [
+        ("blocks.0.attn.qkv.weight", 0.5), ("blocks.1.mlp.fc1.bias", 0.02)]
+    assert rec["param_update_ratios"] == {"blocks.0.attn.qkv.weight": None,  # inf -> null
+                                          "blocks.1.mlp.fc1.bias": 4e-3}
+    saved = json.loads(open(tmp_path / "log.jsonl").read())
+    assert saved["param_update_norms"] == rec["param_update_norms"]
+    lines = out.getvalue().splitlines()
+    at = lines.index("   param update norms (top 2 of 3; update / param):")
+    assert lines[at + 1].split() == ["blocks.0.attn.qkv.weight", "5.0000E-01", "inf"] or \
+        lines[at + 1].split()[:2] == ["blocks.0.attn.qkv.weight", "5.0000E-01"]
+    assert lines[at + 2].split() == ["blocks.1.mlp.fc1.bias", "2.0000E-02", "4.0000E-03"]
+
+
+def test_muon_momentum_norms_of_the_top_k_update_params_in_the_record(tmp_path):
+    log, _ = _logger(tmp_path, 2)
+    rec = log.record(2, 2.0, 1e-3, 8.0, tpamp.StepResult(True, 2.3, None),
+                     param_update_norms=UPDATES, param_update_ratios=RATIOS,
+                     param_momentum_norms={"blocks.0.attn.qkv.weight": 3.0, "wte.weight": 1.0})
+    log.close()
+    assert rec["param_momentum_norms"] == {"blocks.0.attn.qkv.weight": 3.0}  # wte: not top 2
+    with pytest.raises(ValueError, match="param_momentum_norms needs param_update_norms"):
+        log.record(3, 2.0, 1e-3, 8.0, tpamp.StepResult(True, 2.3, None),
+                   param_momentum_norms={"wte.weight": 1.0})
+
+
+def test_update_ratios_without_their_norms_are_refused(tmp_path):
+    log, _ = _logger(tmp_path, 2)
+    with pytest.raises(ValueError, match="param_update_ratios needs param_update_norms"):
+        log.record(2, 2.0, 1e-3, 8.0, tpamp.StepResult(True, 2.3, None), param_update_ratios=RATIOS)
+    with pytest.raises(ValueError, match="param_update_ratios needs param_update_norms"):
+        log.record(2, 2.0, 1e-3, 8.0, tpamp.StepResult(True, 2.3, None),
+                   param_update_norms={"wte.weight": 1.0}, param_update_ratios=RATIOS)
+    log.close()
+
+
+def test_tensorboard_gets_the_top_k_update_norms_and_ratios(tmp_path):
+    pytest.importorskip("tensorboard")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    log = tpamp.TrainingLogger(2, tensorboard_dir=str(tmp_path / "tb"), param_grad_norms_top_k=2,
+                               stream=io.StringIO())
+    log.record(1, 2.0, 1e-3, 8.0, tpamp.StepResult(True, 2.3, None),
+               param_update_norms=UPDATES, param_update_ratios=RATIOS)
+    log.close()
+    acc = EventAccumulator(str(tmp_path / "tb"))
+    acc.Reload()
+    tags = {t for t in acc.Tags()["scalars"] if t.startswith("update-")}
+    assert tags == {"update-norm/blocks.0.attn.qkv.weight", "update-norm/blocks.1.mlp.fc1.bias",
+                    "update-ratio/blocks.1.mlp.fc1.bias"}  # an inf ratio is not written
+    assert acc.Scalars("update-norm/blocks.0.attn.qkv.weight")[0].value == 0.5
+
+
+def test_main_job_logs_update_norms_on_successful_steps_only(main_job_run):
+    _, records, _, stdout = main_job_run
+    checked = 0
+    for r in records:
+        if r["skipped"]:
+            assert "param_update_norms" not in r
+            continue
+        norms, ratios = r["param_update_norms"], r["param_update_ratios"]
+        assert set(norms) == set(r["param_grad_norms"]) and list(ratios) == list(norms)
+        assert not any(n.startswith("head") for n in norms)
+        assert all(v is not None and v > 0 for v in norms.values()), norms
+        assert all(v is not None and v > 0 for v in ratios.values()), ratios  # 1 for a 0-init bias
+        checked += 1
+    assert checked >= ITERS // 2
+    assert "param update norms (top 28 of 28; update / param):" in stdout
+
+
+def test_plot_draws_the_update_heatmap_next_to_the_grad_norm_one(tmp_path):
+    pytest.importorskip("matplotlib")
+    import matplotlib.pyplot as plt
+
+    from tpamp.plot import plot_log
+
+    records = []
+    for i in range(1, 9):
+        rec = {"iteration": i, "loss": 3.0 / i, "grad_norm": 1.0, "loss_scale": 8.0,
+               "param_grad_norms": {n: v * i for n, v in NORMS.items()}}
+        if i % 2 == 0:
+            rec["param_update_norms"] = {n: v * i for n, v in UPDATES.items()}
+            rec["param_update_ratios"] = {n: 1e-3 * i for n in UPDATES}
+        records.append(rec)
+    with_updates = plot_log(records, str(tmp_path / "a.png"))
+    without = plot_log([{k: v for k, v in r.items() if not k.startswith("param_update")}
+                        for r in records], str(tmp_path / "b.png"))
+    # one more panel (the update heatmap) makes the picture taller
+    assert plt.imread(with_updates).shape[0] > plt.imread(without).shape[0]

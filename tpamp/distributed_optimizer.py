@@ -947,6 +947,13 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
         also counts the 0-dim state tensors, such as Adam's step counts, that it left out)."""
         return self.optimizer_state_bytes()
 
+    def _update_norm_masters(self, grads) -> List[Tensor]:
+        """Per entry of ``grads.mains`` (this rank's pieces), its fp32 master (a view of the
+        main shard, or rebuilt from param shard + remainder / the bf16 value): the values the
+        per-parameter update norms compare (tpamp/update_norms.py)."""
+        piece_of = {id(q.main): q for q in self._pieces}
+        return [self._piece_master(piece_of[id(m)]) for m in grads.mains]
+
     def _piece_master(self, q: _Piece) -> Tensor:
         """The fp32 master of a piece (a view; rebuilt from param + remainder: a new tensor)."""
         if id(q.main) in self._sr_params:  # no master: the bf16 value (a new tensor)

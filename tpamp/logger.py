@@ -15,6 +15,13 @@ installed. Only the logging rank (Megatron: last pipeline stage, TP rank 0) shou
 With per-parameter grad norms (``record(..., param_grad_norms={name: norm})``, see
 tpamp/param_norms.py) the record holds the top-K as ``"param_grad_norms"`` (model order), a
 readable block of them (largest first) follows the line, and TensorBoard gets ``grad-norm/NAME``.
+With per-parameter update norms (``record(..., param_update_norms=tracker.update_norms,
+param_update_ratios=tracker.update_ratios)``, tpamp/update_norms.py) the record holds the top-K
+by update norm as ``"param_update_norms"`` and their ||update|| / ||param|| as
+``"param_update_ratios"`` (model order), a block of them follows the grad-norm block, and
+TensorBoard gets ``update-norm/NAME`` and ``update-ratio/NAME``; with a TensorParallelMuon
+(``param_momentum_norms=tracker.momentum_norms``) those params' momentum norms before the
+orthogonalisation go into ``"param_momentum_norms"`` and ``momentum-norm/NAME``.
 With a spike detector (``record(..., spike=detector.last)``, tpamp/spikes.py) the record holds
 ``"spike"`` (the decision: judged grad norm and loss, z-scores, spike, skipped, overflow), spike
 skips are counted apart from overflow skips, and the line gains ``number of spike skips``.
@@ -117,6 +124,9 @@ class TrainingLogger:
     def record(
         self, iteration: int, loss: float, lr: float, loss_scale: float, result, *,
         param_grad_norms: Optional[Dict[str, float]] = None, spike=None, nonfinite=None,
+        param_update_norms: Optional[Dict[str, float]] = None,
+        param_update_ratios: Optional[Dict[str, float]] = None,
+        param_momentum_norms: Optional[Dict[str, float]] = None,
         **extra,
     ) -> dict:
         """Account for one iteration and return its JSON record.
@@ -133,6 +143,13 @@ class TrainingLogger:
         null. Raises TypeError naming the argument for a value of the wrong type.
         param_grad_norms: {name: norm} of every param (``ParamGradNormTracker.norms``) on the
         iterations that computed them; the record keeps the top-K (non-finite as null).
+        param_update_norms, param_update_ratios: {name: ||update||} and {name: ||update|| /
+        ||param||} of every param (``ParamGradNormTracker.update_norms`` / ``update_ratios``)
+        on the iterations that computed them (None after a skipped step); the record keeps the
+        top-K by update norm and those params' ratios. Ratios without norms, or a ratio for a
+        name without a norm, raise ValueError.
+        param_momentum_norms: {name: momentum norm} (``ParamGradNormTracker.momentum_norms``,
+        TensorParallelMuon params); the record keeps those of the top-K update-norm params.
         spike: the :class:`tpamp.SpikeDecision` of the step (``SpikeDetector.last``), or None.
         nonfinite: the step's :class:`tpamp.NonFiniteGrad` records (``optimizer.last_nonfinite``;
             records or their ``as_record()`` dicts), or None when not known; non-empty ones go
@@ -150,6 +167,13 @@ class TrainingLogger:
         lr = _number("lr", lr)
         loss_scale = _number("loss_scale", loss_scale)
         culprits = _nonfinite_records(nonfinite)
+        if param_update_ratios is not None and (
+                param_update_norms is None or not set(param_update_ratios) <= set(param_update_norms)):
+            raise ValueError("param_update_ratios needs param_update_norms with the same names "
+                             "(the tracker's update_norms and update_ratios of one step)")
+        if param_momentum_norms is not None and param_update_norms is None:
+            raise ValueError("param_momentum_norms needs param_update_norms (the tracker's "
+                             "update_norms and momentum_norms of one step)")
         skipped = not bool(update_successful)
         grad_norm = None if grad_norm is None or skipped else _number("result.grad_norm", grad_norm)
         if grad_norm is not None and not math.isfinite(grad_norm):
@@ -185,6 +209,20 @@ class TrainingLogger:
                 name: (v if math.isfinite(v) else None)
                 for name, v in sorted(top.items(), key=lambda kv: order[kv[0]])
             }
+        top_update = None
+        if param_update_norms is not None:
+            top_update = _top_k(param_update_norms, self.param_grad_norms_top_k)
+            order = {name: i for i, name in enumerate(param_update_norms)}  # model order
+            names = sorted(top_update, key=order.__getitem__)
+            rec["param_update_norms"] = {n: _finite_or_none(top_update[n]) for n in names}
+            if param_update_ratios is not None:
+                rec["param_update_ratios"] = {
+                    n: _finite_or_none(param_update_ratios[n]) for n in names
+                    if n in param_update_ratios}
+            if param_momentum_norms:
+                rec["param_momentum_norms"] = {
+                    n: _finite_or_none(param_momentum_norms[n]) for n in names
+                    if n in param_momentum_norms}
         if culprits:
             self.nonfinite_culprits[culprits[0].name] += 1
             rec["nonfinite"] = {
@@ -218,6 +256,15 @@ class TrainingLogger:
             for name, v in (top or {}).items():
                 if math.isfinite(v):
                     self._tb.add_scalar(f"grad-norm/{name}", v, iteration)
+            for name, v in (top_update or {}).items():
+                if math.isfinite(v):
+                    self._tb.add_scalar(f"update-norm/{name}", v, iteration)
+                ratio = rec.get("param_update_ratios", {}).get(name)
+                if ratio is not None:
+                    self._tb.add_scalar(f"update-ratio/{name}", ratio, iteration)
+                momentum = rec.get("param_momentum_norms", {}).get(name)
+                if momentum is not None:
+                    self._tb.add_scalar(f"momentum-norm/{name}", momentum, iteration)
             if culprits is not None:
                 self._tb.add_scalar("nonfinite-params", len(culprits), iteration)
         if iteration % self.log_interval != 0 and skipped and culprits:
@@ -228,6 +275,9 @@ class TrainingLogger:
             text = self.format_line(rec)
             if top:
                 text += "\n" + self.format_param_grad_norms(top, len(param_grad_norms))
+            if top_update:
+                text += "\n" + self.format_param_update_norms(
+                    top_update, param_update_ratios or {}, len(param_update_norms))
             print(text, file=self.stream or sys.stdout, flush=True)
             self._interval_skipped = 0
             self._interval_nan = 0
@@ -272,6 +322,19 @@ class TrainingLogger:
         width = max(len(name) for name in top)
         lines = [f"   param grad norms (top {len(top)} of {total}):"]
         lines += [f"     {name:<{width}}  {v:.4E}" for name, v in top.items()]
+        return "\n".join(lines)
+
+    @staticmethod
+    def format_param_update_norms(top: Dict[str, float], ratios: Dict[str, float],
+                                  total: int) -> str:
+        """The readable block of per-parameter update norms (and ||update|| / ||param||),
+        largest update first."""
+        width = max(len(name) for name in top)
+        lines = [f"   param update norms (top {len(top)} of {total}; update / param):"]
+        for name, v in top.items():
+            ratio = ratios.get(name)
+            tail = f"  {ratio:.4E}" if ratio is not None else ""
+            lines.append(f"     {name:<{width}}  {v:.4E}{tail}")
         return "\n".join(lines)
 
     def summary(self, leaders: int = 5) -> dict:
@@ -355,3 +418,9 @@ def _json_safe(name: str, value):
     if isinstance(value, (list, tuple)):
         return [_json_safe(f"{name}[{i}]", v) for i, v in enumerate(value)]
     raise TypeError(f"{name} is not JSON-serialisable: {value!r:.80} ({type(value).__name__})")
+
+
+def _finite_or_none(v: float) -> Optional[float]:
+    """A float for JSON (non-finite: None)."""
+    v = float(v)
+    return v if math.isfinite(v) else None

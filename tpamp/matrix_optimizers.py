@@ -386,6 +386,14 @@ class TensorParallelMuon(torch.optim.Muon):
     distributed 1 + ns_steps all-reduces (a scalar and the Gram matrix: the short side
     squared when the long side is split); blockwise none. Unsharded params: none.
 
+    Momentum norms (for the per-parameter update statistics, tpamp/update_norms.py): with
+    ``record_momentum_norms = True`` a step fills ``momentum_norms``, [(param, float32 0-dim
+    tensor)] of the local L2 norm of each stepped param's momentum update before the
+    orthogonalisation (``grad.lerp(buf, momentum)`` with nesterov, else the buffer), on the
+    param's device, nothing read on the host; the tpamp wrappers set it on the steps with
+    ``param_update_norms=True`` and combine the shards' norms over TP. Off (the default), a step
+    does no extra work and leaves ``momentum_norms`` None.
+
     Raises:
         ValueError: a bad tp_mode, qkv_split_sizes that do not tile the rows, a Megatron TP
             param without tensor_parallel_group, an uneven or multi-dim shard, a DTensor not on
@@ -410,6 +418,8 @@ class TensorParallelMuon(torch.optim.Muon):
         # read by add_param_group, which torch's constructor calls for every group
         self.tensor_parallel_group = tensor_parallel_group
         self._tp_mode = tp_mode
+        self.record_momentum_norms = False
+        self.momentum_norms: Optional[List[Tuple[Tensor, Tensor]]] = None
         super().__init__(params, lr=lr, weight_decay=weight_decay, momentum=momentum,
                          nesterov=nesterov, eps=eps, ns_steps=ns_steps,
                          adjust_lr_fn=adjust_lr_fn, **kwargs)
@@ -494,6 +504,11 @@ class TensorParallelMuon(torch.optim.Muon):
                 _check_qkv(group["qkv_split_sizes"], layout.shape[0], who)
                 if _numel(layout.shape):  # no element: nothing to update (every TP rank)
                     todo.append((group, p, layout))
+        record = self.record_momentum_norms
+        if type(record) is not bool:
+            raise TypeError("TensorParallelMuon.record_momentum_norms must be a bool, got "
+                            f"{type(record).__name__} {record!r}")
+        self.momentum_norms = [] if record else None
         for group, p, layout in todo:
             lr, wd, mu = _scalar(group["lr"]), group["weight_decay"], group["momentum"]
             param, grad = local_tensor(p), local_tensor(p.grad)
@@ -503,6 +518,9 @@ class TensorParallelMuon(torch.optim.Muon):
             buf = local_tensor(state["momentum_buffer"])
             buf.lerp_(grad, 1 - mu)
             update = grad.lerp(buf, mu) if group["nesterov"] else buf
+            if record:
+                self.momentum_norms.append(
+                    (p, torch.linalg.vector_norm(update, dtype=torch.float32)))
             sizes = group["qkv_split_sizes"]
             param.mul_(1 - lr * wd)
             if sizes is None:

@@ -37,6 +37,7 @@ from tpamp import (
     ops,
     parallel,
     state_formats,
+    update_norms,
 )
 from tpamp.common import FUSED_KINDS, collective_device, is_dtensor, local_tensor, placed_like
 from tpamp.grad_scaler import MegatronGradScaler
@@ -688,11 +689,17 @@ class MixedPrecisionOptimizer(OptimizerWrapper):
 
     @_validation.guard_step
     @torch.no_grad()
-    def step(self, closure=None, *, param_grad_norms: bool = False) -> StepResult:
+    def step(self, closure=None, *, param_grad_norms: bool = False,
+             param_update_norms: bool = False) -> StepResult:
         """One optimizer step (class docstring); returns :class:`StepResult`.
 
         param_grad_norms: also compute the per-parameter grad norms from the same pass (one
         extra all-reduce; needs :meth:`track_param_grad_norms`; the same value on every rank).
+        param_update_norms: also compute each param's update norm ||master_new - master_old||
+        and ||master_new|| (the tracker's ``update_norms`` / ``update_ratios``; None after a
+        skipped step; tpamp/update_norms.py): one copy of the masters before the update, one
+        statistics pass and one more all-reduce, on this step only. Needs
+        :meth:`track_param_grad_norms`; a bool, alike on every rank.
 
         The one step of every tpamp optimizer wrapper (FP32Optimizer and DistributedOptimizer
         inherit it): the gradients come from the hooks :meth:`_sync_grads`,
@@ -704,6 +711,13 @@ class MixedPrecisionOptimizer(OptimizerWrapper):
             raise ValueError("closure is not supported: compute the loss before step()")
         if param_grad_norms and self.param_norm_tracker is None:
             raise ValueError("step(param_grad_norms=True) needs track_param_grad_norms() first")
+        if type(param_update_norms) is not bool:
+            raise TypeError("param_update_norms must be a bool, got "
+                            f"{type(param_update_norms).__name__} {param_update_norms!r}")
+        if param_update_norms and self.param_norm_tracker is None:
+            raise ValueError("step(param_update_norms=True) needs track_param_grad_norms() first")
+        if self.param_norm_tracker is not None:
+            self.param_norm_tracker.clear_update_norms()
         self.last_nonfinite = None  # set by the steps that read the device (not sync_free)
         fused = self._fused_step_usable()
         if not fused:
@@ -730,7 +744,7 @@ class MixedPrecisionOptimizer(OptimizerWrapper):
             at_min = self.grad_scaler.overflow_at_min_scale()
         norm = self._root(norm_stat, finite_p)
         if self.sync_free:
-            return self._finish_on_device(grads, found_inf, norm, num_zeros)
+            return self._finish_on_device(grads, found_inf, norm, num_zeros, param_update_norms)
         skip, grad_norm, zeros = self._read_and_decide(  # reported in float32, as sync_free
             found_inf, norm.float(), num_zeros, at_min, scaler_before)
         self._note_nonfinite(found_inf, skip, lambda: self._nonfinite_grads(grads))
@@ -743,7 +757,7 @@ class MixedPrecisionOptimizer(OptimizerWrapper):
             and math.isfinite(grad_norm)
             and self.clip_grad / (grad_norm + 1.0e-6) < 1.0  # Megatron: clip only when < 1
         )
-        self._update(grads, norm, clip, None)
+        self._update(grads, norm, clip, None, param_update_norms)
         return StepResult(True, float(grad_norm), zeros)
 
     def _grad_stats(self, grads: StepGrads, finite_p: bool, per_tensor: bool) -> ops.GradStats:
@@ -831,7 +845,8 @@ class MixedPrecisionOptimizer(OptimizerWrapper):
         else:
             self.param_norm_tracker.reduce(stats.per_tensor_norms, grads.outs, grads.mask)
 
-    def _finish_on_device(self, grads: StepGrads, found_inf, norm, num_zeros) -> StepResult:
+    def _finish_on_device(self, grads: StepGrads, found_inf, norm, num_zeros,
+                          with_update_norms: bool = False) -> StepResult:
         """Steps 5-9 with no host read (sync_free): the skip is decided on the device (the
         fused inner optimizer or the one-pass kernel takes found_inf), the clip coefficient is
         computed there (a non-finite norm gives 1: a skipped step never turns grads into nan),
@@ -840,7 +855,7 @@ class MixedPrecisionOptimizer(OptimizerWrapper):
         skip = found_inf.reshape(1).float()
         if self.grad_scaler is None and not self.skip_nonfinite:
             skip = torch.zeros_like(skip)
-        self._update(grads, norm, self.clip_grad > 0.0 and bool(grads.grads), skip)
+        self._update(grads, norm, self.clip_grad > 0.0 and bool(grads.grads), skip, with_update_norms)
         skipped = skip.reshape(()) != 0
         norm = norm.float()  # the reported norm: float32 0-dim (the clip used float64)
         norm = torch.where(skipped, torch.full_like(norm, math.nan), norm).reshape(())
@@ -851,10 +866,47 @@ class MixedPrecisionOptimizer(OptimizerWrapper):
         return StepResult(~skipped, norm, zeros)
 
     def _update(self, grads: StepGrads, norm: Tensor, clip: bool,
-                found_inf: Optional[Tensor]) -> None:
+                found_inf: Optional[Tensor], with_update_norms: bool = False) -> None:
         """Step 8: clip (coefficient from ``norm``), step the main params and state, and
         give the model its new params. ``found_inf`` (sync_free): the device flag on which the
-        update skips itself; None: the step was decided on the host."""
+        update skips itself; None: the step was decided on the host. ``with_update_norms``: also
+        the per-parameter update norms (a copy of the masters before, a pass after)."""
+        if not with_update_norms:
+            self._update_params(grads, norm, clip, found_inf)
+            return
+        before = update_norms.snapshot_masters(self._update_norm_masters(grads))
+        recorders = [] if grads.fused else update_norms.momentum_recorders(self.optimizer)
+        for opt in recorders:  # Muon: its momentum norms, on this step only
+            opt.record_momentum_norms = True
+        try:
+            self._update_params(grads, norm, clip, found_inf)
+        finally:
+            for opt in recorders:
+                opt.record_momentum_norms = False
+        upd, par = update_norms.update_and_param_norms(
+            before, self._update_norm_masters(grads), self._device)
+        momentum = update_norms.momentum_norms_of(recorders, grads.mains, upd.device)
+        self.param_norm_tracker.reduce_update_norms(upd, par, grads.mains, grads.mask,
+                                                    momentum=momentum)
+
+    def _update_norm_masters(self, grads: StepGrads) -> List[Tensor]:
+        """Per entry of ``grads.mains``, its fp32 master's current value as a local tensor
+        (a view of the main param, or a new tensor rebuilt from param + remainder / the bf16
+        value of stochastic rounding): what tpamp/update_norms.py compares before and after."""
+        special = self._remainders or self._sr_params
+        model_of = ({id(main): model for pairs in self._half_pairs for model, main in pairs}
+                    if special else {})
+        out = []
+        for main in grads.mains:
+            if id(main) in self._remainders or id(main) in self._sr_params:
+                out.append(local_tensor(self._master_value(main, model_of[id(main)])))
+            else:
+                out.append(local_tensor(main.detach()))
+        return out
+
+    def _update_params(self, grads: StepGrads, norm: Tensor, clip: bool,
+                       found_inf: Optional[Tensor]) -> None:
+        """:meth:`_update` without the update norms."""
         if grads.fused:  # one pass: unscale x clip, update main params + state, write models
             mult = self._grad_multiplier(grads.scale, norm, clip)
             self._fused_update(grads.entries, mult, found_inf)

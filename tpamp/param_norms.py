@@ -96,6 +96,11 @@ class ParamGradNormTracker:
     before clipping, in model order: the group's ranks in order, each rank's params in the
     order of ``named_params``); inf or nan for a param whose gradient overflowed on that step (which
     shows where an overflow came from). ``names``: every name of the whole model.
+    After a step with ``param_update_norms=True`` (tpamp/update_norms.py): :attr:`update_norms`
+    ({name: ||master_new - master_old||}, param units), :attr:`update_ratios` ({name:
+    ||update|| / ||master_new||}) and, for TensorParallelMuon params, :attr:`momentum_norms`
+    ({name: momentum norm before orthogonalisation}); None after a skipped step or a step that
+    did not ask.
 
     ``data_parallel_group``: a group whose ranks hold pieces of the same params (FSDP2 shards
     every param over DP: tpamp.fsdp.track_param_grad_norms), so they give the same names too.
@@ -185,6 +190,11 @@ class ParamGradNormTracker:
                                        data_parallel_group)
         self._slot = {name: i for i, name in enumerate(self.names)}
         self.norms: Optional[Dict[str, float]] = None
+        # step(param_update_norms=True): {name: ||update||}, {name: ||update|| / ||param||}
+        self.update_norms: Optional[Dict[str, float]] = None
+        self.update_ratios: Optional[Dict[str, float]] = None
+        # ... and of a TensorParallelMuon's params, {name: momentum norm before orthogonalising}
+        self.momentum_norms: Optional[Dict[str, float]] = None
 
     def reduce(self, per_tensor_norms: Tensor, grads: Sequence[Tensor], mask: Sequence[bool]) -> Dict[str, float]:
         """Combine this rank's per-tensor norms into :attr:`norms` (called by the optimizer's
@@ -222,39 +232,103 @@ class ParamGradNormTracker:
             per_tensor_norms, [None if n is None else self._slot[n] for n in names], mask
         )
 
+    def clear_update_norms(self) -> None:
+        """Forget the last step's update norms (the optimizer calls it at every step, so a
+        skipped or untracked step leaves None, never a stale value)."""
+        self.update_norms = None
+        self.update_ratios = None
+        self.momentum_norms = None
+
+    def reduce_update_norms(self, update_norms: Tensor, param_norms: Tensor,
+                            params: Sequence[Tensor], mask: Sequence[bool], *,
+                            momentum: Optional[Tuple[Tensor, Sequence[bool]]] = None,
+                            ) -> Dict[str, float]:
+        """Combine this rank's per-tensor update norms into :attr:`update_norms` and
+        :attr:`update_ratios` (called by the optimizer's step with ``param_update_norms=True``;
+        every rank of the grad-stats group must call it alike; tpamp/update_norms.py).
+
+        update_norms, param_norms: float32 [len(params)], the L2 norms of each local master's
+        change on this step and of its new value; params: the optimizer's (main) params they
+        belong to; mask: per param, whether it counts (the grad-norm filter). Squares summed
+        per name over the group (always L2, whatever ``norm_type``) with one all-reduce of
+        float64 [2 x len(names)]; then one host read. The ratio is 0 for a param whose new
+        value is all zeros and unchanged, inf when it changed. momentum: (float32
+        [len(params)] momentum norms, [whether param i has one]) of a TensorParallelMuon's params
+        (tpamp.update_norms.momentum_norms_of): :attr:`momentum_norms` gets the names some
+        rank has one for (reduced alike, in the same all-reduce); None when no name has."""
+        n = len(params)
+        if update_norms.numel() != n or param_norms.numel() != n or len(mask) != n:
+            raise ValueError(
+                f"{update_norms.numel()} update norms and {param_norms.numel()} param norms for "
+                f"{n} params and {len(mask)} mask entries"
+            )
+        names = [self._name_of_main.get(id(p)) for p in params]
+        slots = [None if name is None else self._slot[name] for name in names]
+        if momentum is None:
+            momentum = (torch.zeros_like(update_norms), [False] * n)
+        mom, has = momentum
+        if mom.numel() != n or len(has) != n:
+            raise ValueError(f"{mom.numel()} momentum norms and {len(has)} flags for {n} params")
+        has_t = torch.tensor([float(h) for h in has], dtype=torch.float64,
+                             device=update_norms.device)
+        stacked = torch.stack([update_norms.reshape(-1), param_norms.reshape(-1),
+                               mom.reshape(-1).to(update_norms.device)]).double().pow(2)
+        vec = self._sum_slots(torch.cat([stacked, has_t[None]]), slots, mask, 2.0)
+        upd, par, mom_sq, counts = vec.tolist()
+        upd, par = [math.sqrt(v) for v in upd], [math.sqrt(v) for v in par]
+        self.momentum_norms = {name: math.sqrt(v) for name, v, c in
+                               zip(self.names, mom_sq, counts) if c > 0} or None
+        self.update_norms = dict(zip(self.names, upd))
+        self.update_ratios = {
+            name: (u / p if p > 0 else (0.0 if u == 0 else math.inf))
+            for name, u, p in zip(self.names, upd, par)
+        }
+        return self.update_norms
+
     def _reduce_slots(self, per_tensor_norms: Tensor, slot_of: Sequence[Optional[int]], mask: Sequence[bool]) -> Dict[str, float]:
         """The shared half of reduce/reduce_params: slot_of[i] is the name slot of tensor i
         (None: unnamed, e.g. a shared tied copy)."""
+        p = self.norm_type
+        values = per_tensor_norms.double().reshape(1, -1)
+        vec = self._sum_slots(values if p == math.inf else values.pow(p), slot_of, mask, p)[0]
+        if p != math.inf:
+            vec = vec.pow(1.0 / p)
+        self.norms = dict(zip(self.names, vec.tolist()))
+        return self.norms
+
+    def _sum_slots(self, values: Tensor, slot_of: Sequence[Optional[int]], mask: Sequence[bool],
+                   norm_type: float) -> Tensor:
+        """values: float64 [k, n tensors] (p-th powers, or norms for p = inf) -> float64
+        [k, len(names)] reduced over the grad-stats group (SUM, MAX for p = inf; the expert
+        names over the expert group when experts are apart), one all-reduce per group."""
         rows, slots = [], []
         for i, (slot, counts) in enumerate(zip(slot_of, mask)):
             if counts and slot is not None:
                 rows.append(i)
                 slots.append(slot)
-        device = per_tensor_norms.device
-        vec = torch.zeros(len(self.names), dtype=torch.float64, device=device)
+        device = values.device
+        k = values.shape[0]
+        vec = torch.zeros(k, len(self.names), dtype=torch.float64, device=device)
         if rows:
-            picked = per_tensor_norms.double()[torch.tensor(rows, device=device)]
+            picked = values[:, torch.tensor(rows, device=device)]
             index = torch.tensor(slots, device=device)
-            if self.norm_type == math.inf:
-                vec.scatter_reduce_(0, index, picked, reduce="amax")
+            if norm_type == math.inf:
+                vec.scatter_reduce_(1, index.expand(k, -1), picked, reduce="amax")
             else:
-                vec.index_add_(0, index, picked.pow(self.norm_type))
+                vec.index_add_(1, index, picked)
         group = self.optimizer.grad_stats_group
-        op = dist.ReduceOp.MAX if self.norm_type == math.inf else dist.ReduceOp.SUM
+        op = dist.ReduceOp.MAX if norm_type == math.inf else dist.ReduceOp.SUM
         if self._apart:  # the dense entries over the dense group, the expert ones over theirs
             n = self._num_dense
-            dense, experts = vec[:n].clone(), vec[n:].clone()
+            dense, experts = vec[:, :n].contiguous(), vec[:, n:].contiguous()
             if group is not None:
                 dist.all_reduce(dense, op=op, group=group)
             if self.optimizer.expert_grad_stats_group is not None:
                 dist.all_reduce(experts, op=op, group=self.optimizer.expert_grad_stats_group)
-            vec = torch.cat([dense, experts])
+            vec = torch.cat([dense, experts], dim=1)
         elif group is not None:
             dist.all_reduce(vec, op=op, group=group)
-        if self.norm_type != math.inf:
-            vec = vec.pow(1.0 / self.norm_type)
-        self.norms = dict(zip(self.names, vec.tolist()))
-        return self.norms
+        return vec
 
     def top_k(self, k: Optional[int]) -> Dict[str, float]:
         """The ``k`` largest of :attr:`norms` (:func:`top_k`); {} before any step."""

@@ -12,7 +12,9 @@ iteration axis:
    logged (orange triangles);
 3. loss scale on a log2 axis, with the same skip ticks;
 4. when the log has ``param_grad_norms``: a heatmap of log10 of the largest per-parameter grad
-   norms over the logged iterations (rows in model order).
+   norms over the logged iterations (rows in model order);
+5. when the log has ``param_update_ratios`` (or only ``param_update_norms``): the same heatmap
+   of log10 of each param's ||update|| / ||param|| (or ||update||), tpamp/update_norms.py.
 
 Needs matplotlib (``pip install tpamp[plot]``); uses the non-interactive Agg backend.
 """
@@ -57,13 +59,14 @@ def _spike(rec) -> Dict:
     return rec.get("spike") or {}
 
 
-def _heatmap_rows(records: Sequence[Dict], max_params: int) -> List[str]:
-    """Names of the max_params params with the largest mean log norm, in model order (order of
-    first appearance in the records)."""
+def _heatmap_rows(records: Sequence[Dict], max_params: int,
+                  key: str = "param_grad_norms") -> List[str]:
+    """Names of the max_params params with the largest mean log value of ``key``, in model order
+    (order of first appearance in the records)."""
     order: Dict[str, int] = {}
     logs: Dict[str, List[float]] = {}
     for rec in records:
-        for name, v in (rec.get("param_grad_norms") or {}).items():
+        for name, v in (rec.get(key) or {}).items():
             order.setdefault(name, len(order))
             if isinstance(v, (int, float)) and v > 0:
                 logs.setdefault(name, []).append(math.log10(v))
@@ -122,10 +125,17 @@ def plot_log(
     overflow = np.array([bool(r.get("skipped")) for r in records]) & ~spike_skip
     val = [(r["iteration"], _num(r["val_loss"])) for r in records if "val_loss" in r]
 
-    rows = _heatmap_rows(records, max_params)
-    logged = [r for r in records if r.get("param_grad_norms")]
-    n_panels = 4 if rows else 3
-    heights = [1.0, 1.0, 0.6] + ([max(1.2, 0.13 * len(rows))] if rows else [])
+    heatmaps = []  # (record key, colour bar label, rows)
+    update_key = ("param_update_ratios" if any(r.get("param_update_ratios") for r in records)
+                  else "param_update_norms")
+    for key, label in (("param_grad_norms", "log10 param grad norm"),
+                       (update_key, "log10 update / param" if update_key == "param_update_ratios"
+                        else "log10 param update norm")):
+        rows = _heatmap_rows(records, max_params, key)
+        if rows:
+            heatmaps.append((key, label, rows))
+    n_panels = 3 + len(heatmaps)
+    heights = [1.0, 1.0, 0.6] + [max(1.2, 0.13 * len(rows)) for _, _, rows in heatmaps]
     fig, axes = plt.subplots(
         n_panels, 1, figsize=(10, 2.0 * sum(heights) + 0.6), sharex=True,
         gridspec_kw={"height_ratios": heights}, layout="constrained",
@@ -168,13 +178,13 @@ def plot_log(
         ax_scale.set_yscale("log", base=2)
     ax_scale.set_ylabel("loss scale")
 
-    if rows:
-        ax_heat = axes[3]
+    for ax_heat, (key, label, rows) in zip(axes[3:], heatmaps):
+        logged = [r for r in records if r.get(key)]
         xs = np.array([r["iteration"] for r in logged], dtype=float)
         grid = np.full((len(rows), len(logged)), np.nan)
         for j, r in enumerate(logged):
             for i, name in enumerate(rows):
-                v = r["param_grad_norms"].get(name)
+                v = r[key].get(name)
                 if isinstance(v, (int, float)) and v > 0:
                     grid[i, j] = math.log10(v)
         step = np.diff(xs).min() if len(xs) > 1 else 1.0
@@ -186,10 +196,10 @@ def plot_log(
         ax_heat.set_xlim(min(np.nanmin(it), xs[0] - step / 2), max(np.nanmax(it), xs[-1] + step / 2))
         ax_heat.set_yticks(range(len(rows)))
         ax_heat.set_yticklabels(rows, fontsize=6)
-        total = len({n for r in logged for n in r["param_grad_norms"]})
+        total = len({n for r in logged for n in r[key]})
         ax_heat.set_ylabel(f"top {len(rows)} of {total} params")
         cbar = fig.colorbar(img, ax=ax_heat, location="right", pad=0.01, fraction=0.03)
-        cbar.set_label("log10 param grad norm")
+        cbar.set_label(label)
     axes[-1].set_xlabel("iteration")
     for ax in axes:
         ax.grid(alpha=0.3)
