@@ -3,7 +3,7 @@
 //
 // grad_sumsq_exact: each chunk (csrc/cpu/launcher.h) converts its values to float32 r =
 // float32(float(x) * scale) a few hundred at a time (at::vec), adds each r's M^2 to a uint64 bin
-// per exponent (four banks, element j to bank j % 4, so consecutive adds to one bin do not wait
+// per exponent (eight banks, element j to bank j % 8, so consecutive adds to one bin do not wait
 // on each other), then turns the bins into normalized int64 digits in its slot. The slots are
 // added (integers: any order gives the same sum) and normalized once more. Every result is the
 // exact sum, so it does not depend on the thread count, the chunking or the tensor split.
@@ -21,20 +21,56 @@
 #include <type_traits>
 #include <vector>
 
+#if defined(CPU_CAPABILITY_AVX2) || defined(CPU_CAPABILITY_AVX512)
+#include <immintrin.h>
+#endif
+
 namespace tpamp {
 namespace cpu {
 namespace {
 
 using Digits = std::array<int64_t, kExactDigits>;
 
-constexpr int kBanks = 4;
+constexpr int kBanks = 8;
 constexpr int64_t kBuffer = 1024;  // values converted to float32 at a time
 static_assert(kBuffer % (4 * 16) == 0, "whole vector steps and bank groups");
 static_assert(kChunkSize <= 65536, "a bin of a chunk's M^2 (each < 2^48) stays below 2^64");
 
-// M^2 of buf[0 .. m) into the banks' bins (element j into bank j % kBanks).
+#if defined(CPU_CAPABILITY_AVX2) || defined(CPU_CAPABILITY_AVX512)
+// exact_square of 8 values at once (AVX2; the AVX-512 module has it too): idx[k] = the bin of
+// p[k] in bank k (bin + kExactBins * k, into the flat bins), m2[k] = its M^2.
+TPAMP_INLINE void exact_square8(const float* p, uint32_t* idx, uint64_t* m2) {
+  const __m256i bits = _mm256_castps_si256(_mm256_loadu_ps(p));
+  const __m256i e = _mm256_and_si256(_mm256_srli_epi32(bits, 23), _mm256_set1_epi32(0xff));
+  const __m256i normal = _mm256_andnot_si256(_mm256_cmpeq_epi32(e, _mm256_setzero_si256()),
+                                             _mm256_set1_epi32(0x800000));
+  const __m256i m = _mm256_or_si256(_mm256_and_si256(bits, _mm256_set1_epi32(0x7fffff)), normal);
+  const __m256i bank = _mm256_setr_epi32(0, kExactBins, 2 * kExactBins, 3 * kExactBins,
+                                         4 * kExactBins, 5 * kExactBins, 6 * kExactBins,
+                                         7 * kExactBins);
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(idx), _mm256_add_epi32(e, bank));
+  const __m256i even = _mm256_mul_epu32(m, m);  // M^2 of values 0, 2, 4, 6 (64-bit lanes)
+  const __m256i mo = _mm256_srli_epi64(m, 32);
+  const __m256i odd = _mm256_mul_epu32(mo, mo);  // 1, 3, 5, 7
+  const __m256i lo = _mm256_unpacklo_epi64(even, odd);  // 0, 1 | 4, 5
+  const __m256i hi = _mm256_unpackhi_epi64(even, odd);  // 2, 3 | 6, 7
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(m2), _mm256_permute2x128_si256(lo, hi, 0x20));
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(m2 + 4), _mm256_permute2x128_si256(lo, hi, 0x31));
+}
+static_assert(kBanks == 8, "exact_square8 puts value k of 8 into bank k");
+#endif
+
+// M^2 of buf[0 .. m) into the banks' bins (element j into bank j % kBanks), m <= kBuffer.
 TPAMP_INLINE void bin_values(const float* buf, int64_t m, uint64_t (*bins)[kExactBins]) {
   int64_t j = 0;
+#if defined(CPU_CAPABILITY_AVX2) || defined(CPU_CAPABILITY_AVX512)
+  // the squares 8 at a time, then the adds (a scatter: one add per value)
+  alignas(64) uint32_t idx[kBuffer];
+  alignas(64) uint64_t m2[kBuffer];
+  for (; j + 8 <= m; j += 8) exact_square8(buf + j, idx + j, m2 + j);
+  uint64_t* flat = &bins[0][0];
+  for (int64_t k = 0; k < j; ++k) flat[idx[k]] += m2[k];
+#endif
   for (; j + kBanks <= m; j += kBanks) {
     for (int k = 0; k < kBanks; ++k) {
       const ExactSquare sq = exact_square(buf[j + k]);
