@@ -31,7 +31,8 @@ pytestmark = pytest.mark.skipif(
     not ops.extension_available("cpu"), reason=f"CPU kernels not built: {_ext.status()}"
 )
 
-CPU = torch.ops.tpamp
+TP = torch.ops.tpamp  # the kernels of the tensors' device
+CPU = TP  # on CPU tensors: the CPU kernels
 SIMT = simt_utils.load()
 needs_simt = pytest.mark.skipif(SIMT is None, reason=simt_utils.skip_reason())
 DIGITS = 26
@@ -449,11 +450,11 @@ def on_cuda(ts):
 def test_cuda_matches_cpu_and_reference(scale, sizes):
     ts = make_list(1, sizes)
     sc = None if scale is None else torch.tensor([scale], dtype=torch.float32)
-    res = CPU.grad_sumsq_exact(on_cuda(ts), None if sc is None else sc.cuda())
+    res = TP.grad_sumsq_exact(on_cuda(ts), None if sc is None else sc.cuda())
     assert res.device.type == "cuda"
     assert torch.equal(res.cpu(), CPU.grad_sumsq_exact(ts, sc))
     x = assert_digits(res.cpu(), r_values(ts, sc))
-    conv = CPU.exact_sumsq_to_double(res)
+    conv = TP.exact_sumsq_to_double(res)
     assert conv.device.type == "cuda" and float(conv) == ref_double(x)
 
 
@@ -469,8 +470,8 @@ def test_cuda_any_split_and_order_and_no_host_sync():
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:
-        results = [CPU.grad_sumsq_exact(s, scale) for s in splits]
-        convs = [CPU.exact_sumsq_to_double(r) for r in results]
+        results = [TP.grad_sumsq_exact(s, scale) for s in splits]
+        convs = [TP.exact_sumsq_to_double(r) for r in results]
     finally:
         torch.cuda.set_sync_debug_mode("default")
     ref = CPU.grad_sumsq_exact([whole], torch.tensor(0.5))
@@ -479,4 +480,4 @@ def test_cuda_any_split_and_order_and_no_host_sync():
     assert float(convs[0]) == ref_double(exact_int([v * 0.5 for v in values]))
     bad = torch.zeros(DIGITS, dtype=torch.float64, device="cuda")
     bad[3] = -1.0
-    assert math.isnan(float(CPU.exact_sumsq_to_double(bad)))
+    assert math.isnan(float(TP.exact_sumsq_to_double(bad)))
