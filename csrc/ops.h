@@ -47,6 +47,8 @@ using GradStatsResult = std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tenso
                        const std::optional<at::Tensor>& found_inf,                            \
                        const std::optional<at::Tensor>& lr_tensor, double lr, double momentum, \
                        double dampening, double weight_decay, bool nesterov, bool maximize);  \
+  at::Tensor grad_sumsq_exact(at::TensorList tensors, const std::optional<at::Tensor>& scale); \
+  at::Tensor exact_sumsq_to_double(const at::Tensor& digits);                                 \
   }
 
 TPAMP_DECLARE_OPS(cpu)   // csrc/cpu/*.cpp
@@ -57,13 +59,15 @@ TPAMP_DECLARE_OPS(cuda)  // csrc/cuda/*.cu
 // Every op of torch.ops.tpamp, for the registrations that cover them all: the Autograd and
 // ADInplaceOrView kernels (tpamp_ops.cpp) and the emulated CUDA launchers (csrc/simt/register.cpp,
 // torch.ops.tpamp_simt.*). A new op is added here once.
-#define TPAMP_FOR_EACH_OP(X) \
-  X(grad_stats_)             \
-  X(grad_stats_out)          \
-  X(scale_)                  \
-  X(scale_and_copy)          \
-  X(dynamic_scaler_update_)  \
-  X(fused_adam_step_)        \
-  X(fused_sgd_step_)
+#define TPAMP_FOR_EACH_OP(X)  \
+  X(grad_stats_)              \
+  X(grad_stats_out)           \
+  X(scale_)                   \
+  X(scale_and_copy)           \
+  X(dynamic_scaler_update_)   \
+  X(fused_adam_step_)         \
+  X(fused_sgd_step_)          \
+  X(grad_sumsq_exact)         \
+  X(exact_sumsq_to_double)
 
 }  // namespace tpamp

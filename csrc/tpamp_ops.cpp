@@ -83,6 +83,14 @@ TORCH_LIBRARY(tpamp, m) {
       "Tensor(c!)[] model_params, Tensor[] grads, bool[] first_step, Tensor? grad_scale, "
       "Tensor? found_inf, Tensor? lr_tensor, float lr, float momentum, float dampening, "
       "float weight_decay, bool nesterov, bool maximize) -> ()");
+  // The exact, order-invariant sum of squares (csrc/kernels/exact_sumsq.h): float64 [26], the
+  // normalized base-2^24 digits of sum over every element of r^2, r = float32(float(x) * scale)
+  // (scale: 1-element float32, None = 1), inf/NaN r skipped; identical for any split of the
+  // same values into tensors. exact_sumsq_to_double: digits (float64 [26], integers in
+  // [0, 2^53), not necessarily normalized) -> 0-dim float64, the correctly rounded
+  // sum_i digits[i] * 2^(24 i - 298).
+  m.def("grad_sumsq_exact(Tensor[] tensors, Tensor? scale) -> Tensor");
+  m.def("exact_sumsq_to_double(Tensor digits) -> Tensor");
 }
 
 namespace {
@@ -187,5 +195,7 @@ TORCH_LIBRARY_IMPL(tpamp, CUDA, m) {
   m.impl("dynamic_scaler_update_", &tpamp::cuda::dynamic_scaler_update_);
   m.impl("fused_adam_step_", &tpamp::cuda::fused_adam_step_);
   m.impl("fused_sgd_step_", &tpamp::cuda::fused_sgd_step_);
+  m.impl("grad_sumsq_exact", &tpamp::cuda::grad_sumsq_exact);
+  m.impl("exact_sumsq_to_double", &tpamp::cuda::exact_sumsq_to_double);
 }
 #endif

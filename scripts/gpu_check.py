@@ -22,6 +22,7 @@ in note) or INFO (a figure with no target). Nothing is skipped silently.
 from __future__ import annotations
 
 import argparse
+import collections
 import contextlib
 import datetime
 import json
@@ -557,6 +558,64 @@ def compare_steps(ctx, rows, sizes):
     tally.done()
 
 
+def exact_sumsq_ref(values):
+    """The exact sum of squares of the finite float32 values (Python floats) as an integer in
+    units of 2^-298 (r = n / 2^k: r^2 2^298 = n^2 2^(298 - 2k)), and its 26 base-2^24 digits."""
+    x = 0
+    for r, count in collections.Counter(values).items():
+        if math.isfinite(r) and r != 0.0:
+            n, d = r.as_integer_ratio()
+            x += count * ((n * n) << (298 - 2 * (d.bit_length() - 1)))
+    digits = [float((x >> (24 * i)) & 0xFFFFFF) for i in range(25)] + [float(x >> 600)]
+    return x, digits
+
+
+def compare_exact(ctx, rows, sizes):
+    """grad_sumsq_exact (the normalized digits of the exact sum of squares) and
+    exact_sumsq_to_double against the CPU twin and a Python big-integer reference: bit for bit,
+    and the same digits for the same values split and ordered otherwise."""
+    dev, D, T = ctx.device, ctx.dev_ops, ctx.twin
+    dtypes = (torch.float32, torch.float16, torch.bfloat16)
+    tally = Tally(rows, "grad_sumsq_exact, exact_sumsq_to_double: device = twin = exact",
+                  "digits and the float64 bitwise; any split or order the same")
+    for k, (dts, scale) in enumerate([(dtypes, None), (dtypes, 0.37), ((dtypes[0],), 2.0**-20),
+                                      ((dtypes[1],), 2.0**20), ((dtypes[2],), None)]):
+        ts = make_list(200 + k, sizes, dts, specials=True)
+        # the float32 extremes: 2^-149, FLT_MAX, a subnormal
+        for t in [t for t in ts if t.dtype == torch.float32 and t.numel() > 4]:
+            t[1], t[2], t[3] = 2.0**-149, -3.4028234663852886e38, -3.0e-39
+
+        def one(ts=ts, scale=scale):
+            sc = None if scale is None else torch.tensor([scale], dtype=torch.float32)
+            rd = D.grad_sumsq_exact(on(ts, dev), None if sc is None else sc.to(dev))
+            rt = T.grad_sumsq_exact(clones(ts), sc)
+            values = []
+            for t in ts:
+                v = t.double().reshape(-1) if scale is None else t.double().reshape(-1) * f32(scale)
+                values += v.to(torch.float32).double().tolist()
+            x, digits = exact_sumsq_ref(values)
+            problems = []
+            if rd.cpu().tolist() != digits:
+                problems.append("device digits differ from the big-integer reference")
+            if rt.tolist() != digits:
+                problems.append("twin digits differ from the big-integer reference")
+            cd = float(D.exact_sumsq_to_double(rd).cpu())
+            ct = float(T.exact_sumsq_to_double(rt))
+            ref = x / (1 << 298)  # correctly rounded
+            if not (cd == ct == ref == math.fsum(r * r for r in values if math.isfinite(r))):
+                problems.append(f"to_double: device {cd!r}, twin {ct!r}, reference {ref!r}")
+            # the same values as one tensor per dtype, reversed: the same digits
+            merged = [torch.cat([t.reshape(-1) for t in ts if t.dtype == d]).flip(0)
+                      for d in dtypes if any(t.dtype == d for t in ts)][::-1]
+            rm = D.grad_sumsq_exact(on(merged, dev), None if sc is None else sc.to(dev))
+            if not torch.equal(rm.cpu(), rd.cpu()):
+                problems.append("another split and order gave other digits")
+            return problems
+
+        tally.run(f"{'mixed' if len(dts) > 1 else dts[0]} scale={scale}", one)
+    tally.done()
+
+
 def compare_huge(ctx, rows):
     """grad_stats_ over a list of > 2^31 elements in total (one tensor alone > 2^31), against
     the CPU twin and float64 computed chunk by chunk."""
@@ -640,6 +699,7 @@ def part_compare(ctx, rows):
                  1_000_003, 5, 0]
     compare_grad_stats(ctx, rows, sizes)
     compare_copies(ctx, rows, sizes)
+    compare_exact(ctx, rows, [n for n in sizes if n < 200_000])
     compare_steps(ctx, rows, [n for n in sizes if n < 200_000])
     compare_huge(ctx, rows)
 

@@ -53,6 +53,7 @@ def test_dry_run_runs_every_step_and_passes(tmp_path):
     for check in ("grad_stats: device = CPU twin = float64",
                   "scale_and_copy, scale_, scaler update: device = twin = float64",
                   "fused_adam_step_ / fused_sgd_step_: device = twin = float64",
+                  "grad_sumsq_exact, exact_sumsq_to_double: device = twin = exact",
                   "sync-free step: graph replay = eager", "train_gpt.py short run"):
         assert by_check[check]["status"] == "PASS", by_check[check]
     # the timings are dry-run figures, labelled so, never GPU ones

@@ -63,6 +63,8 @@ S.fused_adam_step_(sp, [torch.zeros(p.shape, dtype=torch.bfloat16) for p in sp],
                    torch.tensor([[7 * i, 1000 * i] for i in range(5)], dtype=torch.int64))
 S.fused_sgd_step_(ps, [torch.zeros(p.shape) for p in ps], [], grads, [True, False] * 2 + [True],
                   None, None, torch.tensor([0.1]), 0.1, 0.9, 0.0, 0.0, True, False)
+d = S.grad_sumsq_exact(grads, scale)
+S.exact_sumsq_to_double(d)
 print("launchers ran")
 """
 

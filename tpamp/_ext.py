@@ -259,3 +259,12 @@ def _register_fakes() -> None:
                          found_inf, lr_tensor, lr, momentum, dampening, weight_decay, nesterov,
                          maximize):
         return None
+
+    @lib.register_fake("tpamp::grad_sumsq_exact")
+    def _grad_sumsq_exact(tensors, scale):
+        device = tensors[0].device if len(tensors) else scale.device
+        return torch.empty(26, dtype=torch.float64, device=device)  # base-2^24 digits
+
+    @lib.register_fake("tpamp::exact_sumsq_to_double")
+    def _exact_sumsq_to_double(digits):
+        return torch.empty((), dtype=torch.float64, device=digits.device)

@@ -41,4 +41,6 @@ TORCH_LIBRARY_IMPL(tpamp, CPU, m) {
   m.impl("dynamic_scaler_update_", &tpamp::cpu::dynamic_scaler_update_);
   m.impl("fused_adam_step_", &tpamp::cpu::fused_adam_step_);
   m.impl("fused_sgd_step_", &tpamp::cpu::fused_sgd_step_);
+  m.impl("grad_sumsq_exact", &tpamp::cpu::grad_sumsq_exact);
+  m.impl("exact_sumsq_to_double", &tpamp::cpu::exact_sumsq_to_double);
 }

@@ -100,4 +100,32 @@ inline void validate_dynamic_scaler(const char* op, const at::Tensor& scale,
                            {"scale", "growth_tracker", "hysteresis_tracker"}, {true, true, true});
 }
 
+// grad_sumsq_exact: tensors float32/float16/bfloat16 on one device of type `expect` (read only:
+// they may share memory), scale absent or a 1-element float32 tensor there. Returns the device.
+inline at::Device validate_grad_sumsq_exact(const char* op, at::TensorList tensors,
+                                            const std::optional<at::Tensor>& scale,
+                                            at::DeviceType expect) {
+  const bool scale_given = scale.has_value() && scale->defined();
+  TORCH_CHECK(!tensors.empty() || scale_given, op,
+              ": tensors is empty and no scale gives the device for the result");
+  const at::Device device = !tensors.empty() ? tensors[0].device() : scale->device();
+  TORCH_CHECK(device.type() == expect, op, ": expected tensors on ", expect, ", got ", device);
+  check_float_list(op, "tensors", tensors, device);
+  check_scale(op, scale, device);
+  return device;
+}
+
+// exact_sumsq_to_double: digits a float64 tensor of shape [kExactDigits] on a device of type
+// `expect` (its values are checked by the CPU launcher; the CUDA one returns NaN instead).
+inline void validate_exact_digits(const char* op, const at::Tensor& digits, int64_t num_digits,
+                                  at::DeviceType expect) {
+  TORCH_CHECK(digits.defined(), op, ": digits is undefined");
+  TORCH_CHECK(digits.device().type() == expect, op, ": expected digits on ", expect, ", got ",
+              digits.device());
+  TORCH_CHECK(digits.scalar_type() == at::kDouble && digits.dim() == 1 &&
+                  digits.size(0) == num_digits,
+              op, ": digits must be a float64 tensor of shape [", num_digits, "], got ",
+              digits.scalar_type(), " of shape ", digits.sizes());
+}
+
 }  // namespace tpamp
