@@ -45,7 +45,8 @@ if not (__name__ == "__main__" and sys.argv[1:2] == ["table"]):
     from tpamp import _ext, ops
 
     sys.path.insert(0, os.path.join(ROOT, "tests"))
-    from kernel_reference import stats_ref, written_ref  # float64 references, shared with tests/test_simt.py
+    # the float64 references, shared with tests/test_simt.py
+    from kernel_reference import f32, stats_ref, written_ref
 
 PARTS = ("env", "compare", "graph", "bench", "table")
 GiB = 2**30
