@@ -264,6 +264,12 @@ def parse_args(argv=None) -> argparse.Namespace:
       help="shard params, grads and optimizer state over DP with torch's fully_shard (FSDP2) "
            "and a MixedPrecisionPolicy from --fp16/--bf16 (one model chunk per rank; tpamp.fsdp)")
     a("--seed", type=int, default=1234)
+    a("--deterministic-mode", "--deterministic", action="store_true",
+      help="Megatron-LM's --deterministic-mode: torch.use_deterministic_algorithms(True) (and "
+           "CUBLAS_WORKSPACE_CONFIG=:4096:8 on GPUs) and the optimizer's "
+           "deterministic_grad_norm=True: grad norm, zeros, clip and skip decision bitwise "
+           "independent of the TP / PP / DP / EP layout (docs/spec.md section 23); the model's "
+           "matmuls under another TP size and the DP grad sum are not")
     # optimizer-state storage (Megatron-core's precision-aware optimizer flags; tpamp.state_formats)
     a("--exp-avg-dtype", choices=STATE_DTYPE_CHOICES, default="fp32",
       help="storage of Adam's exp_avg: fp32, bf16, uint8 (8-bit codes of the dynamic map of "
@@ -1220,6 +1226,10 @@ def setup_distributed(args):
     """init_process_group (NCCL with GPUs, one per rank as validate_args checked, else gloo)
     and the TP x PP x DP layout."""
     use_cuda = torch.cuda.is_available()
+    if args.deterministic_mode:  # before any cuBLAS handle exists (torch's reproducibility notes)
+        if use_cuda:
+            os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+        torch.use_deterministic_algorithms(True)
     if use_cuda:
         local_rank = int(os.environ.get("LOCAL_RANK", 0))
         torch.cuda.set_device(local_rank)
@@ -1361,6 +1371,8 @@ def build_optimizer(stage, args, st, dtype):
         grad_stats_group=st.model_parallel_group,
         tensor_parallel_group=st.tp_group,
     )
+    if args.deterministic_mode:  # an exact, order-invariant grad norm (docs/spec.md section 23)
+        kwargs["deterministic_grad_norm"] = True
     if args.stochastic_rounding:  # bf16, no master (validate_master_args)
         kwargs.update(master_weights=False, stochastic_rounding=True,
                       stochastic_rounding_seed=args.seed % 2**63)
@@ -1786,6 +1798,7 @@ def summarize(run: Run, history, val_loss: float, elapsed: float) -> None:
         "wall_time_s": round(elapsed, 1),
         "dtype": str(run.dtype).replace("torch.", ""),
         **{name: bool(getattr(args, name)) for name in NUMERICS_FLAGS},
+        "deterministic_grad_norm": run.optimizer.deterministic_grad_norm,
         "tp": st.dims.tp,
         "pp": st.dims.pp,
         "dp": st.dims.dp,

@@ -123,7 +123,19 @@ def test_bf16_and_fp32_runs_train_without_loss_scaling(tmp_path, precision):
     check_records(records, loss_scaling=False)
     assert summary["dtype"] == {"--bf16": "bfloat16", "--fp32": "float32"}[precision]
     assert summary["skipped_iterations"] == 0 and summary["loss_scale_changes"] == 0
+    assert summary["deterministic_grad_norm"] is False  # off unless --deterministic-mode
     assert_loss_falls(records)
+
+
+def test_deterministic_mode_reaches_the_optimizer_and_the_run_trains(tmp_path):
+    """--deterministic-mode (Megatron-LM's name; --deterministic too) builds the optimizer with
+    deterministic_grad_norm=True (the summary reads the optimizer's attribute) under the
+    distributed optimizer, and the fp16 run with its loss scaler trains as usual."""
+    records, summary, _ = run_train(tmp_path, "--deterministic", "--use-distributed-optimizer",
+                                    "--tensor-model-parallel-size", "1", nproc=2)
+    check_records(records, loss_scaling=True)
+    assert summary["deterministic_grad_norm"] is True and summary["distributed_optimizer"] is True
+    assert (summary["tp"], summary["pp"], summary["dp"]) == (1, 2, 1)
 
 
 def test_fp32_losses_and_grad_norms_do_not_depend_on_the_layout(tmp_path):
