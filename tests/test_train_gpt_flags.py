@@ -26,6 +26,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPT = os.path.join(ROOT, "scripts", "train_gpt.py")
 WORLD = 2
 LIMIT_S = 10.0
+TORCHRUN_LIMIT_S = 18.0  # below the 20 s --dist-timeout of these runs (a hang would reach it)
 # a valid 2-rank run (TP 2 x PP 1): each case adds the one flag that is wrong
 BASE = [
     "--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "1",
@@ -212,7 +213,10 @@ def test_under_torchrun_each_worker_exits_2_and_the_line_is_printed_once(tmp_pat
     assert out.count("train_gpt.py: error: --data ") == 1, out
     # the first worker to exit is reported with status 2 (torchrun then stops the other)
     assert "exitcode  : 2" in out, out
-    assert wall < LIMIT_S, f"{wall:.1f} s"
+    # not a speed target: torchrun's own start (importing torch twice) takes seconds more on a
+    # loaded 2-core machine; what this bounds is a worker left waiting for the other at a
+    # collective until the process-group timeout
+    assert wall < TORCHRUN_LIMIT_S, f"{wall:.1f} s"
     assert not paths["log"].exists() and not paths["save"].exists()
 
 
