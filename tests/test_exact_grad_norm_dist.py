@@ -160,7 +160,8 @@ def _one_layout(rank, world, layout, rows, groups, det, fused, spy):
     return spy[-1], result.num_zeros_in_grad, result.update_successful
 
 
-def _sweep(rank, world, layouts_, seed, det, fused_flags, poison):
+def _spy_on_norms():
+    """A list that receives every float64 grad norm the core computes in this (forked) process."""
     root = tpamp.MixedPrecisionOptimizer._root
     spy = []
 
@@ -170,6 +171,11 @@ def _sweep(rank, world, layouts_, seed, det, fused_flags, poison):
         return out
 
     tpamp.MixedPrecisionOptimizer._root = spying_root
+    return spy
+
+
+def _sweep(rank, world, layouts_, seed, det, fused_flags, poison):
+    spy = _spy_on_norms()
     rows = _global_model(seed)
     if poison:
         rows[1][3].view(-1)[5] = float("inf")  # layers.0.fc.weight
@@ -249,15 +255,7 @@ def _zero1(rank, world, tp, bucket_size, seed, fused):
     """DistributedOptimizer (ZeRO-1: each DP rank steps a shard of every bucket) over TP x DP,
     one stage, dense params. DP rank 0 holds d x grad and the others 0, so the reduce-scatter
     (SUM, then x 1/d) gives exactly the global grads whatever its order."""
-    root = tpamp.MixedPrecisionOptimizer._root
-    spy = []
-
-    def spying_root(self, norm_stat, finite_p):
-        out = root(self, norm_stat, finite_p)
-        spy.append(out.item())
-        return out
-
-    tpamp.MixedPrecisionOptimizer._root = spying_root
+    spy = _spy_on_norms()
     dp = world // tp
     my_dp, my_tp = rank // tp, rank % tp
     groups = _Groups()
