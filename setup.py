@@ -125,6 +125,63 @@ def _flag(name):
     return value
 
 
+def _process_libstdcxx():
+    """The libstdc++.so.6 this process (with torch imported) has mapped, or None."""
+    try:
+        with open("/proc/self/maps", encoding="utf-8") as f:
+            for line in f:
+                path = line.split()[-1]
+                if os.path.basename(path).startswith("libstdc++.so"):
+                    return path
+    except OSError:
+        pass
+    return None
+
+
+def _libstdcxx_link_args():
+    """Link arguments that keep one C++ runtime in the process.
+
+    A toolchain that links libstdc++ statically into a shared library (a GCC built without the
+    shared libstdc++, or with -static-libstdc++ in its specs) gives each tpamp module a second
+    copy of the C++ runtime beside the one torch loaded, and the two copies' iostream and
+    locale state disagree: formatting a number in an error message then crashes the process
+    (seen on a GPU machine whose CXX was such a GCC, 2026-11-27: a segfault inside
+    std::ostream in tpamp._C, reached from every TORCH_CHECK that names an index). A test link
+    of a one-line library says whether this compiler does that; if so, every module is linked
+    against the shared libstdc++ that torch's libraries use (named by its path, before the
+    compiler's own), so the static archive supplies at most the symbols that library lacks."""
+    if not sys.platform.startswith("linux"):
+        return []
+    import shlex
+    import tempfile
+
+    cxx = shlex.split(os.environ.get("CXX", "c++"))
+    readelf = shutil.which("readelf")
+    if readelf is None or shutil.which(cxx[0]) is None:
+        return []
+    src = "#include <sstream>\nstd::string tpamp_probe(unsigned long v) { std::ostringstream s; s << v; return s.str(); }\n"
+    with tempfile.TemporaryDirectory() as d:
+        out = os.path.join(d, "probe.so")
+        try:
+            subprocess.run(cxx + ["-shared", "-fPIC", "-x", "c++", "-", "-o", out], input=src,
+                           capture_output=True, text=True, check=True, timeout=120)
+            dyn = subprocess.run([readelf, "-d", out], capture_output=True, text=True, check=True,
+                                 timeout=60).stdout
+        except (OSError, subprocess.SubprocessError) as e:
+            _say(f"could not test-link with {' '.join(cxx)} ({e}); linking as it does by default")
+            return []
+    if "libstdc++.so" in dyn:
+        return []
+    lib = _process_libstdcxx()
+    if lib is None:
+        _say(f"WARNING: {' '.join(cxx)} links libstdc++ statically and no shared libstdc++ is "
+             "loaded here to link instead: error messages of the kernels may crash the process")
+        return []
+    _say(f"{' '.join(cxx)} links libstdc++ statically into shared libraries: linking {lib} "
+         "instead, so the modules share torch's C++ runtime")
+    return [lib]
+
+
 def _nvcc_version(nvcc):
     try:
         out = subprocess.run([nvcc, "--version"], capture_output=True, text=True, check=True).stdout
@@ -339,6 +396,9 @@ def _extension_and_cmdclass():
         )
 
     exts.extend(_simt_extensions(include_dirs, CppExtension))
+    stdcxx = _libstdcxx_link_args()
+    for ext in exts:
+        ext.extra_link_args = list(ext.extra_link_args or []) + stdcxx
 
     class BuildEachInOwnDir(BuildExtension):
         """Objects of each extension in their own build directory: the capability modules

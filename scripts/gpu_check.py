@@ -3,7 +3,8 @@ table to OUTDIR/<part>.json (and its details to stdout, which gpu_check.sh keeps
 OUTDIR/<part>.log). docs/guide/kernels.md ("Checking a GPU machine") says what each row means.
 
     python scripts/gpu_check.py env      --out OUTDIR [--dry-run]
-    python scripts/gpu_check.py compare  --out OUTDIR [--dry-run]   # kernels vs CPU twin vs float64
+    python scripts/gpu_check.py errors   --out OUTDIR [--dry-run]   # the kernels' error path
+    python scripts/gpu_check.py compare  --out OUTDIR [--dry-run] [--small]  # kernels vs twin vs float64
     python scripts/gpu_check.py graph    --out OUTDIR [--dry-run]   # sync-free step in a CUDA graph
     python scripts/gpu_check.py bench    --out OUTDIR [--dry-run]   # CUDA-event timings
     python scripts/gpu_check.py table    --out OUTDIR [--dry-run]   # prints the table (last)
@@ -25,11 +26,13 @@ import argparse
 import collections
 import contextlib
 import datetime
+import glob
 import json
 import math
 import os
 import shutil
 import statistics
+import subprocess
 import sys
 import time
 import traceback
@@ -48,7 +51,7 @@ if not (__name__ == "__main__" and sys.argv[1:2] == ["table"]):
     # the float64 references, shared with tests/test_simt.py
     from kernel_reference import f32, stats_ref, written_ref
 
-PARTS = ("env", "compare", "graph", "bench", "table")
+PARTS = ("env", "errors", "compare", "graph", "bench", "table")
 GiB = 2**30
 RTOL = 2e-5  # sums of squares and norms: summation order differs (float64 partials)
 
@@ -82,6 +85,7 @@ class Ctx:
 
     def __init__(self, args):
         self.dry = args.dry_run
+        self.small = getattr(args, "small", False)
         self.out = args.out
         if self.dry:
             self.device = torch.device("cpu")
@@ -680,6 +684,75 @@ def compare_huge(ctx, rows):
     tally.done()
 
 
+# --------------------------------------------------------------------------------------------
+# errors: a rejected call must raise, not crash. Each launcher formats the bad value into its
+# message (c10::str, std::ostream); a module linked with its own copy of libstdc++ crashes there
+# (the first GPU run, 2026-11-27: SIGSEGV in std::ostream inside tpamp._C), which would kill
+# every later test that checks an error. Each probe runs in its own process.
+
+_ERROR_PROBE = """
+import sys, torch
+from tpamp import ops
+ops.extension_available()  # loads the kernel modules
+x = torch.ones(4, device=sys.argv[1])
+try:
+    torch.ops.tpamp.grad_stats_([x], None, [True, True], True, True)
+except RuntimeError as e:
+    print("RAISED:", str(e).splitlines()[0])
+else:
+    print("NO ERROR")
+"""
+
+
+def _toolchain_facts():
+    """What says whether a module carries its own C++ runtime: the compiler, and per built module
+    whether it needs the shared libstdc++ and whether libstdc++'s own code is inside it."""
+    facts = [f"CXX={os.environ.get('CXX', '(unset: c++)')}"]
+    readelf, nm = shutil.which("readelf"), shutil.which("nm")
+    for path in sorted(glob.glob(os.path.join(ROOT, "tpamp", "_C*.so"))):
+        name = os.path.basename(path).split(".")[0]
+        bits = []
+        if readelf:
+            dyn = subprocess.run([readelf, "-d", path], capture_output=True, text=True).stdout
+            bits.append("needs libstdc++.so" if "libstdc++.so" in dyn else "NO libstdc++.so needed")
+        if nm:
+            syms = subprocess.run([nm, "-C", "--defined-only", path], capture_output=True,
+                                  text=True, errors="replace").stdout
+            inside = sum(k in syms for k in ("read_utf8_code_point", "std::locale::_Impl::"))
+            bits.append(f"libstdc++ code inside: {'yes' if inside else 'no'}")
+        facts.append(f"{name}: {', '.join(bits) or 'no readelf/nm'}")
+    return "; ".join(facts)
+
+
+def part_errors(ctx, rows):
+    """A call each launcher rejects (mask longer than the list) must raise RuntimeError naming
+    the bad value, in a process of its own."""
+    devices = ["cpu"] if ctx.dry else ["cpu", "cuda"]
+    for dev in devices:
+        check = f"error path: {dev} launcher raises, does not crash"
+        want = "mask has 2 entries, grads has 1"
+        if dev == "cpu" and not ops.extension_available("cpu"):
+            rows.add(check, "SKIP", note=f"the CPU kernels are not built: {_ext.status()}")
+            continue
+        if dev == "cuda" and gpu_ready():
+            rows.add(check, "SKIP", note=gpu_ready())
+            continue
+        try:
+            r = subprocess.run([sys.executable, "-c", _ERROR_PROBE, dev], capture_output=True,
+                               text=True, timeout=120, cwd=ROOT)
+        except subprocess.TimeoutExpired:
+            rows.add(check, "FAIL", "hung (120 s)", "RuntimeError naming the value")
+            continue
+        line = next((ln for ln in r.stdout.splitlines() if ln.startswith(("RAISED", "NO ERROR"))), "")
+        if r.returncode == 0 and line.startswith("RAISED") and want in line:
+            rows.add(check, "PASS", line[len("RAISED: "):][:90], "RuntimeError naming the value")
+        else:
+            how = (f"crashed (signal {-r.returncode})" if r.returncode < 0 else
+                   f"rc {r.returncode}: {line or r.stderr.strip().splitlines()[-1:]}")
+            rows.add(check, "FAIL", how, "RuntimeError naming the value", _toolchain_facts()[:600])
+            print(r.stderr[-3000:], flush=True)
+
+
 def part_compare(ctx, rows):
     if not ctx.dry:
         why = gpu_ready()
@@ -691,7 +764,7 @@ def part_compare(ctx, rows):
         return
     rows.add("compared", "INFO", f"device side: {ctx.dev_name}; twin: CPU kernels "
              f"({_ext.status().get('cpu_module')}); reference: float64")
-    if ctx.dry:
+    if ctx.dry or ctx.small:
         sizes = [0, 1, 3, 9, 0, 31, 201, 513, 1031, 5, 0]
     else:
         # empty first, in the middle and last; around the vector widths, the block stride, the
@@ -702,7 +775,11 @@ def part_compare(ctx, rows):
     compare_copies(ctx, rows, sizes)
     compare_exact(ctx, rows, [n for n in sizes if n < 200_000])
     compare_steps(ctx, rows, [n for n in sizes if n < 200_000])
-    compare_huge(ctx, rows)
+    if ctx.small:
+        rows.add("grad_stats over > 2^31 elements: device = CPU twin = float64", "SKIP",
+                 note="--small (the run under compute-sanitizer): the dry run's sizes")
+    else:
+        compare_huge(ctx, rows)
 
 
 # --------------------------------------------------------------------------------------------
@@ -1076,8 +1153,9 @@ def part_table(ctx):
         status = "INFO" if name == "total" else "PASS" if rc == "0" else "SKIP" if rc == "skip" else "FAIL"
         rows.append(dict(part=name, check=f"step {name}", status=status, value=f"rc {rc}, {secs} s",
                          target="", note=note))
-        # the dry run's one Python step "parts" wrote the rows of env, compare, graph and bench
-        for part in (("env", "compare", "graph", "bench") if name == "parts" else (name,)):
+        # the dry run's one Python step "parts" wrote the rows of env, errors, compare, graph
+        # and bench; the sanitizer steps' rows are in their own folders (not in the table)
+        for part in (("env", "errors", "compare", "graph", "bench") if name == "parts" else (name,)):
             p = os.path.join(ctx.out, f"{part}.json")
             if os.path.exists(p):
                 with open(p, encoding="utf-8") as f:
@@ -1105,6 +1183,8 @@ def main(argv=None):
     p.add_argument("--out", required=True, help="the output folder (gpu_check.sh's argument)")
     p.add_argument("--dry-run", action="store_true", help="CPU stand-ins, small sizes")
     p.add_argument("--rounds", type=int, default=15, help="bench: timed rounds (default 15)")
+    p.add_argument("--small", action="store_true",
+                   help="compare: the dry run's sizes on the GPU (the run under compute-sanitizer)")
     args = p.parse_args(argv)
     os.makedirs(args.out, exist_ok=True)
     if args.parts == ["table"]:
@@ -1116,7 +1196,7 @@ def main(argv=None):
     for part in args.parts:
         torch.manual_seed(0)
         rows = Rows(args.out, part)
-        {"env": part_env, "compare": part_compare, "graph": part_graph,
+        {"env": part_env, "errors": part_errors, "compare": part_compare, "graph": part_graph,
          "bench": lambda c, r: part_bench(c, r, args)}[part](ctx, rows)
         failed |= any(r["status"] == "FAIL" for r in rows.rows)
     return 1 if failed else 0

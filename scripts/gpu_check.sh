@@ -6,20 +6,24 @@
 #   bash scripts/gpu_check.sh --dry-run OUTDIR    # anywhere: CPU stand-ins, small sizes, < 1 min
 #
 # Steps, in this order, each under its own timeout and all under one budget (GPU_CHECK_BUDGET_S,
-# default 330 s; 55 s for --dry-run), so one hang cannot eat the rest; a step with no time left
+# default 345 s; 55 s for --dry-run), so one hang cannot eat the rest; a step with no time left
 # is skipped with a line saying so:
 #   env        versions, the GPU, the tools found                        (scripts/gpu_check.py env)
 #   build      tpamp._C with CUDA kernels for this GPU only (TORCH_CUDA_ARCH_LIST from
 #              torch.cuda.get_device_capability()) and this CPU's kernel module, in the tree
 #              (setup.py build_ext --inplace), MAX_JOBS = all cores. Dry run: uses the kernels
 #              already built in the tree and shows the command it would run.
-#   cuda_tests pytest -m cuda tests/ (dry run: tests/test_kernels_cuda.py, which must skip)
+#   errors     a call each launcher rejects raises RuntimeError (its own process; a crash names
+#              the toolchain facts: a module with its own copy of libstdc++ crashes there)
+#   cuda_tests pytest -m cuda tests/, in 4 xdist workers when pytest-xdist is there (a crash
+#              fails one test, not the step) (dry run: tests/test_kernels_cuda.py, which must skip)
 #   compare    every kernel against its CPU twin and a float64 reference on adversarial lists
 #   graph      the sync-free step captured in a CUDA graph and replayed, against eager steps
 #   bench      CUDA-event medians: grad-stats pass vs copy, one-pass AdamW vs AdamW(fused=True),
 #              tpamp's step vs megatron-core's (when its wheel was carried)
 #   train_run  scripts/train_gpt.py on one GPU (NCCL, world 1), a short run; its loss
-#   memcheck, racecheck   tests/test_kernels_cuda.py under compute-sanitizer (GPU only)
+#   memcheck, racecheck   every kernel's comparisons at small sizes (gpu_check.py compare
+#              --small) under compute-sanitizer (GPU only)
 #   table      the table, from OUTDIR/*.json, OUTDIR/steps.tsv and OUTDIR/train/summary.json
 # Full logs: OUTDIR/<step>.log; rows: OUTDIR/<step>.json; the table: OUTDIR/table.json.
 # Exit status: 0 when no row failed, 1 otherwise.
@@ -61,8 +65,8 @@ if [ "$DRY" = 1 ]; then
     export CUDA_VISIBLE_DEVICES=""  # CPU stand-ins even where a GPU is present
     export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
 else
-    DEFAULT_BUDGET=330
-    BUDGET="${GPU_CHECK_BUDGET_S:-330}"
+    DEFAULT_BUDGET=345
+    BUDGET="${GPU_CHECK_BUDGET_S:-345}"
 fi
 START=$(date +%s)
 
@@ -145,7 +149,15 @@ assert ops.extension_available('cuda') and ops.extension_available('cpu'), _ext.
 "
     # without the kernels the GPU steps would only skip: say so once, per step
     [ "$LAST_RC" = 0 ] || NOT_BUILT="the build did not give tpamp._C with CUDA kernels (build.log, build_check.log)"
+    # a rejected call raises (each probe in its own process: a crash there names the toolchain)
+    [ -n "$NOT_BUILT" ] || step errors 40 "$PY" scripts/gpu_check.py errors --out "$OUT"
 fi
+
+# pytest-xdist runs the tests in worker processes, so a test that crashes its process is one
+# failed test ("worker crashed") and the others still run; pytest-timeout bounds each test
+PYTEST_EXTRA=()
+"$PY" -c "import xdist" 2> /dev/null && PYTEST_EXTRA+=(-n 4)
+"$PY" -c "import pytest_timeout" 2> /dev/null && PYTEST_EXTRA+=(--timeout 90)
 
 # --- the CUDA tests
 if [ -n "$NOT_BUILT" ]; then
@@ -153,12 +165,12 @@ if [ -n "$NOT_BUILT" ]; then
 elif [ "$DRY" = 1 ]; then
     step cuda_tests 40 "$PY" -m pytest -m cuda -q -p no:cacheprovider -rs tests/test_kernels_cuda.py
 else
-    step cuda_tests 120 "$PY" -m pytest -m cuda -q -p no:cacheprovider -rs tests/
+    step cuda_tests 120 "$PY" -m pytest -m cuda -q -p no:cacheprovider -rs "${PYTEST_EXTRA[@]}" tests/
 fi
 
 # --- kernels vs CPU twins vs float64, graph replay, timings
 if [ "$DRY" = 1 ]; then
-    step parts 40 "$PY" scripts/gpu_check.py env compare graph bench --out "$OUT" --dry-run
+    step parts 40 "$PY" scripts/gpu_check.py env errors compare graph bench --out "$OUT" --dry-run
 else
     step compare 90 "$PY" scripts/gpu_check.py compare --out "$OUT"
     step graph 45 "$PY" scripts/gpu_check.py graph --out "$OUT"
@@ -186,8 +198,9 @@ step train_run 90 env RANK=0 LOCAL_RANK=0 WORLD_SIZE=1 LOCAL_WORLD_SIZE=1 MASTER
     --no-progress --dist-timeout 60 --log-dir "$OUT/train"
 fi
 
-# --- the kernel tests under compute-sanitizer (the > 2^31-element tests are left out: hours
-# under the sanitizer)
+# --- every kernel under compute-sanitizer: the comparisons at the dry run's sizes (compare
+# --small; the pytest file took > 75 s under memcheck at its sizes, and the > 2^31-element case
+# would take hours), rows in OUTDIR/<tool>/
 SAN="$(command -v compute-sanitizer || true)"
 [ -n "$SAN" ] || { [ -x "$CUDA_HOME/bin/compute-sanitizer" ] && SAN="$CUDA_HOME/bin/compute-sanitizer"; }
 for tool in memcheck racecheck; do
@@ -198,8 +211,8 @@ for tool in memcheck racecheck; do
     elif [ -z "$SAN" ]; then
         skip "$tool" "compute-sanitizer not found on PATH or in $CUDA_HOME/bin"
     else
-        step "$tool" 75 "$SAN" --tool "$tool" --error-exitcode 97 --target-processes all \
-            "$PY" -m pytest -q -p no:cacheprovider -x tests/test_kernels_cuda.py -k "not 2_pow_31"
+        step "$tool" 60 "$SAN" --tool "$tool" --error-exitcode 97 --target-processes all \
+            "$PY" scripts/gpu_check.py compare --small --out "$OUT/$tool"
     fi
 done
 

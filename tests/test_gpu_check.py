@@ -54,7 +54,8 @@ def test_dry_run_runs_every_step_and_passes(tmp_path):
                   "scale_and_copy, scale_, scaler update: device = twin = float64",
                   "fused_adam_step_ / fused_sgd_step_: device = twin = float64",
                   "grad_sumsq_exact, exact_sumsq_to_double: device = twin = exact",
-                  "sync-free step: graph replay = eager", "train_gpt.py short run"):
+                  "sync-free step: graph replay = eager", "train_gpt.py short run",
+                  "error path: cpu launcher raises, does not crash"):
         assert by_check[check]["status"] == "PASS", by_check[check]
     # the timings are dry-run figures, labelled so, never GPU ones
     for check in ("grad-stats pass / copy bandwidth", "one-pass AdamW step / AdamW(fused=True) fp32"):
@@ -115,3 +116,23 @@ def test_comparison_fails_on_a_one_bit_difference(tmp_path):
     gpu_check.compare_copies(ctx, rows, [0, 3, 101, 203, 305])
     assert rows.rows[-1]["status"] == "FAIL"
     assert "scale_and_copy" in rows.rows[-1]["note"] and "differs" in rows.rows[-1]["note"]
+
+
+def test_the_error_path_probe_reports_a_crash_with_the_toolchain(tmp_path, monkeypatch):
+    """A probe process that dies by a signal (as tpamp._C did on the first GPU machine, SIGSEGV
+    while formatting an error message) is a FAIL row naming the signal and the toolchain facts,
+    not a crash of the check; a probe that does not raise is a FAIL too."""
+    import argparse
+
+    monkeypatch.setattr(gpu_check, "_ERROR_PROBE",
+                        "import os, signal; os.kill(os.getpid(), signal.SIGSEGV)")
+    ctx = argparse.Namespace(dry=True)
+    rows = gpu_check.Rows(str(tmp_path), "errors")
+    gpu_check.part_errors(ctx, rows)
+    (row,) = rows.rows
+    assert row["status"] == "FAIL" and row["value"] == "crashed (signal 11)", row
+    assert row["note"].startswith("CXX=") and "_C" in row["note"], row
+    monkeypatch.setattr(gpu_check, "_ERROR_PROBE", "print('NO ERROR')")
+    rows = gpu_check.Rows(str(tmp_path), "errors")
+    gpu_check.part_errors(ctx, rows)
+    assert rows.rows[0]["status"] == "FAIL" and "NO ERROR" in rows.rows[0]["value"], rows.rows

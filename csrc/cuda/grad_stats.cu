@@ -15,6 +15,15 @@
 
 #include <ATen/ops/empty.h>
 
+// Tuning knobs measured by the GPU check's variants (docs/benchmarks.md): the one-barrier tail
+// and the vector loads in flight per thread.
+#ifndef TPAMP_GS_FUSED_TAIL
+#define TPAMP_GS_FUSED_TAIL 1
+#endif
+#ifndef TPAMP_GS_UNROLL
+#define TPAMP_GS_UNROLL kUnroll
+#endif
+
 namespace tpamp {
 namespace cuda {
 namespace {
@@ -43,7 +52,7 @@ struct GradStatsFunctor {
     const bool zeros = count_zeros;
     // Per thread: the math of kernels/grad_stats.h on float lanes, over the values as stored.
     StatsLanes<float> acc = stats_init<float>();
-    transform_chunk(in, out, c.n, c.aligned, c.write, [&](in_t x) -> out_t {
+    transform_chunk<TPAMP_GS_UNROLL>(in, out, c.n, c.aligned, c.write, [&](in_t x) -> out_t {
       float v = static_cast<float>(x);
       if (mul) v = scale_value(v, s);
       const out_t w = static_cast<out_t>(v);
@@ -66,6 +75,35 @@ struct GradStatsFunctor {
       }
     }
 
+#if TPAMP_GS_FUSED_TAIL
+    // The four results in one reduction: each warp reduces with block_reduce's shuffle tree, the
+    // warp totals meet in shared memory after one barrier, and warp 0 reduces them in warp order.
+    // The same tree as four block_reduce calls (the same bits) with one barrier instead of eight:
+    // a chunk is only 16 vector steps a thread, so its tail is a large share of its time.
+    const int lane = threadIdx.x & 31;
+    const int warp = threadIdx.x >> 5;
+    double sq = warp_reduce(cs.sumsq, SumOp{});
+    float mx = warp_reduce(cs.amax, MaxNanOp{});
+    int nz = warp_reduce(static_cast<int>(cs.zeros), SumOp{});
+    const bool warp_bad = __any_sync(0xffffffffu, cs.found != 0);
+    __shared__ double shared_d[32];
+    __shared__ float shared_f[32];
+    __shared__ int shared_i[32];
+    __shared__ int shared_b[32];
+    if (lane == 0) {
+      shared_d[warp] = sq;
+      shared_f[warp] = mx;
+      shared_i[warp] = nz;
+      shared_b[warp] = warp_bad ? 1 : 0;
+    }
+    __syncthreads();
+    if (warp != 0) return;
+    constexpr int kWarps = kBlockSize / 32;
+    sq = warp_reduce(lane < kWarps ? shared_d[lane] : 0.0, SumOp{});
+    mx = warp_reduce(lane < kWarps ? shared_f[lane] : 0.0f, MaxNanOp{});
+    nz = warp_reduce(lane < kWarps ? shared_i[lane] : 0, SumOp{});
+    const bool any_bad = __any_sync(0xffffffffu, lane < kWarps && shared_b[lane] != 0);
+#else
     __shared__ double shared_d[32];
     __shared__ float shared_f[32];
     __shared__ int shared_i[32];
@@ -73,6 +111,7 @@ struct GradStatsFunctor {
     const double sq = block_reduce(cs.sumsq, SumOp{}, 0.0, shared_d);
     const float mx = block_reduce(cs.amax, MaxNanOp{}, 0.0f, shared_f);
     const int nz = block_reduce(static_cast<int>(cs.zeros), SumOp{}, 0, shared_i);
+#endif
     if (threadIdx.x == 0) {
       p.sumsq[c.slot] = c.masked ? sq : 0.0;
       p.amax[c.slot] = c.masked ? mx : 0.0f;

@@ -191,22 +191,23 @@ struct VecWidth {
 // results when `store` is true. f may accumulate statistics in the caller's registers. `in` and
 // `out` may be the same memory (in place): each element is read and written by one thread, and
 // all reads of a step precede its writes.
-template <typename in_t, typename out_t, typename F>
+// U: vector loads in flight per thread (kUnroll unless a functor measured better).
+template <int U = kUnroll, typename in_t, typename out_t, typename F>
 __device__ __forceinline__ void transform_chunk(const in_t* in, out_t* out, int n, bool aligned,
                                                 bool store, F&& f) {
   constexpr int V = VecWidth<in_t, out_t>::value;
   int scalar_start = 0;
   if (aligned) {
     const int nvec = n / V;
-    for (int base = threadIdx.x; base < nvec; base += kBlockSize * kUnroll) {
-      Pack<in_t, V> buf[kUnroll];
+    for (int base = threadIdx.x; base < nvec; base += kBlockSize * U) {
+      Pack<in_t, V> buf[U];
 #pragma unroll
-      for (int u = 0; u < kUnroll; ++u) {
+      for (int u = 0; u < U; ++u) {
         const int p = base + u * kBlockSize;
         if (p < nvec) buf[u] = reinterpret_cast<const Pack<in_t, V>*>(in)[p];
       }
 #pragma unroll
-      for (int u = 0; u < kUnroll; ++u) {
+      for (int u = 0; u < U; ++u) {
         const int p = base + u * kBlockSize;
         if (p < nvec) {
           Pack<out_t, V> o;
