@@ -30,6 +30,12 @@ def _wrappers(params, st=None):
         "DistributedOptimizer": lambda: tpamp.DistributedOptimizer(
             torch.optim.SGD(params, lr=0.1), grad_scaler=tpamp.ConstantGradScaler(1.0),
             data_parallel_group=dist.group.WORLD if st is None else st.dp_group),
+        # one param owned per DP rank: the rank that owns no marked param must refuse too
+        "LayerWiseDistributedOptimizer": lambda: tpamp.LayerWiseDistributedOptimizer(
+            torch.optim.SGD(params, lr=0.1), grad_scaler=tpamp.ConstantGradScaler(1.0),
+            data_parallel_group=dist.group.WORLD if st is None else st.dp_group),
+        "TorchAMPOptimizer": lambda: tpamp.TorchAMPOptimizer(
+            torch.optim.SGD(params, lr=0.1), tpamp.ModelParallelGradScaler("cpu")),
     }
     return mk
 
@@ -70,17 +76,49 @@ def _from_state(rank, world_size):
     ok, _, _ = opt.step()
     dopt = tpamp.DistributedOptimizer(torch.optim.SGD(_params(rank), lr=0.1),
                                       grad_scaler=tpamp.ConstantGradScaler(1.0))
+    # the layer-wise optimizer: the same overflow on TP rank 1 only
+    lw_params = _params(rank)
+    lw = tpamp.LayerWiseDistributedOptimizer(
+        torch.optim.SGD(lw_params, lr=0.1), data_parallel_group=st.dp_group,
+        grad_scaler=tpamp.DynamicGradScaler(initial_scale=4.0, hysteresis=1))
+    for p in lw_params:
+        p.grad = torch.ones_like(p)
+    if rank == 1:
+        lw_params[0].grad[0, 0] = float("inf")
+    lw_ok, _, _ = lw.step()
+    # torch.amp: the groups from the state; a scaler that reduces over no group is refused
+    amp_params = [p.detach().float().requires_grad_() for p in _params(rank)]
+    amp_params[0].tensor_model_parallel = True
+    try:
+        tpamp.TorchAMPOptimizer(torch.optim.SGD(amp_params, lr=0.1),
+                                tpamp.ModelParallelGradScaler("cpu"))
+        amp_refused = None
+    except ValueError as e:
+        amp_refused = str(e)
+    amp = tpamp.TorchAMPOptimizer(
+        torch.optim.SGD(amp_params, lr=0.1),
+        tpamp.ModelParallelGradScaler("cpu", init_scale=4.0,
+                                      model_parallel_group=st.model_parallel_group))
     return {"groups": groups_ok, "ok": bool(ok), "scale": float(opt.get_loss_scale().item()),
             "dist_tp": dopt.tensor_parallel_group is st.tp_group
-            and dopt.data_parallel_group is st.dp_group}
+            and dopt.data_parallel_group is st.dp_group,
+            "lw_groups": lw.tensor_parallel_group is st.tp_group,
+            "lw_ok": bool(lw_ok), "lw_scale": float(lw.get_loss_scale().item()),
+            "amp_refused": amp_refused is not None and "model_parallel_group" in amp_refused,
+            "amp_groups": amp.tensor_parallel_group is st.tp_group
+            and amp.grad_stats_group is st.model_parallel_group}
 
 
 def test_groups_come_from_tpamp_parallel_state():
     """Both TP ranks skip and back off although only rank 1 saw the inf (hand-worked: scale 4,
-    hysteresis 1 -> 2)."""
+    hysteresis 1 -> 2), in MixedPrecisionOptimizer and LayerWiseDistributedOptimizer; the
+    other wrappers take the state's groups, and TorchAMPOptimizer refuses a scaler that would
+    let each TP rank skip on its own."""
     res = run_workers(_from_state, 2)
     for r in res:
-        assert r == {"groups": True, "ok": False, "scale": 2.0, "dist_tp": True}, res
+        assert r == {"groups": True, "ok": False, "scale": 2.0, "dist_tp": True,
+                     "lw_groups": True, "lw_ok": False, "lw_scale": 2.0, "amp_refused": True,
+                     "amp_groups": True}, res
 
 
 def test_one_rank_needs_no_group():

@@ -37,6 +37,7 @@ from tpamp.grad_stats import (
     get_grad_norm_fp32,
 )
 from tpamp.optimizer import OptimizerWrapper, StepResult
+from tpamp.parallel import resolve_tensor_parallel_group
 
 __all__ = ["ModelParallelGradScaler", "TorchAMPModel", "TorchAMPLoss", "TorchAMPOptimizer"]
 
@@ -381,9 +382,15 @@ class TorchAMPOptimizer(OptimizerWrapper):
     ((False, None, None) for a skipped step). Gradient accumulation: call ``backward`` (or
     ``scale_loss(loss).backward()``) for each micro-batch, then ``step()`` once.
 
+    Params that carry Megatron's ``tensor_model_parallel=True`` with no tensor_parallel_group
+    take the TP and model-parallel groups of the initialized parallel state (docs/spec.md
+    section 22), as the other wrappers do.
+
     Raises TypeError for an optimizer that is not a ``torch.optim.Optimizer`` or a scaler that
     is not a ``torch.amp.GradScaler``; ValueError for a clip_grad that is not a finite number
-    >= 0, a norm_type below 1 or nan, or a group this rank is not a member of. ``step()``
+    >= 0, a norm_type below 1 or nan, a group this rank is not a member of, TP params with no
+    TP group and no parallel state, or a TP group of more than one rank with an enabled scaler
+    that reduces found_inf over no group (each TP rank would skip on its own). ``step()``
     raises RuntimeError when called again without a new backward, and (first step) ValueError
     on every rank when the ranks of the grad-stats group disagree on these settings.
     """
@@ -412,6 +419,17 @@ class TorchAMPOptimizer(OptimizerWrapper):
         _check_norm_type(norm_type)
         _validation.check_group_member(grad_stats_group, "grad_stats_group")
         _validation.check_group_member(tensor_parallel_group, "tensor_parallel_group")
+        tensor_parallel_group, grad_stats_group = resolve_tensor_parallel_group(
+            [p for g in optimizer.param_groups for p in g["params"]], tensor_parallel_group,
+            grad_stats_group, owner="TorchAMPOptimizer")
+        if (tensor_parallel_group is not None and dist.get_world_size(tensor_parallel_group) > 1
+                and scaler.is_enabled() and getattr(scaler, "_model_parallel_group", None) is None):
+            raise ValueError(
+                "TorchAMPOptimizer: the params are split over a tensor-parallel group of "
+                f"{dist.get_world_size(tensor_parallel_group)} ranks but the scaler reduces "
+                "found_inf over no group, so each TP rank would take its own skip decision: "
+                "build the scaler as tpamp.ModelParallelGradScaler(..., model_parallel_group="
+                "<the TP x PP group, as grad_stats_group>)")
         self.optimizer = optimizer
         self.scaler = scaler
         self.clip_grad = float(clip_grad)

@@ -49,6 +49,7 @@ from tpamp.optimizer import (
     clear_grad,
     param_dtype_error,
 )
+from tpamp.parallel import resolve_tensor_parallel_group
 
 __all__ = ["LayerWiseDistributedOptimizer", "layerwise_owners", "layerwise_cost"]
 
@@ -170,8 +171,12 @@ class LayerWiseDistributedOptimizer(MixedPrecisionOptimizer):
         data_parallel_group: this rank's DP group (required; a one-rank group for DP=1).
         grad_stats_group: the TP x PP x DP group for found_inf, norm and zeros
             (``torch.distributed.group.WORLD`` with ``tpamp.parallel`` layouts); None means
-            ``data_parallel_group`` (a model without TP or PP).
-        tensor_parallel_group: the TP group, to count TP-replicated params once.
+            ``data_parallel_group`` (a model without TP or PP), or WORLD when the TP group
+            comes from the parallel state (below).
+        tensor_parallel_group: the TP group, to count TP-replicated params once. None with
+            params that carry Megatron's ``tensor_model_parallel=True``: the TP group of
+            ``parallel_state`` or of the initialized parallel state, else ValueError on every
+            rank (docs/spec.md section 22).
         grad_scaler, clip_grad, norm_type, log_num_zeros_in_grad, skip_nonfinite,
         spike_detector, fused_step, param_names, parallel_state, deterministic_grad_norm: as for
             MixedPrecisionOptimizer (``param_names`` also names the params this rank does not
@@ -220,6 +225,12 @@ class LayerWiseDistributedOptimizer(MixedPrecisionOptimizer):
                 "of one rank for DP=1), got None"
             )
         _validation.check_group_member(data_parallel_group, "data_parallel_group")
+        # TP params with no TP group: the parallel state's groups, else a ValueError, on every
+        # rank alike (all params are looked at, before the unowned ones are set aside)
+        tensor_parallel_group, grad_stats_group = resolve_tensor_parallel_group(
+            [p for g in optimizer.param_groups for p in g["params"]], tensor_parallel_group,
+            grad_stats_group, owner="LayerWiseDistributedOptimizer", default_stats_group="world",
+            parallel_state=parallel_state)
         if grad_stats_group is None:
             grad_stats_group = data_parallel_group
         _validation.check_group_member(grad_stats_group, "grad_stats_group")
