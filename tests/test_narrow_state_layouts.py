@@ -9,7 +9,9 @@ with the same grads. The params must come out bit for bit the same, and the stat
 to the param's elements (each moment decoded, read in the param's logical order, equals the
 twin's). Through MixedPrecisionOptimizer (the kernel and the PyTorch reference), and through
 DistributedOptimizer on gloo ranks (LayerWiseDistributedOptimizer takes no narrow-state
-option; the FSDP2 path is not covered here).
+option). The FSDP2 path cannot receive such a param: fully_shard refuses a non-contiguous one
+and copies any other into a contiguous shard of its own (checked below, with bf16 and uint8
+moments on a view at a storage offset).
 
 (On e82d3a5 a transposed bf16 param with ``store_param_remainders=True`` stepped to wrong values,
 and a transposed param with stochastic rounding kept its float32 moments in another element
@@ -153,3 +155,101 @@ def test_distributed_optimizer_steps_any_layout_as_its_twin():
     if not ops.extension_available("cpu"):
         pytest.skip("CPU kernels not built")
     run_workers(_dist_worker, 2, timeout=120.0)
+
+
+# ---- the FSDP2 path (tpamp.fsdp.fully_shard_optimizer) -----------------------------------------
+
+
+def _fp32_layout(name):
+    """An fp32 param of each layout (FSDP2 takes fp32 params); a dense view at a storage
+    offset of 61 rows: uneven over 2 ranks, so one rank's shard is padded by FSDP2."""
+    g = torch.Generator().manual_seed(0)
+    if name == "transposed":
+        return torch.randn(64, 96, generator=g).t()
+    big = torch.randn(64, 300, generator=g)
+    return {"sliced": big[:, 10:106], "strided": big[:, ::3],
+            "offset": big.view(-1)[7:7 + 6100].view(61, 100)}[name]
+
+
+class _Holder(torch.nn.Module):
+    def __init__(self, data):
+        super().__init__()
+        self.w = torch.nn.Parameter(data)
+
+    def forward(self, x):
+        return (self.w * x).sum()
+
+
+def _fsdp_worker(rank, world_size):
+    from torch.distributed.fsdp import fully_shard
+
+    from tpamp.parallel import initialize_model_parallel
+
+    mesh = initialize_model_parallel(1, 1).mesh["dp"]
+    out = {}
+    # FSDP2 refuses a param that is not contiguous before sharding anything
+    for layout in ("transposed", "sliced", "strided"):
+        data = _fp32_layout(layout)
+        assert not data.is_contiguous()
+        try:
+            fully_shard(_Holder(data), mesh=mesh)
+            out[layout] = None
+        except NotImplementedError as e:
+            out[layout] = str(e)
+    # a contiguous view at a storage offset is accepted, but copied: the optimizer receives
+    # FSDP2's own shard (contiguous, offset 0, in a padded buffer of its own), so it steps as
+    # its contiguous twin, state included
+    for option in ("bf16", "u8"):
+        data = _fp32_layout("offset")
+        runs = []
+        for d in (data, data.contiguous().clone()):
+            model = _Holder(d)
+            fully_shard(model, mesh=mesh)
+            local = model.w.to_local()
+            layout = (local.is_contiguous(), local.storage_offset(),
+                      local.untyped_storage().data_ptr() == data.untyped_storage().data_ptr(),
+                      local.untyped_storage().nbytes() // 4 - local.numel())
+            start = local.detach().clone()
+            opt = tpamp.fsdp.fully_shard_optimizer(
+                torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1), mesh,
+                **OPTIONS[option])
+            for x in _grads(data.shape):
+                model(x.float()).backward()  # the same x on every rank: the DP mean is x
+                assert opt.step().update_successful
+                opt.zero_grad()
+            st = opt.optimizer.state[model.w]
+            moments = [(t.to_local() if hasattr(t, "to_local") else t) for t in
+                       (st["exp_avg"], st.get("exp_avg_scale"), st["exp_avg_sq"],
+                        st.get("exp_avg_sq_scale"))]
+            moved = bool((model.w.to_local().detach() != start).all())
+            runs.append((layout + (moved,), model.w.to_local().detach().clone(),
+                         sf.decode_moment(moments[0], moments[1]),
+                         sf.decode_moment(moments[2], moments[3], sqrt=True),
+                         str(moments[0].dtype), str(moments[2].dtype)))
+        (lay_p, p, m1, v1, d1, d2), (lay_q, q, m2, v2, e1, e2) = runs
+        out[option] = dict(layout=lay_p, twin_layout=lay_q, dtypes=(d1, d2, e1, e2),
+                           same=torch.equal(p.view(torch.int32), q.view(torch.int32))
+                           and torch.equal(m1, m2) and torch.equal(v1, v2))
+    return out
+
+
+def test_fsdp2_takes_only_contiguous_params_and_steps_an_offset_view_as_its_twin():
+    """The FSDP2 path (docs/spec.md section 9, Layouts): fully_shard refuses a transposed,
+    sliced or strided param (NotImplementedError), and shards any other into a contiguous
+    buffer of its own, so the optimizer only ever sees contiguous local shards at offset 0
+    (a padded buffer on the rank whose shard is short); with bf16 and uint8 moments such a
+    param (a view at a storage offset, 61 rows over 2 ranks) steps as its contiguous twin."""
+    if not ops.extension_available("cpu"):
+        pytest.skip("CPU kernels not built")
+    results = run_workers(_fsdp_worker, 2, timeout=60.0)
+    for rank, out in enumerate(results):
+        for layout in ("transposed", "sliced", "strided"):
+            assert out[layout] is not None and "non-contiguous" in out[layout], (rank, layout)
+        for option, want in (("bf16", "torch.bfloat16"), ("u8", "torch.uint8")):
+            got = out[option]
+            assert got["dtypes"] == (want,) * 4, (rank, option, got["dtypes"])
+            # contiguous, at offset 0, not the original storage; padded on rank 1 (30 of 31
+            # rows); every element stepped
+            assert got["layout"] == (True, 0, False, 100 * rank, True), (rank, option, got["layout"])
+            assert got["twin_layout"] == got["layout"], (rank, option)
+            assert got["same"], (rank, option)
