@@ -312,6 +312,38 @@ def _misuse(rank, world):
     return errors
 
 
+def _lr_per_dp_rank(rank, world):
+    from torch.distributed.fsdp import fully_shard
+
+    from tpamp.parallel import initialize_model_parallel
+
+    mesh = initialize_model_parallel(1, 1).mesh["dp"]
+    torch.manual_seed(0)
+    model = torch.nn.Linear(8, 4)
+    fully_shard(model, mesh=mesh)
+    before = [p.to_local().clone() for p in model.parameters()]
+    opt = tpamp.fsdp.fully_shard_optimizer(
+        torch.optim.SGD(model.parameters(), lr=(0.1, 0.2)[rank]), mesh)
+    model(torch.ones(2, 8)).sum().backward()
+    try:
+        opt.step()
+        err = None
+    except ValueError as e:
+        err = str(e)
+    same = all(torch.equal(b, p.to_local()) for b, p in zip(before, model.parameters()))
+    return {"err": err, "unchanged": same}
+
+
+def test_an_lr_that_differs_across_the_dp_shards_is_refused_on_every_rank():
+    """The DP ranks hold shards of the same params: an inner lr of 0.1 on one and 0.2 on the
+    other would update the halves of one param differently. Both ranks refuse it at the first
+    step, naming the setting and both values, with the params unchanged (before: both
+    stepped)."""
+    for res in run_workers(_lr_per_dp_rank, 2, timeout=30):
+        assert res["err"] is not None and res["unchanged"], res
+        assert "'lr'" in res["err"] and "0.1" in res["err"] and "0.2" in res["err"], res["err"]
+
+
 def test_misuse_is_refused_with_a_clear_error():
     for errors in run_workers(_misuse, 2, timeout=30):
         assert len(errors) == 2

@@ -90,10 +90,13 @@ def _peer_groups(wrapper) -> List[Optional[Tuple[int, ...]]]:
     ep = getattr(wrapper, "expert_parallel_group", None)
     if ep is None and state is not None:
         ep = state.ep_group
+    dp = getattr(wrapper, "data_parallel_group", None)
+    if dp is None:  # tpamp.fsdp.fully_shard_optimizer: the group its params are sharded over
+        dp = getattr(wrapper, "fsdp_data_parallel_group", None)
     groups = [
         getattr(wrapper, "tensor_parallel_group", None),
         _inner_tp_group(wrapper.optimizer),
-        getattr(wrapper, "data_parallel_group", None),
+        dp,
         getattr(wrapper, "expert_tensor_parallel_group", None),
         getattr(wrapper, "expert_data_parallel_group", None),
         ep,

@@ -370,6 +370,10 @@ def fully_shard_optimizer(optimizer: torch.optim.Optimizer, mesh, *, tp_dim: str
         fused_step, sync_free, deterministic_grad_norm), with its guards (step guard, cross-rank
         settings check).
 
+    Returns the :class:`tpamp.FP32Optimizer`; its ``fsdp_data_parallel_group`` is the mesh's DP
+    group, across which the first step's settings check compares the inner optimizer's
+    hyperparameters (the DP ranks hold shards of the same params).
+
     Collective: every rank of ``mesh`` must call it (when ``mesh`` does not span the whole
     default group, a ``new_group``: then every rank of the default group).
     Raises TypeError for a mesh that is not a DeviceMesh or a param that is not an fp32
@@ -401,6 +405,9 @@ def fully_shard_optimizer(optimizer: torch.optim.Optimizer, mesh, *, tp_dim: str
         optimizer, grad_stats_group=group, tensor_parallel_group=tp_group, **kwargs
     )
     _DP_GROUPS[opt] = dp_group
+    # the DP ranks hold shards of the same params: the cross-rank settings check compares the
+    # inner optimizer's hyperparameters across them (tpamp._peer_settings; docs/spec.md 2.4)
+    opt.fsdp_data_parallel_group = dp_group
     return opt
 
 
