@@ -18,6 +18,9 @@ group (tcp://127.0.0.1), one thread each.
      mpo   the hand all-reduce of scripts/train_gpt.py (one flat fp32 buffer, all_reduce SUM,
            divide, copy back) + MixedPrecisionOptimizer.step() (full AdamW on every rank).
 
+     det   (with ``--deterministic``) DistributedOptimizer(deterministic_grad_reduction=True):
+           the DP-rank-ordered reduce-scatter (one all-to-all and an ordered sum); its cost is
+           the paired median det/dist.
      base  (with ``--baseline REV``) DistributedOptimizer as tpamp/distributed_optimizer.py was
            at git revision REV (loaded from ``git show``, the rest of tpamp from this tree),
            for a before/after comparison in the same run.
@@ -67,6 +70,8 @@ def parse_args(argv=None):
     p.add_argument("--baseline", default=None, metavar="REV",
                    help="also time DistributedOptimizer as of this git revision, interleaved")
     p.add_argument("--json", default=None)
+    p.add_argument("--deterministic", action="store_true",
+                   help="also time deterministic_grad_reduction=True ('det'; paired det/dist)")
     return p.parse_args(argv)
 
 
@@ -81,6 +86,7 @@ def model_shapes(numel: int, tensors: int):
 
 
 BASELINE = None  # the module of --baseline's DistributedOptimizer
+DETERMINISTIC = False  # --deterministic: also time deterministic_grad_reduction=True
 
 
 def load_baseline(rev: str):
@@ -118,8 +124,10 @@ def build(kind, shapes, dp_group, bucket_size):
     adamw = torch.optim.AdamW(groups, lr=1e-4)
     kw = dict(grad_scaler=tpamp.DynamicGradScaler(initial_scale=LOSS_SCALE), clip_grad=1.0,
               log_num_zeros_in_grad=True)
-    if kind in ("dist", "base"):
-        cls = tpamp.DistributedOptimizer if kind == "dist" else BASELINE.DistributedOptimizer
+    if kind == "det":
+        kw["deterministic_grad_reduction"] = True
+    if kind in ("dist", "base", "det"):
+        cls = BASELINE.DistributedOptimizer if kind == "base" else tpamp.DistributedOptimizer
         opt = cls(adamw, data_parallel_group=dp_group, bucket_size=bucket_size, **kw)
     else:
         opt = tpamp.MixedPrecisionOptimizer(adamw, grad_stats_group=None, **kw)
@@ -167,7 +175,8 @@ def memory_worker(rank, world, shapes, bucket_size):
 
 
 def time_worker(rank, world, shapes, bucket_size, reps, warmup):
-    kinds = ("dist", "mpo") + (("base",) if BASELINE is not None else ())
+    kinds = ("dist", "mpo") + (("base",) if BASELINE is not None else ()) + (
+        ("det",) if DETERMINISTIC else ())
     built = {k: build(k, shapes, dist.group.WORLD, bucket_size) for k in kinds}
     grads = make_grads(built["dist"][0], rank)
     times = {k: [] for k in built}
@@ -239,7 +248,8 @@ def machine() -> str:
 
 def main(argv=None):
     args = parse_args(argv)
-    global BASELINE
+    global BASELINE, DETERMINISTIC
+    DETERMINISTIC = args.deterministic  # before the fork: every rank has it
     if args.baseline:
         BASELINE = load_baseline(args.baseline)  # before the fork: every rank has it
     shapes = model_shapes(int(args.numel), args.tensors)
@@ -291,6 +301,12 @@ def main(argv=None):
         print(f"  paired median base/mpo: {report['paired_base_over_mpo']:.3f}x, dist/base: "
               f"{report['paired_dist_over_base']:.3f}x; model params bit-identical to "
               f"{args.baseline}'s after the run (rank 0): {same}")
+    if "det" in times:
+        report["paired_det_over_dist"] = statistics.median(
+            a / b for a, b in zip(times["det"], times["dist"]))
+        print(f"  DistributedOptimizer.step, deterministic_grad_reduction=True:        median "
+              f"{med['det']:.1f} ms, min {report['min_ms']['det']:.1f} ms; paired det/dist: "
+              f"{report['paired_det_over_dist']:.3f}x")
     print(f"  paired median dist/mpo: {paired:.3f}x   (load {report['load_before']:.2f} -> "
           f"{report['load_after']:.2f})")
     if args.json:

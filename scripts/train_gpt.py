@@ -268,8 +268,9 @@ def parse_args(argv=None) -> argparse.Namespace:
       help="Megatron-LM's --deterministic-mode: torch.use_deterministic_algorithms(True) (and "
            "CUBLAS_WORKSPACE_CONFIG=:4096:8 on GPUs) and the optimizer's "
            "deterministic_grad_norm=True: grad norm, zeros, clip and skip decision bitwise "
-           "independent of the TP / PP / DP / EP layout (docs/spec.md section 23); the model's "
-           "matmuls under another TP size and the DP grad sum are not")
+           "independent of the TP / PP / DP / EP layout (docs/spec.md section 23); with "
+           "--use-distributed-optimizer also the DP grad sum in DP-rank order "
+           "(deterministic_grad_reduction); the model's matmuls under another TP size are not")
     # optimizer-state storage (Megatron-core's precision-aware optimizer flags; tpamp.state_formats)
     a("--exp-avg-dtype", choices=STATE_DTYPE_CHOICES, default="fp32",
       help="storage of Adam's exp_avg: fp32, bf16, uint8 (8-bit codes of the dynamic map of "
@@ -1407,7 +1408,9 @@ def build_optimizer(stage, args, st, dtype):
         kwargs.update(data_parallel_group=st.dp_group, grad_stats_group=dist.group.WORLD,
                       param_names=stage.global_named_parameters(), parallel_state=st,
                       overlap_grad_reduce=args.overlap_grad_reduce,
-                      deferred_reduce_params=[tied] if tied is not None else None)
+                      deferred_reduce_params=[tied] if tied is not None else None,
+                      # the DP grad sum in DP-rank order (docs/spec.md section 23)
+                      deterministic_grad_reduction=args.deterministic_mode)
         return tpamp.DistributedOptimizer(adamw, **kwargs)
     # global names (layer index) and the rank's coordinates for optimizer.last_nonfinite
     kwargs.update(param_names=stage.global_named_parameters(), parallel_state=st)
@@ -1799,6 +1802,8 @@ def summarize(run: Run, history, val_loss: float, elapsed: float) -> None:
         "dtype": str(run.dtype).replace("torch.", ""),
         **{name: bool(getattr(args, name)) for name in NUMERICS_FLAGS},
         "deterministic_grad_norm": run.optimizer.deterministic_grad_norm,
+        "deterministic_grad_reduction": bool(
+            getattr(run.optimizer, "deterministic_grad_reduction", False)),
         "tp": st.dims.tp,
         "pp": st.dims.pp,
         "dp": st.dims.dp,

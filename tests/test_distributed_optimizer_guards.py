@@ -237,6 +237,7 @@ SETTINGS_CASES = [
     ("xr-bucket_size", dict(), dict(bucket_size=4), ["bucket_size", "None", "4"]),
     ("xr-overlap", dict(overlap_grad_reduce=True), dict(), ["overlap_grad_reduce"]),
     ("xr-reduce-fp32", dict(grad_reduce_in_fp32=False), dict(), ["grad_reduce_in_fp32"]),
+    ("xr-det-reduction", dict(deterministic_grad_reduction=True), dict(), ["deterministic_grad_reduction"]),
     ("xr-spike-present", dict(spike=SPIKE), dict(), ["spike_detector", "None"]),
     ("xr-spike-policy", dict(spike=SPIKE), dict(spike={**SPIKE, "policy": "raise"}), ["spike policy", "skip", "raise"]),
     ("xr-spike-window", dict(spike=SPIKE), dict(spike={**SPIKE, "window": 8}), ["spike window", "4", "8"]),

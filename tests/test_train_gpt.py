@@ -124,6 +124,7 @@ def test_bf16_and_fp32_runs_train_without_loss_scaling(tmp_path, precision):
     assert summary["dtype"] == {"--bf16": "bfloat16", "--fp32": "float32"}[precision]
     assert summary["skipped_iterations"] == 0 and summary["loss_scale_changes"] == 0
     assert summary["deterministic_grad_norm"] is False  # off unless --deterministic-mode
+    assert summary["deterministic_grad_reduction"] is False
     assert_loss_falls(records)
 
 
@@ -135,6 +136,7 @@ def test_deterministic_mode_reaches_the_optimizer_and_the_run_trains(tmp_path):
                                     "--tensor-model-parallel-size", "1", nproc=2)
     check_records(records, loss_scaling=True)
     assert summary["deterministic_grad_norm"] is True and summary["distributed_optimizer"] is True
+    assert summary["deterministic_grad_reduction"] is True
     assert (summary["tp"], summary["pp"], summary["dp"]) == (1, 2, 1)
 
 

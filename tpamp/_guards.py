@@ -386,6 +386,7 @@ _SETTING_NAMES = (
     "wrapper",
     "norm_type",
     "deterministic_grad_norm",
+    "deterministic_grad_reduction",
     "log_num_zeros_in_grad",
     "clip_grad",
     "skip_nonfinite",
@@ -465,6 +466,8 @@ def _settings(wrapper) -> List[float]:
     if hasattr(wrapper, "data_parallel_group"):  # the DistributedOptimizer's bucketing
         v["grad_reduce_in_fp32"] = float(bool(wrapper.grad_reduce_in_fp32))
         v["overlap_grad_reduce"] = float(bool(wrapper.overlap_grad_reduce))
+        v["deterministic_grad_reduction"] = float(
+            bool(getattr(wrapper, "deterministic_grad_reduction", False)))
         size = wrapper.bucket_size
         v["bucket_size"] = math.inf if size is None else float(size)
     _spike_settings(v, getattr(wrapper, "spike_detector", None))

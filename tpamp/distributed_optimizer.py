@@ -106,6 +106,8 @@ class _Bucket:
     index: int = 0  # position in the optimizer's bucket list (the ring collectives' tag)
     written: set = field(default_factory=set)  # params whose main_grad was written since zeroed
     scratch: Optional[Tensor] = None  # [shard_size] partial sums (gloo ring, d > 2)
+    # [size, shard_size] every rank's chunk of this rank's shard (deterministic_grad_reduction)
+    ordered_recv: Optional[Tensor] = None
     # the group this bucket is reduced and sharded over: DP, or expert-DP for expert params
     group: Optional[object] = None
     size: int = 1  # its number of ranks
@@ -176,6 +178,12 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
         deterministic_grad_norm: a grad norm with the same bits for any layout (any ZeRO-1
             sharding, TP x PP x DP x EP split) of the same global grads: an exact sum of
             squares, as for MixedPrecisionOptimizer (docs/spec.md section 23).
+        deterministic_grad_reduction: reduce-scatter each bucket's grads so that every element
+            is the sum of the ranks' values in DP-rank order, ``((g_0 + g_1) + g_2) + ...``:
+            the same bits whatever the ring position, bucket boundaries and run (one
+            all-to-all and an ordered sum instead of the ring; a receive buffer the size of
+            the bucket while it runs). With 2 ranks every SUM already has these bits and
+            nothing changes (docs/spec.md section 23). Default False.
         data_parallel_group: this rank's DP group (a one-rank group for DP=1); None: the DP x CP
             group of ``parallel_state``, else of the initialized parallel state
             (megatron-core's, or tpamp's last initialize_model_parallel; docs/spec.md section
@@ -309,7 +317,9 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
         stochastic_rounding_seed: int = 0,
         min_8bit_size: Optional[int] = None,
         deterministic_grad_norm: bool = False,
+        deterministic_grad_reduction: bool = False,
     ):
+        _validation.check_bool("deterministic_grad_reduction", deterministic_grad_reduction)
         for gi, group in enumerate(getattr(optimizer, "param_groups", [])):
             for pi, p in enumerate(group["params"]):
                 if hasattr(p, "grad_added_to_main_grad") and getattr(p, "main_grad", None) \
@@ -369,6 +379,7 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
         self.data_parallel_group = data_parallel_group
         self.grad_reduce_in_fp32 = bool(grad_reduce_in_fp32)
         self.overlap_grad_reduce = bool(overlap_grad_reduce)
+        self.deterministic_grad_reduction = deterministic_grad_reduction
         self.bucket_size = bucket_size
         self._dp_size = dist.get_world_size(data_parallel_group)
         self._dp_rank = dist.get_rank(data_parallel_group)
@@ -745,9 +756,12 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
             bucket.grad_data.mul_(1.0 / self._dp_size)
         if bucket.ring and bucket.size > 2 and bucket.scratch is None:
             bucket.scratch = torch.empty_like(bucket.reduce_out)
+        if self.deterministic_grad_reduction and bucket.size > 2 and bucket.ordered_recv is None:
+            bucket.ordered_recv = bucket.grad_data.new_empty((bucket.size, bucket.shard_size))
         bucket.handle = start_reduce_scatter(
             bucket.group, bucket.grad_data, bucket.reduce_out, 2 * bucket.index,
-            ring=bucket.ring, scratch=bucket.scratch)
+            ring=bucket.ring, scratch=bucket.scratch,
+            ordered_recv=bucket.ordered_recv if self.deterministic_grad_reduction else None)
 
     def grad_sources(self):
         """(name, model param, grad) for every gradient the next step() reads: each param's

@@ -19,6 +19,7 @@ import torch.distributed as dist
 
 __all__ = [
     "RingCollective",
+    "OrderedReduceScatter",
     "Finished",
     "reduce_scatter_tensor",
     "all_gather_tensor",
@@ -81,6 +82,25 @@ class RingCollective:
             self._post()
 
 
+class OrderedReduceScatter:
+    """A SUM reduce-scatter whose bits do not depend on ring position, bucket boundaries or run:
+    chunk r of every rank goes to rank r (one all-to-all), which adds the d chunks in group-rank
+    order, ``((c_0 + c_1) + c_2) + ...``, in the buffer's dtype. Each rank sends and receives
+    (d - 1) n / d elements, as in the ring; ``recv`` [d, n / d] (the bucket's size) holds the
+    chunks until ``wait()``. A ring adds chunk r starting at rank r + 1, so for d > 2 its sums
+    differ from rank to rank in their rounding (for d = 2, any SUM of two has the same bits)."""
+
+    def __init__(self, group, data: Tensor, out: Tensor, recv: Tensor):
+        self.out, self.recv = out, recv
+        self.work = dist.all_to_all_single(recv.view(-1), data, group=group, async_op=True)
+
+    def wait(self) -> None:
+        self.work.wait()
+        self.out.copy_(self.recv[0])
+        for chunk in self.recv[1:]:
+            self.out.add_(chunk)
+
+
 class Finished:
     """The handle of a collective that finished at once (a one-rank group)."""
 
@@ -96,13 +116,16 @@ def uses_ring(group, device: torch.device) -> bool:
 
 
 def start_reduce_scatter(group, data: Tensor, out: Tensor, tag: int, *, ring: bool,
-                         scratch: Optional[Tensor] = None):
+                         scratch: Optional[Tensor] = None, ordered_recv: Optional[Tensor] = None):
     """Start the SUM reduce-scatter of the flat ``data`` [n] (n a multiple of the group size d)
     into ``out`` [n / d] (this rank's chunk; the same dtype and device; for d = 1 it may be
     ``data`` itself: nothing to do). ``ring``: by
     :class:`RingCollective` (see :func:`uses_ring`; ``scratch`` [n / d] needed when d > 2).
-    Returns a handle whose ``wait()`` finishes it."""
+    ``ordered_recv`` [d, n / d] (d > 2): by :class:`OrderedReduceScatter` instead, the sum in
+    group-rank order. Returns a handle whose ``wait()`` finishes it."""
     d = dist.get_world_size(group)
+    if ordered_recv is not None and d > 2:
+        return OrderedReduceScatter(group, data, out, ordered_recv)
     if ring:
         return RingCollective(group, data.view(d, -1), tag, out=out, scratch=scratch)
     if d == 1:
