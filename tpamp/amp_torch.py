@@ -423,7 +423,7 @@ class TorchAMPOptimizer(OptimizerWrapper):
             [p for g in optimizer.param_groups for p in g["params"]], tensor_parallel_group,
             grad_stats_group, owner="TorchAMPOptimizer")
         if (tensor_parallel_group is not None and dist.get_world_size(tensor_parallel_group) > 1
-                and scaler.is_enabled() and getattr(scaler, "_model_parallel_group", None) is None):
+                and scaler.is_enabled() and getattr(scaler, "model_parallel_group", None) is None):
             raise ValueError(
                 "TorchAMPOptimizer: the params are split over a tensor-parallel group of "
                 f"{dist.get_world_size(tensor_parallel_group)} ranks but the scaler reduces "
