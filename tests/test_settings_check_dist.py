@@ -159,21 +159,27 @@ def _expert_tp_peers(rank, world_size):
 
 def test_an_lr_that_differs_between_expert_tp_peers_is_refused_on_every_rank():
     # EP peers ([0, 2], [1, 3]) agree; only the expert-TP peers differ
-    results = run_workers(_expert_tp_peers, 4, timeout=20)
+    # every rank of the expert grad-stats group (all 4) gathered the same rows: each names the
+    # first group that differs; both expert-TP groups were found to differ, nothing else
+    _assert_refused_on_every_rank(
+        run_workers(_expert_tp_peers, 4, timeout=20), "etp",
+        ("'lr' of param group 1", "expert-tensor-parallel group [0, 1]", "rank 0: 0.25",
+         "rank 1: 0.125"),
+        [("expert-tensor-parallel", [0, 1]), ("expert-tensor-parallel", [2, 3])])
+
+
+def _assert_refused_on_every_rank(results, case, words, found):
+    """The equal-lr step ran; the `case` step raised the same ValueError holding `words` on
+    every rank with the params unchanged; the peer groups found to differ are `found`."""
     for rank, out in enumerate(results):
         assert out["same"][0] is None and not out["same"][2], (rank, out["same"])
-        kind, msg, unchanged, _ = out["etp"]
+        kind, msg, unchanged, _ = out[case]
         assert kind == "ValueError", (rank, msg)
-        # every rank of the expert grad-stats group (all 4) gathered the same rows: each
-        # names the first group that differs
-        for word in ("'lr' of param group 1", "expert-tensor-parallel group [0, 1]",
-                     "rank 0: 0.25", "rank 1: 0.125"):
+        for word in words:
             assert word in msg, (rank, word, msg)
         assert unchanged, f"rank {rank}: the refused step changed a param"
-        # both expert-TP groups were found to differ, and nothing else (EP peers agree)
-        assert out["found"] == [("expert-tensor-parallel", [0, 1]),
-                                ("expert-tensor-parallel", [2, 3])], (rank, out["found"])
-    assert all(out["etp"][1] == results[0]["etp"][1] for out in results)
+        assert out["found"] == found, (rank, out["found"])
+    assert all(out[case][1] == results[0][case][1] for out in results)
 
 
 def _expert_dp_peers(rank, world_size):
@@ -196,17 +202,10 @@ def test_an_lr_that_differs_between_expert_dp_peers_is_refused_on_every_rank():
     # EP peers ([0, 1], [2, 3]) agree; the expert-DP peers ([0, 2], [1, 3]) differ. The dense
     # DP group (dp_cp_group, every rank here) holds the expert-DP peers of each stage and comes
     # first in PEER_KINDS, so it is the group the message names (the difference is the same)
-    results = run_workers(_expert_dp_peers, 4, timeout=20)
-    for rank, out in enumerate(results):
-        assert out["same"][0] is None and not out["same"][2], (rank, out["same"])
-        kind, msg, unchanged, _ = out["edp"]
-        assert kind == "ValueError", (rank, msg)
-        for word in ("'lr' of param group 1", "data-parallel group [0, 1, 2, 3]",
-                     "rank 0: 0.25", "rank 1: 0.25", "rank 2: 0.125", "rank 3: 0.125"):
-            assert word in msg, (rank, word, msg)
-        assert unchanged, f"rank {rank}: the refusal changed a param"
-        # the expert-DP peers' own comparison found both of their groups too (EP peers agree)
-        assert out["found"] == [("data-parallel", [0, 1, 2, 3]),
-                                ("expert-data-parallel", [0, 2]),
-                                ("expert-data-parallel", [1, 3])], (rank, out["found"])
-    assert all(out["edp"][1] == results[0]["edp"][1] for out in results)
+    # the expert-DP peers' own comparison found both of their groups too (EP peers agree)
+    _assert_refused_on_every_rank(
+        run_workers(_expert_dp_peers, 4, timeout=20), "edp",
+        ("'lr' of param group 1", "data-parallel group [0, 1, 2, 3]", "rank 0: 0.25",
+         "rank 1: 0.25", "rank 2: 0.125", "rank 3: 0.125"),
+        [("data-parallel", [0, 1, 2, 3]), ("expert-data-parallel", [0, 2]),
+         ("expert-data-parallel", [1, 3])])
